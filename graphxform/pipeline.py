@@ -1,0 +1,95 @@
+"""Pass, PassResult and Pipeline: run passes in order, verify after each, time and dump them."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import ClassVar
+
+from graphxform.errors import GraphxformError, PassError
+from graphxform.ir import GraphIR
+
+
+@dataclasses.dataclass
+class PassResult:
+    modified: bool
+    summary: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class PassContext:
+    """What passes share: the analysis of the input graph and what earlier passes recorded."""
+    training: object = None  # graphxform.training.TrainingGraph of the input graph
+    replicas: int = 1
+    devices: list = dataclasses.field(default_factory=list)
+    state: dict = dataclasses.field(default_factory=dict)  # pass name -> what it left for later
+
+
+class Pass:
+    """A graph pass. Subclasses are dataclasses whose fields are their options."""
+    name: ClassVar[str] = ""
+
+    def run(self, ir: GraphIR, ctx: PassContext) -> PassResult:
+        raise NotImplementedError
+
+    def __str__(self) -> str:
+        options = ",".join(f"{f.name}={getattr(self, f.name)}"
+                           for f in dataclasses.fields(self)) if dataclasses.is_dataclass(self) else ""
+        return f"{self.name}{{{options}}}" if options else self.name
+
+
+@dataclasses.dataclass
+class PassTiming:
+    name: str
+    seconds: float
+    modified: bool
+    summary: dict
+
+
+class Pipeline:
+    """Runs passes in order. Verifies the IR after each (``verify=False`` skips it), records
+    per-pass time, and with ``dump_dir`` writes ``NN_<pass>.pbtxt`` and ``.dot`` after each."""
+
+    def __init__(self, passes, verify: bool = True, dump_dir: str | None = None):
+        self.passes = list(passes)
+        self.verify = verify
+        self.dump_dir = dump_dir
+        self.timings: list[PassTiming] = []
+
+    def run(self, ir: GraphIR, ctx: PassContext | None = None) -> GraphIR:
+        from graphxform import verify as verify_mod
+        ctx = ctx or PassContext()
+        self.timings = []
+        if self.dump_dir:
+            os.makedirs(self.dump_dir, exist_ok=True)
+            self._dump(ir, 0, "input")
+        for index, p in enumerate(self.passes, start=1):
+            start = time.perf_counter()
+            try:
+                result = p.run(ir, ctx)
+                if self.verify:
+                    verify_mod.check_structure(ir)
+            except GraphxformError as e:
+                raise PassError(self._where(index) + str(e)) from e
+            except Exception as e:  # a bug in a pass: still name it
+                raise PassError(self._where(index) + f"{type(e).__name__}: {e}") from e
+            self.timings.append(PassTiming(p.name, time.perf_counter() - start,
+                                           result.modified, result.summary))
+            if self.dump_dir:
+                self._dump(ir, index, p.name)
+        return ir
+
+    def _where(self, index: int) -> str:
+        before = [p.name for p in self.passes[: index - 1]]
+        after = f" (after {', '.join(before)})" if before else ""
+        return f"pass {self.passes[index - 1].name}{after}: "
+
+    def _dump(self, ir: GraphIR, index: int, name: str) -> None:
+        from graphxform import metagraph, viz
+        stem = os.path.join(self.dump_dir, f"{index:02d}_{name}")
+        metagraph.write_atomic(stem + ".pbtxt", metagraph.serialize(ir, stem + ".pbtxt"))
+        metagraph.write_atomic(stem + ".dot", viz.to_dot(ir))
+
+    def __str__(self) -> str:
+        return ",".join(str(p) for p in self.passes)
