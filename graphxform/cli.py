@@ -63,6 +63,148 @@ def viz(model, output, depth, scope, color_by, debug):
     click.echo(note or f"wrote {output}", err=bool(note))
 
 
+def _devices(replicas, devices):
+    from graphxform import cluster
+    names = [d for d in (devices or "").split(",") if d.strip()] or None
+    return cluster.local_devices(replicas, names)
+
+
+def default_output(model: str, strategy: str) -> str:
+    stem = model[: -len(".meta")] if model.endswith(".meta") else model
+    return f"{stem}.{strategy}.meta"
+
+
+def _transform(model, strategy, replicas, devices, train_op, bucket_bytes, sparse_as_dense,
+               no_verify=False, dump_dir=None):
+    from graphxform import metagraph, strategies, verify as verify_mod
+    device_list = _devices(replicas, devices)
+    ir = metagraph.load(model)
+    original = metagraph.load(model)
+    pipeline = strategies.transform(ir, strategy, devices=device_list, train_op=train_op,
+                                    bucket_bytes=bucket_bytes, sparse_as_dense=sparse_as_dense,
+                                    verify=not no_verify, dump_dir=dump_dir)
+    verify_mod.check_imports(ir)
+    return original, ir, pipeline
+
+
+strategy_options = [
+    click.option("--strategy", default="allreduce", show_default=True,
+                 type=click.Choice(["allreduce"]), help="How to distribute the training step."),
+    click.option("--replicas", type=int, help="Number of replicas (local CPU devices)."),
+    click.option("--devices", help="Comma-separated TF device names, one per replica "
+                 "(e.g. /device:GPU:0,/device:GPU:1)."),
+    click.option("--train-op", help="Train op name when the graph has no 'train_op' collection."),
+    click.option("--bucket-bytes", default=32 * 1024 * 1024, show_default=True,
+                 type=click.IntRange(min=1), help="Largest fused all-reduce bucket."),
+    click.option("--sparse-as-dense", is_flag=True,
+                 help="All-reduce sparse gradients as dense tensors instead of gathering them."),
+]
+
+
+def with_options(options):
+    def decorate(f):
+        for option in reversed(options):
+            f = option(f)
+        return f
+    return decorate
+
+
+@cli.command()
+@click.argument("model", type=click.Path(dir_okay=False))
+@with_options(strategy_options)
+@click.option("-o", "--output", help="Where to write (default: MODEL with .<strategy>.meta).")
+@click.option("--no-verify", is_flag=True, help="Skip the structural check after each pass.")
+@click.option("--dump-dir", type=click.Path(file_okay=False),
+              help="Write NN_<pass>.pbtxt and .dot after every pass.")
+@debug_option
+def apply(model, strategy, replicas, devices, train_op, bucket_bytes, sparse_as_dense, output,
+          no_verify, dump_dir, debug):
+    """Transform MODEL with a strategy and write the distributed graph."""
+    from graphxform import metagraph
+    output = output or default_output(model, strategy)
+    metagraph.check_output_path(output, model)
+    _, ir, pipeline = _transform(model, strategy, replicas, devices, train_op, bucket_bytes,
+                                 sparse_as_dense, no_verify, dump_dir)
+    metagraph.save(ir, output)
+    summary = {}
+    for t in pipeline.timings:
+        summary.update(t.summary)
+    click.echo(f"wrote {output}: {strategy}, {summary.get('replicas')} replicas, "
+               f"{len(ir)} nodes")
+    click.echo(f"  collectives per replica per step: {summary.get('collectives_per_replica', 0)} "
+               f"({summary.get('buckets', 0)} dense buckets, {summary.get('sparse_gathers', 0)} "
+               f"sparse gathers x2)")
+    click.echo(f"  dense bytes all-reduced per replica per step: "
+               f"{summary.get('dense_bytes_reduced', 0)}")
+    for t in pipeline.timings:
+        click.echo(f"  {t.name:18} {t.seconds * 1000:8.1f} ms" + ("" if t.modified else
+                                                                  "  (nothing to do)"))
+
+
+@cli.command()
+@click.argument("model", type=click.Path(dir_okay=False))
+@click.option("--steps", default=10, show_default=True, type=click.IntRange(min=1))
+@click.option("--feeds", type=click.Path(dir_okay=False),
+              help=".npz of input arrays keyed by placeholder name (default: synthetic data).")
+@click.option("--batch-size", type=int, help="Global batch per step.")
+@click.option("--restore", help="Checkpoint prefix to start from (default: initialise).")
+@click.option("--save", "save_to", help="Checkpoint prefix to write after the last step.")
+@click.option("--fetch", "fetches", multiple=True, help="Tensor to print each step (repeatable).")
+@click.option("--train-op", help="Train op name when the graph has no 'train_op' collection.")
+@debug_option
+def run(model, steps, feeds, batch_size, restore, save_to, fetches, train_op, debug):
+    """Train MODEL (original or transformed) for some steps, printing the loss."""
+    from graphxform import metagraph
+    from graphxform.runtime import Feeds, Runner
+    ir = metagraph.load(model)
+    with Runner(ir, train_op=train_op, fetches=fetches) as runner:
+        source = Feeds(runner.analysis.inputs, feeds, batch_size)
+        if restore:
+            runner.restore(restore)
+        else:
+            runner.initialize()
+        with click.progressbar(range(steps), label="training", file=sys.stderr,
+                               show_pos=True) as bar:
+            for k in bar:
+                result = runner.step(source.batch(k))
+                parts = [f"step {k + 1}"]
+                if result.loss is not None:
+                    parts.append(f"loss {result.loss:.6f}")
+                parts += [f"{name} {_short(value)}" for name, value in result.fetches.items()]
+                click.echo("  ".join(parts))
+        if save_to:
+            click.echo(f"saved {runner.save(save_to)}")
+
+
+def _short(value) -> str:
+    import numpy as np
+    array = np.asarray(value)
+    return f"{array.item():.6g}" if array.size == 1 else f"{array.dtype}{list(array.shape)}"
+
+
+@cli.command(name="verify")
+@click.argument("model", type=click.Path(dir_okay=False))
+@with_options(strategy_options)
+@click.option("--steps", default=5, show_default=True, type=click.IntRange(min=1))
+@click.option("--feeds", type=click.Path(dir_okay=False), help=".npz of input arrays.")
+@click.option("--batch-size", type=int, help="Global batch per step.")
+@click.option("--fetch", "fetches", multiple=True, help="Also compare this tensor (repeatable).")
+@click.option("--rtol", default=1e-5, show_default=True, type=float,
+              help="Largest relative difference that passes.")
+@debug_option
+def verify_command(model, strategy, replicas, devices, train_op, bucket_bytes, sparse_as_dense,
+                   steps, feeds, batch_size, fetches, rtol, debug):
+    """Transform MODEL, then train both from the same checkpoint and compare."""
+    from graphxform import equivalence
+    original, ir, _ = _transform(model, strategy, replicas, devices, train_op, bucket_bytes,
+                                 sparse_as_dense)
+    report = equivalence.compare(original, ir, feeds, steps=steps, batch_size=batch_size,
+                                 fetches=fetches, rtol=rtol, train_op=train_op)
+    click.echo(equivalence.format_report(report))
+    if not report.ok:
+        sys.exit(EXIT_ERROR)
+
+
 def _import_tensorflow_quietly(debug: bool) -> None:
     """TF's native libraries print start-up chatter straight to fd 2; keep it off the terminal
     so an error stays one line (``--debug`` shows everything)."""

@@ -154,6 +154,33 @@ class GraphIR:
         self.g.remove_node(name)
         del self._protos[name]
 
+    def remove_nodes(self, names: Iterable[str], safe: bool = True) -> None:
+        """Remove a set of nodes at once; with ``safe`` refuse while a node outside the set
+        still consumes one of them."""
+        names = set(names)
+        if safe:
+            for name in names:
+                outside = [dst for dst in self.g._succ[name] if dst not in names]
+                if outside:
+                    raise GraphxformError(f"cannot remove '{name}': still used by {outside[0]}")
+        self.g.remove_nodes_from(names)
+        for name in names:
+            del self._protos[name]
+
+    def remove_dead(self, roots: Iterable[str], keep: Callable[[str], bool]) -> int:
+        """Remove ``roots`` and then their inputs, as long as nothing consumes them and
+        ``keep(name)`` is False. Returns how many nodes went."""
+        stack, removed = list(roots), 0
+        while stack:
+            name = stack.pop()
+            if name not in self.g or self.g._succ[name] or keep(name):
+                continue
+            inputs = list(self.g._pred[name])
+            self.remove_node(name)
+            removed += 1
+            stack.extend(inputs)
+        return removed
+
     def set_input(self, dst: str, dst_port: int, tensor: str) -> None:
         """Point input ``dst_port`` of ``dst`` at ``tensor``."""
         src, _ = self.input(dst, dst_port)

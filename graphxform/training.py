@@ -110,11 +110,13 @@ class TrainingGraph:
     inputs: list
     train_op: str | None
     loss: str | None
+    losses: list  # every loss tensor the graph names (collection 'losses'), the main one first
     global_step: str | None
     optimizer: Optimizer | None
     saver_scope: str | None
     train_closure: set
     extra_updates: list  # update ops in the train step that are not the optimizer's
+    noop_sinks: list  # NoOps nothing waits on: the train op, `init`, groups a user may run
 
     def require_train_op(self, what: str = "this pass") -> str:
         if self.train_op is None:
@@ -158,9 +160,13 @@ def analyze(ir: GraphIR, train_op: str | None = None) -> TrainingGraph:
     if var_defs is None:  # bare GraphDef: trainable means updated by the optimizer
         for var in variables.values():
             var.trainable = var.gradient is not None
+    losses = _losses(ir)
+    sinks = [n for n in ir.nodes() if ir.op(n) == "NoOp" and not any(ir.successors(n))
+             and not (saver_scope and n.startswith(saver_scope))]
     return TrainingGraph(variables=variables, inputs=_inputs(ir, saver_scope), train_op=train_op,
-                         loss=_loss(ir), global_step=global_step, optimizer=optimizer,
-                         saver_scope=saver_scope, train_closure=closure, extra_updates=extra)
+                         loss=losses[0] if losses else None, losses=losses,
+                         global_step=global_step, optimizer=optimizer, saver_scope=saver_scope,
+                         train_closure=closure, extra_updates=extra, noop_sinks=sinks)
 
 
 def _saver_scope(ir: GraphIR) -> str | None:
@@ -346,15 +352,15 @@ def _inputs(ir, saver_scope) -> list[Input]:
     return found
 
 
-def _loss(ir) -> str | None:
+def _losses(ir) -> list[str]:
     if "losses" in ir.meta.collection_def:
         col = ir.meta.collection_def["losses"]
         names = list(col.node_list.value) or [b.decode() for b in col.bytes_list.value]
         if names:
-            return names[0] if ":" in names[0] else tensor_name(names[0])
+            return [tensor_name(*parse_tensor(n)) for n in names]
     if "gradients/Shape" in ir:
-        return tensor_name(*ir.input("gradients/Shape", 0))
-    return "loss:0" if "loss" in ir else None
+        return [tensor_name(*ir.input("gradients/Shape", 0))]
+    return ["loss:0"] if "loss" in ir else []
 
 
 def random_ops_in_step(ir: GraphIR, tg: TrainingGraph) -> list[str]:

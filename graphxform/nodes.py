@@ -1,0 +1,90 @@
+"""Build the NodeDefs passes add: attrs are given as Python values and typed from the op's
+OpDef, missing attrs get the OpDef's defaults, so emitted nodes look like TF's own."""
+
+from __future__ import annotations
+
+import numpy as np
+from tensorflow.core.framework import attr_value_pb2, tensor_shape_pb2
+
+from graphxform import opdefs
+from graphxform.errors import GraphxformError
+from graphxform.ir import GraphIR
+
+
+def replica_prefix(index: int) -> str:
+    return f"replica_{index}/"
+
+
+def _shape_proto(shape) -> tensor_shape_pb2.TensorShapeProto:
+    if shape is None:
+        return tensor_shape_pb2.TensorShapeProto(unknown_rank=True)
+    return tensor_shape_pb2.TensorShapeProto(
+        dim=[tensor_shape_pb2.TensorShapeProto.Dim(size=-1 if d is None else int(d))
+             for d in shape])
+
+
+def attr_value(kind: str, value) -> attr_value_pb2.AttrValue:
+    """An AttrValue of the OpDef attr type ``kind`` ('type', 'int', 'list(type)', ...)."""
+    av = attr_value_pb2.AttrValue()
+    if kind == "type":
+        av.type = int(value)
+    elif kind == "int":
+        av.i = int(value)
+    elif kind == "float":
+        av.f = float(value)
+    elif kind == "bool":
+        av.b = bool(value)
+    elif kind == "string":
+        av.s = value.encode() if isinstance(value, str) else value
+    elif kind == "shape":
+        av.shape.CopyFrom(_shape_proto(value))
+    elif kind == "tensor":
+        av.tensor.CopyFrom(value)
+    elif kind == "list(type)":
+        av.list.type.extend(int(v) for v in value)
+    elif kind == "list(string)":
+        av.list.s.extend(v.encode() if isinstance(v, str) else v for v in value)
+    elif kind == "list(int)":
+        av.list.i.extend(int(v) for v in value)
+    elif kind == "list(shape)":
+        av.list.shape.extend(_shape_proto(v) for v in value)
+    else:
+        raise GraphxformError(f"cannot build attr of kind {kind}")
+    return av
+
+
+class Builder:
+    """Adds nodes to ``ir`` on behalf of one pass (recorded as their ``created_by``)."""
+
+    def __init__(self, ir: GraphIR, created_by: str):
+        self.ir = ir
+        self.created_by = created_by
+
+    def op(self, name: str, op_type: str, inputs=(), *, device: str = "", **attrs) -> str:
+        op_def = opdefs.registered(op_type)
+        if op_def is None:
+            raise GraphxformError(f"unknown op type {op_type}")
+        kinds = {a.name: a.type for a in op_def.attr}
+        built = {}
+        for key, value in attrs.items():
+            if key not in kinds:
+                raise GraphxformError(f"op {op_type} has no attr '{key}'")
+            built[key] = attr_value(kinds[key], value)
+        for a in op_def.attr:
+            if a.name not in built:
+                if not a.HasField("default_value"):
+                    raise GraphxformError(f"node '{name}': op {op_type} needs attr '{a.name}'")
+                built[a.name] = a.default_value
+        return self.ir.add_node(name, op_type, inputs, device=device, attr=built,
+                                created_by=self.created_by)
+
+    def const(self, name: str, value, dtype=None, *, device: str = "") -> str:
+        from tensorflow.python.framework import tensor_util
+        array = np.asarray(value, dtype=dtype)
+        proto = tensor_util.make_tensor_proto(array)
+        return self.op(name, "Const", device=device, dtype=proto.dtype, value=proto)
+
+
+def numpy_dtype(enum_value: int):
+    from tensorflow.python.framework import dtypes
+    return dtypes.as_dtype(enum_value).as_numpy_dtype

@@ -1,0 +1,184 @@
+"""all-reduce: average each gradient across replicas with TF collective ops.
+
+Dense gradients are flattened and fused into buckets of at most `bucket_bytes` (one
+CollectiveReduceV2 per bucket per replica, then split back), so a model needs few collectives;
+buckets run in a fixed order on every replica (each waits on the previous one) so launches
+never interleave differently across devices. Sparse gradients (IndexedSlices) are gathered
+with CollectiveGatherV2 and scaled by 1/N, never densified, unless `sparse_as_dense`.
+
+The reduced tensors are recorded for `rewire-consumers`, which points the optimizer at them."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from graphxform import opdefs
+from graphxform.ir import parse_tensor
+from graphxform.nodes import Builder, numpy_dtype, replica_prefix
+from graphxform.pipeline import Pass, PassResult
+
+SCOPE = "allreduce/"
+DEFAULT_BUCKET_BYTES = 32 * 1024 * 1024
+GROUP_KEY = 1
+INT32 = 3  # DataType enum DT_INT32
+
+
+@dataclasses.dataclass
+class DenseGrad:
+    var: str
+    tensor: str  # original name of the gradient tensor
+    shape: tuple
+    dtype: int
+    nbytes: int
+    sparse: object = None  # the training.Gradient when a sparse gradient is densified
+
+
+@dataclasses.dataclass
+class AllReduce(Pass):
+    name = "all-reduce"
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    sparse_as_dense: bool = False
+
+    def run(self, ir, ctx):
+        tg = ctx.training
+        build = Builder(ir, self.name)
+        self.devices = ctx.devices
+        self.n = len(ctx.devices)
+        self.build = build
+        self.next_instance = 1
+        self.rewires = []  # (replica, tensor in replica, reduced tensor, consumer scope)
+        self._keys = [self._group_consts(i) for i in range(self.n)]
+        dense, sparse = [], []
+        for var in tg.trainable:
+            grad = var.gradient
+            if grad.kind == "dense" or self.sparse_as_dense:
+                nbytes = var.nbytes or 1
+                dense.append(DenseGrad(var.name, grad.tensor if grad.kind == "dense" else None,
+                                       var.shape, var.dtype, nbytes,
+                                       None if grad.kind == "dense" else grad))
+            else:
+                sparse.append((var, grad))
+        buckets = self._buckets(reversed(dense))  # last layers' gradients are ready first
+        previous = [None] * self.n
+        for b, bucket in enumerate(buckets):
+            previous = self._reduce_bucket(ir, b, bucket, previous)
+        for j, (var, grad) in enumerate(sparse):
+            self._gather(ir, j, var, grad)
+        ctx.state[self.name] = {"rewires": self.rewires,
+                               "scope": tg.optimizer.scope if tg.optimizer else ""}
+        collectives = len(buckets) + 2 * len(sparse)
+        reduced = sum(g.nbytes for g in dense)
+        return PassResult(modified=bool(dense or sparse), summary={
+            "buckets": len(buckets), "sparse_gathers": len(sparse),
+            "collectives_per_replica": collectives, "dense_bytes_reduced": reduced})
+
+    def _group_consts(self, i):
+        scope = f"{SCOPE}{replica_prefix(i)}"
+        device = self.devices[i]
+        size = self.build.const(scope + "group_size", self.n, np.int32, device=device)
+        key = self.build.const(scope + "group_key", GROUP_KEY, np.int32, device=device)
+        return size, key
+
+    def _instance_key(self, scope, i):
+        return self.build.const(scope + "instance_key", self.next_instance, np.int32,
+                                device=self.devices[i])
+
+    def _buckets(self, grads):
+        buckets, current, size = [], [], 0
+        for g in grads:
+            if current and (size + g.nbytes > self.bucket_bytes or g.dtype != current[0].dtype):
+                buckets.append(current)
+                current, size = [], 0
+            current.append(g)
+            size += g.nbytes
+        if current:
+            buckets.append(current)
+        return buckets
+
+    def _replica_grad(self, ir, i, g: DenseGrad, scope):
+        """The gradient of ``g`` in replica i as a dense tensor (densifying IndexedSlices)."""
+        prefix = replica_prefix(i)
+        if g.sparse is None:
+            return prefix + g.tensor
+        rows = self.build.const(scope + f"rows_{g.var.replace('/', '_')}", g.shape[0], np.int32,
+                                device=self.devices[i])
+        values, indices = prefix + g.sparse.values, prefix + g.sparse.indices
+        return self.build.op(scope + f"densify_{g.var.replace('/', '_')}", "UnsortedSegmentSum",
+                             [values, indices, rows], device=self.devices[i], T=g.dtype,
+                             Tindices=opdefs.output_dtype(ir, *parse_tensor(indices)))
+
+    def _reduce_bucket(self, ir, b, bucket, previous):
+        build, out = self.build, []
+        for i in range(self.n):
+            device = self.devices[i]
+            scope = f"{SCOPE}bucket_{b}/{replica_prefix(i)}"
+            flat_shape = build.const(scope + "flat_shape", [-1], np.int32, device=device)
+            flats = [build.op(scope + f"flat_{k}", "Reshape",
+                              [self._replica_grad(ir, i, g, scope), flat_shape], device=device,
+                              T=g.dtype) for k, g in enumerate(bucket)]
+            dtype = bucket[0].dtype
+            if len(flats) > 1:
+                axis = build.const(scope + "axis", 0, np.int32, device=device)
+                joined = build.op(scope + "concat", "ConcatV2", flats + [axis], device=device,
+                                  N=len(flats), T=dtype)
+            else:
+                joined = flats[0]
+            size, key = self._keys[i]
+            reduce_inputs = [joined, size, key, self._instance_key(scope, i)]
+            if previous[i]:
+                reduce_inputs.append("^" + previous[i])
+            reduced = build.op(scope + "reduce", "CollectiveReduceV2", reduce_inputs,
+                               device=device, T=dtype, merge_op="Add", final_op="Div")
+            out.append(reduced)
+            if len(bucket) > 1:
+                sizes = build.const(scope + "sizes", [int(np.prod(g.shape)) for g in bucket],
+                                    np.int32, device=device)
+                axis0 = build.const(scope + "split_axis", 0, np.int32, device=device)
+                parts = build.op(scope + "split", "SplitV", [reduced, sizes, axis0],
+                                 device=device, num_split=len(bucket), T=dtype, Tlen=INT32)
+                pieces = [f"{parts}:{k}" for k in range(len(bucket))]
+            else:
+                pieces = [reduced]
+            for k, g in enumerate(bucket):
+                shape = build.const(scope + f"shape_{k}", list(g.shape), np.int32, device=device)
+                grad = build.op(scope + f"grad_{k}", "Reshape", [pieces[k], shape],
+                                device=device, T=g.dtype)
+                self._record(i, g, f"{grad}:0", scope)
+        self.next_instance += 1
+        return out
+
+    def _record(self, i, g: DenseGrad, reduced, scope):
+        prefix = replica_prefix(i)
+        if g.sparse is None:
+            self.rewires.append((i, prefix + g.tensor, reduced))
+            return
+        rows = np.arange(g.shape[0])
+        indices_dtype = opdefs.output_dtype(self.build.ir, *parse_tensor(prefix + g.sparse.indices))
+        all_rows = self.build.const(scope + f"rows_index_{g.var.replace('/', '_')}", rows,
+                                    numpy_dtype(indices_dtype), device=self.devices[i])
+        self.rewires.append((i, prefix + g.sparse.values, reduced))
+        self.rewires.append((i, prefix + g.sparse.indices, f"{all_rows}:0"))
+
+    def _gather(self, ir, j, var, grad):
+        build = self.build
+        values_key, indices_key = self.next_instance, self.next_instance + 1
+        self.next_instance += 2
+        for i in range(self.n):
+            device, prefix = self.devices[i], replica_prefix(i)
+            scope = f"{SCOPE}sparse_{j}/{prefix}"
+            size, key = self._keys[i]
+            gathered = {}
+            for part, instance in (("values", values_key), ("indices", indices_key)):
+                tensor = prefix + getattr(grad, part)
+                dtype = opdefs.output_dtype(ir, *parse_tensor(tensor))
+                ikey = build.const(scope + f"{part}_instance_key", instance, np.int32,
+                                   device=device)
+                gathered[part] = build.op(scope + part, "CollectiveGatherV2",
+                                          [tensor, size, key, ikey], device=device, T=dtype)
+            scale = build.const(scope + "replicas", self.n, numpy_dtype(var.dtype), device=device)
+            mean = build.op(scope + "mean", "RealDiv", [gathered["values"], scale],
+                            device=device, T=var.dtype)
+            self.rewires.append((i, prefix + grad.values, f"{mean}:0"))
+            self.rewires.append((i, prefix + grad.indices, f"{gathered['indices']}:0"))

@@ -1,0 +1,72 @@
+"""drop-in-saver: a Saver keyed by the original variable names and full shapes.
+
+Saving writes replica 0's values (replicas are identical after every step); restoring assigns
+every replica's copy, so a checkpoint of the single-device graph restores into the transformed
+graph and the reverse. The MetaGraph's saver_def points at it, so `import_meta_graph` users and
+`tf.compat.v1.train.Saver` see a normal saver."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from graphxform.nodes import Builder, replica_prefix
+from graphxform.pipeline import Pass, PassResult
+
+SCOPE = "save/"
+
+
+@dataclasses.dataclass
+class DropInSaver(Pass):
+    name = "drop-in-saver"
+
+    def run(self, ir, ctx):
+        from tensorflow.core.framework import types_pb2
+        from tensorflow.core.protobuf import saver_pb2
+        tg = ctx.training
+        shared = ctx.state["replicate"]["shared"]
+        build = Builder(ir, self.name)
+        variables = sorted(tg.variables.values(), key=lambda v: v.name)
+        scope = SCOPE if not any(n.startswith(SCOPE) for n in ir.nodes()) else ir.unique_name(
+            "save") + "/"
+        default = build.const(scope + "filename/input", "model", np.object_)
+        filename = build.op(scope + "filename", "PlaceholderWithDefault", [default],
+                            dtype=types_pb2.DT_STRING, shape=[])
+        names = build.const(scope + "SaveV2/tensor_names", [v.name for v in variables], np.object_)
+        slices = build.const(scope + "SaveV2/shape_and_slices", [""] * len(variables), np.object_)
+        values = []
+        for k, var in enumerate(variables):
+            source = var.name if var.name in shared else replica_prefix(0) + var.name
+            if var.kind == "resource":
+                values.append(build.op(f"{scope}read_{k}", "ReadVariableOp", [source],
+                                       device=ir.node(source)["device"], dtype=var.dtype))
+            else:
+                values.append(source)
+        dtypes = [v.dtype for v in variables]
+        save = build.op(scope + "SaveV2", "SaveV2", [filename, names, slices] + values,
+                        dtypes=dtypes)
+        done = build.op(scope + "control_dependency", "Identity", [filename, "^" + save], T=types_pb2.DT_STRING)
+        restore = build.op(scope + "RestoreV2", "RestoreV2", [filename, names, slices],
+                           dtypes=dtypes)
+        assigns = []
+        for k, var in enumerate(variables):
+            targets = [var.name] if var.name in shared else [
+                replica_prefix(i) + var.name for i in range(len(ctx.devices))]
+            for i, target in enumerate(targets):
+                device = ir.node(target)["device"]
+                if var.kind == "resource":
+                    assigns.append(build.op(f"{scope}assign_{k}_{i}", "AssignVariableOp",
+                                            [target, f"{restore}:{k}"], device=device,
+                                            dtype=var.dtype))
+                else:
+                    assigns.append(build.op(f"{scope}assign_{k}_{i}", "Assign",
+                                            [target, f"{restore}:{k}"], device=device,
+                                            T=var.dtype))
+        restore_all = build.op(scope + "restore_all", "NoOp", ["^" + a for a in assigns])
+        saver_def = ir.meta.saver_def
+        saver_def.CopyFrom(saver_pb2.SaverDef(
+            filename_tensor_name=f"{filename}:0", save_tensor_name=f"{done}:0",
+            restore_op_name=restore_all, max_to_keep=5, keep_checkpoint_every_n_hours=10000.0,
+            version=saver_pb2.SaverDef.V2))
+        return PassResult(modified=True, summary={"variables": len(variables)})

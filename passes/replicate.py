@@ -1,0 +1,158 @@
+"""replicate: copy the training step once per replica as `replica_{i}/...` on its device.
+
+Each replica gets its own copy of every variable and slot. Shared by all replicas, under their
+original names: the input placeholders (split-inputs slices them) and global_step with the ops
+that only serve it (its initializer, reads and the once-per-step increment). A shared op that
+waited on a replicated op now waits on every replica's copy."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from graphxform.errors import GraphxformError
+from graphxform.nodes import replica_prefix
+from graphxform.pipeline import Pass, PassResult
+from graphxform.training import PLACEHOLDER_OPS
+
+VARIABLE_DEF_COLLECTIONS = ("variables", "trainable_variables", "local_variables",
+                            "model_variables", "moving_average_variables", "global_step")
+CONTEXT_COLLECTIONS = ("while_context", "cond_context")
+
+
+def shared_nodes(ir, tg) -> set:
+    """Nodes that stay single: placeholders, global_step and what only serves it."""
+    shared = {n for n in ir.nodes() if ir.op(n) in PLACEHOLDER_OPS}
+    if tg.global_step:
+        shared.add(tg.global_step)
+        shared.update(dst for dst, _ in ir.consumers(tg.global_step))
+        stack = [src for n in list(shared) for src, _ in ir.inputs(n)]
+        while stack:  # stateless inputs used only by shared nodes (initial value, increment)
+            node = stack.pop()
+            if node in shared or not ir.op(node) in ("Const", "Fill", "Identity", "Cast"):
+                continue
+            if all(dst in shared for dst in ir.successors(node)):
+                shared.add(node)
+                stack.extend(src for src, _ in ir.inputs(node))
+    return shared
+
+
+@dataclasses.dataclass
+class Replicate(Pass):
+    name = "replicate"
+
+    def run(self, ir, ctx):
+        tg = ctx.training
+        tg.require_train_op(self.name)
+        if any(n.startswith("replica_0/") for n in ir.nodes()):
+            raise GraphxformError("the graph is already transformed (it has nodes under "
+                                  "replica_0/); start from the single-device graph")
+        shared = shared_nodes(ir, tg)
+        copied = [n for n in ir.nodes() if n not in shared]
+        replicas = []
+        for i, device in enumerate(ctx.devices):
+            prefix = replica_prefix(i)
+            mapping = ir.copy_nodes(copied, prefix, device=device, created_by=self.name)
+            _rename_frames(ir, mapping.values(), prefix)
+            replicas.append(mapping)
+        for name in shared:  # shared ops that waited on a replicated op wait on all copies
+            for src in list(ir.control_inputs(name)):
+                if src not in shared:
+                    ir.remove_control_input(name, src)
+                    for mapping in replicas:
+                        ir.add_control_input(name, mapping[src])
+            for src, _ in ir.inputs(name):
+                if src not in shared:
+                    raise GraphxformError(f"'{name}' runs once per step but reads '{src}', which "
+                                          "every replica computes")
+        ir.remove_nodes(copied)
+        _update_collections(ir, shared, len(ctx.devices))
+        ctx.state[self.name] = {"shared": shared}
+        return PassResult(modified=True, summary={"replicas": len(ctx.devices),
+                                                  "nodes_per_replica": len(copied)})
+
+
+def _rename_frames(ir, names, prefix) -> None:
+    """Legacy while loops: each replica's loop needs its own frame name."""
+    for name in names:
+        if ir.op(name) in ("Enter", "RefEnter"):
+            frame = ir.node(name)["attr"]["frame_name"]
+            frame.s = (prefix + frame.s.decode()).encode()
+
+
+def replica_names(value: str, shared: set, replicas: int) -> list[str]:
+    """A node or tensor name (maybe '^name') as it is called in each replica."""
+    bare = value.lstrip("^")
+    node = bare.split(":", 1)[0]
+    if node in shared:
+        return [value]
+    caret = "^" if value.startswith("^") else ""
+    return [caret + replica_prefix(i) + bare for i in range(replicas)]
+
+
+def _update_collections(ir, shared, replicas) -> None:
+    from tensorflow.core.framework import variable_pb2
+    for key, col in ir.meta.collection_def.items():
+        if key in VARIABLE_DEF_COLLECTIONS:
+            out = []
+            for raw in col.bytes_list.value:
+                vd = variable_pb2.VariableDef.FromString(raw)
+                if vd.variable_name.split(":")[0] in shared:
+                    out.append(raw)
+                    continue
+                for i in range(replicas):
+                    copy = variable_pb2.VariableDef()
+                    copy.CopyFrom(vd)
+                    _prefix_strings(copy, lambda s, i=i: replica_prefix(i) + s if s else s)
+                    out.append(copy.SerializeToString())
+            del col.bytes_list.value[:]
+            col.bytes_list.value.extend(out)
+        elif key in CONTEXT_COLLECTIONS:
+            _copy_contexts(col, key, shared, replicas)
+        elif col.HasField("node_list"):
+            names = [r for v in col.node_list.value for r in replica_names(v, shared, replicas)]
+            del col.node_list.value[:]
+            col.node_list.value.extend(names)
+
+
+def _copy_contexts(col, key, shared, replicas) -> None:
+    from tensorflow.core.protobuf import control_flow_pb2
+    cls = (control_flow_pb2.WhileContextDef if key == "while_context"
+           else control_flow_pb2.CondContextDef)
+    out = []
+    for raw in col.bytes_list.value:
+        for i in range(replicas):
+            ctx_def = cls.FromString(raw)
+            prefix = replica_prefix(i)
+            _prefix_strings(ctx_def, lambda s: s if not s or s.lstrip("^").split(":")[0] in shared
+                            else prefix + s)
+            out.append(ctx_def.SerializeToString())
+    del col.bytes_list.value[:]
+    col.bytes_list.value.extend(out)
+
+
+def _prefix_strings(message, rename) -> None:
+    """Apply ``rename`` to every string field (names of nodes, tensors, contexts) recursively."""
+    for field, value in message.ListFields():
+        if field.type == field.TYPE_STRING:
+            if _repeated(field):
+                renamed = [rename(v) for v in value]
+                del value[:]
+                value.extend(renamed)
+            else:
+                setattr(message, field.name, rename(value))
+        elif field.type == field.TYPE_MESSAGE:
+            if field.message_type.GetOptions().map_entry:
+                items = {rename(k): rename(v) for k, v in value.items()}
+                value.clear()
+                value.update(items)
+            elif _repeated(field):
+                for item in value:
+                    _prefix_strings(item, rename)
+            else:
+                _prefix_strings(value, rename)
+
+
+def _repeated(field) -> bool:
+    if hasattr(field, "is_repeated"):  # protobuf >= 5.28; `label` is gone in 7
+        return field.is_repeated
+    return field.label == field.LABEL_REPEATED
