@@ -1,0 +1,227 @@
+"""Strategy allreduce end to end: equivalence with the single-device graph, the drop-in
+contract, bucketing, and bad input."""
+
+import os
+
+import numpy as np
+import pytest
+from conftest import fixture_path
+
+from graphxform import equivalence, metagraph, strategies
+from graphxform.errors import GraphxformError
+
+MATCHABLE = ["mlp_sgd", "cnn_momentum", "embedding_adam", "legacy_ref", "rnn_while",
+             "rnn_while_legacy", "mlp_saver"]
+
+
+def transformed(name, replicas, **options):
+    ir = metagraph.load(fixture_path(name))
+    strategies.transform(ir, "allreduce", devices=[f"/device:CPU:{i}" for i in range(replicas)],
+                         **options)
+    return ir
+
+
+@pytest.mark.parametrize("replicas", [2, 4])
+@pytest.mark.parametrize("name", MATCHABLE)
+def test_trains_like_the_single_device_graph(name, replicas):
+    report = equivalence.compare(metagraph.load(fixture_path(name)), transformed(name, replicas),
+                                 fixture_path(name, ".npz"), steps=5, batch_size=16)
+    assert report.reasons == []
+    assert report.ok, equivalence.format_report(report)
+    assert {d.name for d in report.variables} >= {"global_step"}
+    assert all(d.replica_spread == 0.0 for d in report.variables)
+    first_loss = report.losses[0]
+    assert first_loss[0] == pytest.approx(first_loss[1], rel=1e-6)
+
+
+def test_sparse_as_dense_trains_the_same():
+    report = equivalence.compare(metagraph.load(fixture_path("embedding_adam")),
+                                 transformed("embedding_adam", 2, sparse_as_dense=True),
+                                 fixture_path("embedding_adam", ".npz"), steps=5, batch_size=16)
+    assert report.ok, equivalence.format_report(report)
+
+
+def test_sparse_gradient_is_gathered_not_densified():
+    ir = transformed("embedding_adam", 2)
+    ops = [ir.op(n) for n in ir.nodes() if n.startswith("allreduce/sparse_0/replica_0/")]
+    assert ops.count("CollectiveGatherV2") == 2
+    assert "UnsortedSegmentSum" not in ops
+
+
+def test_batch_norm_says_why_it_cannot_match():
+    report = equivalence.compare(metagraph.load(fixture_path("cnn_bn_momentum")),
+                                 transformed("cnn_bn_momentum", 2),
+                                 fixture_path("cnn_bn_momentum", ".npz"), steps=2, batch_size=16)
+    assert any("batch norm" in r and "bn0/moving_mean" in r for r in report.reasons)
+
+
+def collectives_per_replica(ir):
+    return sum(1 for n in ir.nodes() if n.startswith("allreduce/") and "/replica_0/" in n
+               and ir.op(n).startswith("Collective"))
+
+
+@pytest.mark.parametrize("name", ["mlp_sgd", "cnn_momentum"])
+def test_bucketing_fuses_gradients(name):
+    ir = metagraph.load(fixture_path(name))
+    pipeline = strategies.transform(ir, "allreduce", devices=["/device:CPU:0", "/device:CPU:1"])
+    summary = {k: v for t in pipeline.timings for k, v in t.summary.items()}
+    assert summary["buckets"] == 1
+    assert collectives_per_replica(ir) <= summary["buckets"]
+    small = metagraph.load(fixture_path(name))
+    pipeline = strategies.transform(small, "allreduce", devices=["/device:CPU:0", "/device:CPU:1"],
+                                    bucket_bytes=64)
+    buckets = {k: v for t in pipeline.timings for k, v in t.summary.items()}["buckets"]
+    assert buckets > 1 and collectives_per_replica(small) == buckets
+
+
+def run_steps(path, feeds, steps, restore=None, save=None):
+    """Drive the emitted file the way a user's TF1 script would, by original names only."""
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+    graph = tf.Graph()
+    with graph.as_default():
+        saver = tf1.train.import_meta_graph(path)
+        init = tf1.global_variables_initializer()
+        step_var = tf1.train.get_global_step()
+        cpus = 4
+        with tf1.Session(config=tf1.ConfigProto(device_count={"CPU": cpus})) as sess:
+            if restore:
+                saver.restore(sess, restore)
+            else:
+                sess.run(init)
+            start = sess.run(step_var)
+            losses = []
+            for k in range(steps):
+                rows = slice(16 * k, 16 * (k + 1))
+                loss, _ = sess.run(["loss:0", "GradientDescent"],
+                                   {"x:0": feeds["x"][rows], "y:0": feeds["y"][rows]})
+                losses.append(loss)
+                assert sess.run(step_var) == start + k + 1
+            values = {v.op.name: sess.run(v) for v in tf1.global_variables()}
+            if save:
+                saver.save(sess, save)
+    return losses, values
+
+
+def test_drop_in_contract(tmp_path):
+    feeds = np.load(fixture_path("mlp_sgd", ".npz"))
+    out = str(tmp_path / "mlp.allreduce.meta")
+    metagraph.save(transformed("mlp_sgd", 2), out)
+    # a checkpoint of the single-device graph restores into the transformed one ...
+    original_losses, _ = run_steps(fixture_path("mlp_sgd"), feeds, 2,
+                                   save=str(tmp_path / "orig"))
+    losses, values = run_steps(out, feeds, 2, restore=str(tmp_path / "orig"),
+                               save=str(tmp_path / "dist"))
+    for i in range(2):
+        np.testing.assert_array_equal(values[f"replica_{i}/dense0/kernel"],
+                                      values["replica_0/dense0/kernel"])
+    # ... and the reverse, keyed by the original names and full shapes
+    import tensorflow as tf
+    reader = tf.train.load_checkpoint(str(tmp_path / "dist"))
+    shapes = reader.get_variable_to_shape_map()
+    assert shapes["dense0/kernel"] == [8, 16] and "replica_0/dense0/kernel" not in shapes
+    back_losses, back_values = run_steps(fixture_path("mlp_sgd"), feeds, 1,
+                                         restore=str(tmp_path / "dist"))
+    assert back_values["global_step"] == 5
+    assert len(losses) == 2 and np.isfinite(losses).all() and np.isfinite(back_losses).all()
+    assert original_losses[0] > 0
+
+
+def test_initialization_makes_replicas_identical(tmp_path):
+    out = str(tmp_path / "m.meta")
+    metagraph.save(transformed("cnn_momentum", 3), out)
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+    with tf.Graph().as_default():
+        tf1.train.import_meta_graph(out)
+        with tf1.Session(config=tf1.ConfigProto(device_count={"CPU": 3})) as sess:
+            sess.run(tf1.global_variables_initializer())
+            values = {v.op.name: sess.run(v) for v in tf1.global_variables()}
+    for i in (1, 2):
+        np.testing.assert_array_equal(values[f"replica_{i}/conv0/kernel"],
+                                      values["replica_0/conv0/kernel"])
+    assert np.abs(values["replica_0/conv0/kernel"]).sum() > 0
+
+
+def test_refuses_graph_without_train_op():
+    import tensorflow as tf
+    from graphxform.metagraph import from_metagraph
+    g = tf.Graph()
+    with g.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [None, 3], name="x")
+        tf.identity(x * 2.0, name="y")
+    ir = from_metagraph(tf.compat.v1.train.export_meta_graph(graph_def=g.as_graph_def(), graph=g))
+    with pytest.raises(GraphxformError, match="no train op"):
+        strategies.transform(ir, "allreduce", devices=["/device:CPU:0", "/device:CPU:1"])
+
+
+def test_refuses_already_transformed_graph():
+    ir = transformed("mlp_sgd", 2)
+    with pytest.raises(GraphxformError, match="already transformed"):
+        strategies.transform(ir, "allreduce", devices=["/device:CPU:0", "/device:CPU:1"])
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--replicas", "0"], "at least 1"),
+    (["--replicas", "-2"], "at least 1"),
+    (["--devices", "/device:CPU:0,/gizmo:zz"], "not a TF device name"),
+    (["--replicas", "3", "--devices", "/device:CPU:0,/device:CPU:1"], "does not match"),
+])
+def test_apply_bad_options(args, message, tmp_path, run_cli):
+    out = tmp_path / "out.meta"
+    code, _, err = run_cli("apply", fixture_path("mlp_sgd"), "-o", out, *args)
+    assert code != 0 and message in err and err.count("\n") == 1, err
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_apply_already_transformed_and_no_train_op(tmp_path, run_cli):
+    first = tmp_path / "a.meta"
+    assert run_cli("apply", fixture_path("mlp_sgd"), "--replicas", "2", "-o", first)[0] == 0
+    code, _, err = run_cli("apply", first, "--replicas", "2", "-o", tmp_path / "b.meta")
+    assert code != 0 and "already transformed" in err and err.count("\n") == 1
+    code, _, err = run_cli("apply", fixture_path("mlp_sgd"), "--replicas", "2", "--train-op",
+                           "nope", "-o", tmp_path / "c.meta")
+    assert code != 0 and "nope" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.meta"]
+
+
+def test_apply_summary_and_default_output(tmp_path, run_cli):
+    model = tmp_path / "model.meta"
+    model.write_bytes(open(fixture_path("cnn_momentum"), "rb").read())
+    code, out, err = run_cli("apply", model, "--replicas", "2")
+    assert code == 0, err
+    assert (tmp_path / "model.allreduce.meta").exists()
+    assert "2 replicas" in out and "collectives per replica per step: 1" in out
+    assert "replicate" in out and "ms" in out
+
+
+def test_run_batch_that_does_not_divide(tmp_path, run_cli):
+    out = tmp_path / "m.meta"
+    run_cli("apply", fixture_path("mlp_sgd"), "--replicas", "2", "-o", out)
+    code, _, err = run_cli("run", out, "--steps", "1", "--batch-size", "7")
+    assert code != 0 and "does not divide evenly across 2 replicas" in err
+    assert err.strip().splitlines()[-1].startswith("graphxform: error:")
+
+
+def test_run_prints_loss_and_saves(tmp_path, run_cli):
+    out = tmp_path / "m.meta"
+    run_cli("apply", fixture_path("embedding_adam"), "--replicas", "2", "-o", out)
+    code, text, err = run_cli("run", out, "--steps", "3", "--feeds",
+                              fixture_path("embedding_adam", ".npz"), "--batch-size", "8",
+                              "--save", tmp_path / "ckpt", "--fetch", "global_step:0")
+    assert code == 0, err
+    lines = [line for line in text.splitlines() if line.startswith("step")]
+    assert len(lines) == 3 and "loss" in lines[0]
+    assert os.path.exists(str(tmp_path / "ckpt.index"))
+    code, text, err = run_cli("run", fixture_path("embedding_adam"), "--steps", "1",
+                              "--restore", tmp_path / "ckpt")
+    assert code == 0, err
+
+
+def test_verify_cli_pass_and_explained_fail(run_cli):
+    code, out, _ = run_cli("verify", fixture_path("mlp_sgd"), "--replicas", "2", "--feeds",
+                           fixture_path("mlp_sgd", ".npz"), "--steps", "3", "--batch-size", "16")
+    assert code == 0 and "PASS" in out
+    code, out, _ = run_cli("verify", fixture_path("cnn_bn_momentum"), "--replicas", "2",
+                           "--steps", "2", "--batch-size", "16")
+    assert code != 0 and "FAIL" in out and "batch norm" in out

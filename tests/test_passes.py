@@ -1,0 +1,109 @@
+"""Each allreduce pass on its own: a case where it changes the graph, one where it has nothing
+to do (modified=False), one it must refuse."""
+
+import pytest
+from conftest import fixture_path
+
+from graphxform import metagraph, training
+from graphxform.errors import GraphxformError, PassError
+from graphxform.passes.all_reduce import AllReduce
+from graphxform.passes.replicate import Replicate
+from graphxform.passes.rewire_consumers import RewireConsumers
+from graphxform.passes.split_inputs import SplitInputs
+from graphxform.passes.strip_saver import StripSaver
+from graphxform.passes.sync_init import SyncInit
+from graphxform.pipeline import PassContext, Pipeline
+
+TWO = ["/device:CPU:0", "/device:CPU:1"]
+
+
+def context(ir, devices=TWO):
+    return PassContext(training=training.analyze(ir), replicas=len(devices), devices=devices)
+
+
+def run(name_or_ir, passes, devices=TWO):
+    ir = metagraph.load(fixture_path(name_or_ir)) if isinstance(name_or_ir, str) else name_or_ir
+    pipeline = Pipeline(passes)
+    pipeline.run(ir, context(ir, devices))
+    return ir, {t.name: t for t in pipeline.timings}
+
+
+def counter_graph():
+    """A train op that only bumps global_step: nothing to reduce."""
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+    g = tf.Graph()
+    with g.as_default():
+        tf1.placeholder(tf.float32, [4, 3], name="x")  # static batch: not split
+        step = tf1.train.get_or_create_global_step()
+        tf1.add_to_collection("train_op", tf1.assign_add(step, 1, name="bump"))
+    return metagraph.from_metagraph(tf1.train.export_meta_graph(graph_def=g.as_graph_def(),
+                                                                graph=g))
+
+
+def test_strip_saver():
+    ir, t = run("mlp_saver", [StripSaver()])
+    assert t["strip-saver"].modified
+    assert not any(n.startswith("save/") for n in ir.nodes())
+    assert not ir.meta.HasField("saver_def")
+    _, t = run("mlp_sgd", [StripSaver()])
+    assert not t["strip-saver"].modified
+
+
+def test_replicate_copies_all_but_shared_nodes():
+    ir, t = run("mlp_sgd", [Replicate()])
+    assert "dense0/kernel" not in ir and "replica_1/dense0/kernel" in ir
+    assert ir.node("replica_1/dense0/MatMul")["device"] == "/device:CPU:1"
+    assert {"x", "y", "global_step", "GradientDescent"} <= set(ir.nodes())
+    # the once-per-step increment waits (through its constant) on every replica's update
+    assert set(ir.control_inputs("GradientDescent/Const")) == {"replica_0/GradientDescent/update",
+                                                         "replica_1/GradientDescent/update"}
+    assert ir.node("replica_0/loss")["created_by"] == "replicate"
+
+
+def test_replicate_gives_each_legacy_loop_its_own_frame():
+    ir, _ = run("rnn_while_legacy", [Replicate()])
+    frames = {ir.node(n)["attr"]["frame_name"].s.decode() for n in ir.nodes()
+              if ir.op(n) == "Enter"}
+    assert all(f.startswith("replica_") for f in frames)
+    assert any(f.startswith("replica_1/") for f in frames)
+
+
+def test_split_inputs():
+    ir, t = run("mlp_sgd", [Replicate(), SplitInputs()])
+    assert t["split-inputs"].summary["inputs"] == ["x", "y"]
+    assert ir.inputs("replica_1/dense0/MatMul")[0] == ("split_inputs/x/split", 1)
+    ir, t = run(counter_graph(), [Replicate(), SplitInputs()])
+    assert not t["split-inputs"].modified
+
+
+def test_all_reduce_and_rewire():
+    ir, t = run("mlp_sgd", [Replicate(), SplitInputs(), AllReduce(), RewireConsumers()])
+    apply = "replica_1/GradientDescent/update_dense0/kernel/ResourceApplyGradientDescent"
+    src, _ = ir.inputs(apply)[2]
+    assert src.startswith("allreduce/bucket_0/replica_1/")
+    assert t["rewire-consumers"].summary["edges"] == 8
+    ir, t = run(counter_graph(), [Replicate(), AllReduce(), RewireConsumers()])
+    assert not t["all-reduce"].modified and not t["rewire-consumers"].modified
+
+
+def test_sync_init():
+    ir, t = run("mlp_sgd", [Replicate(), SyncInit()])
+    assert t["sync-init"].summary["synced"] == 4
+    assert ir.inputs("replica_1/dense0/kernel/Assign")[1] == (
+        "replica_0/dense0/kernel/Initializer/random_uniform", 0)
+    assert "replica_1/dense0/kernel/Initializer/random_uniform" not in ir
+    _, t = run("mlp_sgd", [Replicate(), SyncInit()], devices=["/device:CPU:0"])
+    assert not t["sync-init"].modified
+
+
+def test_replicate_refuses_without_train_op_and_names_the_pass():
+    import tensorflow as tf
+    g = tf.Graph()
+    with g.as_default():
+        tf.compat.v1.placeholder(tf.float32, [None, 3], name="x")
+    ir = metagraph.from_metagraph(tf.compat.v1.train.export_meta_graph(
+        graph_def=g.as_graph_def(), graph=g))
+    with pytest.raises(PassError, match="pass replicate .*no train op"):
+        run(ir, [StripSaver(), Replicate()])
+    assert issubclass(PassError, GraphxformError)
