@@ -15,6 +15,9 @@ from graphxform.errors import GraphxformError
 from graphxform.ir import GraphIR, parse_tensor
 
 TEXT_SUFFIXES = (".pbtxt", ".txt")
+# The pass that created a node travels in the file as an internal attr (TF ignores attrs that
+# start with "_"), so `viz --color pass` works on emitted graphs.
+PROVENANCE_ATTR = "_graphxform_pass"
 
 
 def _protos():
@@ -124,8 +127,12 @@ def from_metagraph(meta, kind: str = "meta", source: str | None = None) -> Graph
         if name in protos:
             raise GraphxformError(f"{source or 'graph'}: duplicate node name '{name}'")
         protos[name] = nd
+        created_by = None
+        if PROVENANCE_ATTR in nd.attr:  # written by an earlier graphxform run
+            created_by = nd.attr[PROVENANCE_ATTR].s.decode()
+            del nd.attr[PROVENANCE_ATTR]
         node_attrs[name] = {"op": nd.op, "device": nd.device, "attr": nd.attr, "origin": name,
-                            "created_by": None}
+                            "created_by": created_by}
     g.add_nodes_from(node_attrs.items())
     edges = []
     for nd in nodes:
@@ -173,6 +180,8 @@ def to_metagraph(ir: GraphIR):
         nd.name = name
         nd.op = data["op"]
         nd.device = data["device"]
+        if data["created_by"]:
+            nd.attr[PROVENANCE_ATTR].s = data["created_by"].encode()
         data_inputs = []
         controls = []
         for src, keyed in pred[name].items():

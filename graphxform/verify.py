@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import networkx as nx
-
 from graphxform import opdefs
 from graphxform.errors import GraphxformError
 from graphxform.ir import CONTROL_KEY, GraphIR
@@ -42,14 +40,27 @@ def structural_errors(ir: GraphIR, limit: int = 10) -> list[str]:
 
 
 def _cycle_errors(ir: GraphIR) -> list[str]:
+    """Kahn's algorithm over the graph minus while-loop back edges."""
     g = ir.g
-    forward = nx.subgraph_view(
-        g, filter_edge=lambda u, v, k: g.nodes[u]["op"] not in LOOP_BACK_OPS)
-    try:
-        cycle = nx.find_cycle(forward)
-    except nx.NetworkXNoCycle:
+    nodes = g.nodes
+    back = {n for n in g if nodes[n]["op"] in LOOP_BACK_OPS}
+    pending = {n: sum(len(keyed) for src, keyed in g._pred[n].items() if src not in back)
+               for n in g}
+    ready = [n for n, count in pending.items() if count == 0]
+    seen = 0
+    while ready:
+        node = ready.pop()
+        seen += 1
+        if node in back:
+            continue
+        for dst, keyed in g._succ[node].items():
+            pending[dst] -= len(keyed)
+            if pending[dst] == 0:
+                ready.append(dst)
+    if seen == len(pending):
         return []
-    return ["cycle not through a while-loop back edge: " + " -> ".join(e[0] for e in cycle)]
+    stuck = sorted(n for n, count in pending.items() if count > 0)
+    return ["cycle not through a while-loop back edge, among: " + ", ".join(stuck[:5])]
 
 
 def check_structure(ir: GraphIR) -> None:
