@@ -60,12 +60,12 @@ class GraphIR:
 
     def node(self, name: str) -> dict:
         try:
-            return self.g.nodes[name]
+            return self.g._node[name]
         except KeyError:
             raise GraphxformError(f"no node named '{name}' in the graph") from None
 
     def op(self, name: str) -> str:
-        return self.g.nodes[name]["op"]
+        return self.g._node[name]["op"]
 
     def inputs(self, name: str) -> list[tuple[str, int]]:
         """Data inputs as (src, src_port), in dst_port order."""

@@ -6,8 +6,11 @@ GraphDef, ``.pbtxt``/``.txt`` either one in text form. A file holding the other 
 
 from __future__ import annotations
 
+import gc
 import os
 import tempfile
+
+import networkx as nx
 
 from google.protobuf import message, text_format
 
@@ -49,10 +52,10 @@ def read_metagraph(path: str):
     lower = path.lower()
     if lower.endswith(TEXT_SUFFIXES):
         meta, bare = _parse_text(path, data, meta_graph_pb2, graph_pb2)
+        _check_nodes(path, meta.graph_def)
     else:
         expect_graph = lower.endswith(".pb")
         meta, bare = _parse_binary(path, data, expect_graph, meta_graph_pb2, graph_pb2)
-    _check_nodes(path, meta.graph_def)
     return meta, "graph" if bare else "meta"
 
 
@@ -77,22 +80,31 @@ def _parse_text(path, data, meta_graph_pb2, graph_pb2):
 
 
 def _parse_binary(path, data, expect_graph, meta_graph_pb2, graph_pb2):
-    meta = _try_parse(meta_graph_pb2.MetaGraphDef, data)
-    graph = _try_parse(graph_pb2.GraphDef, data)
-    meta_ok = meta is not None and len(meta.graph_def.node) > 0 and _nodes_ok(meta.graph_def)
-    graph_ok = graph is not None and len(graph.node) > 0 and _nodes_ok(graph)
+    """Parse as the kind the extension promises; only on failure parse as the other kind, to
+    say what the file really holds."""
+    def as_meta():
+        meta = _try_parse(meta_graph_pb2.MetaGraphDef, data)
+        ok = meta is not None and len(meta.graph_def.node) > 0 and _nodes_ok(meta.graph_def)
+        return meta if ok else None
+
+    def as_graph():
+        graph = _try_parse(graph_pb2.GraphDef, data)
+        return graph if graph is not None and len(graph.node) > 0 and _nodes_ok(graph) else None
+
     if expect_graph:
-        if graph_ok and not meta_ok:
+        graph = as_graph()
+        if graph is not None and as_meta() is None:
             wrapped = meta_graph_pb2.MetaGraphDef()
             wrapped.graph_def.CopyFrom(graph)
             return wrapped, True
-        if meta_ok:
+        if graph is None and as_meta() is not None:
             raise GraphxformError(f"{path}: holds a MetaGraphDef, but .pb means a bare GraphDef "
                                   "(rename it to .meta)")
     else:
-        if meta_ok:
+        meta = as_meta()
+        if meta is not None:
             return meta, False
-        if graph_ok:
+        if as_graph() is not None:
             raise GraphxformError(f"{path}: holds a bare GraphDef, but a MetaGraphDef (.meta) is "
                                   "expected (rename it to .pb)")
     what = "GraphDef" if expect_graph else "MetaGraphDef"
@@ -116,46 +128,58 @@ def _check_nodes(path, graph_def) -> None:
 
 
 def from_metagraph(meta, kind: str = "meta", source: str | None = None) -> GraphIR:
-    """Build a GraphIR; ``meta`` is consumed (its node list moves into the IR)."""
+    """Build a GraphIR; ``meta`` is consumed (its node list moves into the IR).
+
+    This is the hot path of every command, so it fills networkx's adjacency dicts directly
+    (the layout MultiDiGraph.add_edge makes: one key dict shared by _succ[u][v] and _pred[v][u])
+    with the garbage collector paused: per-edge add_edge calls cost several times the parse."""
     nodes = list(meta.graph_def.node)
     ir = GraphIR(meta, kind=kind, source=source)
     g = ir.g
-    protos = ir._protos
-    node_attrs = {}
-    for nd in nodes:
-        name = nd.name
-        if name in protos:
-            raise GraphxformError(f"{source or 'graph'}: duplicate node name '{name}'")
-        protos[name] = nd
-        created_by = None
-        if PROVENANCE_ATTR in nd.attr:  # written by an earlier graphxform run
-            created_by = nd.attr[PROVENANCE_ATTR].s.decode()
-            del nd.attr[PROVENANCE_ATTR]
-        node_attrs[name] = {"op": nd.op, "device": nd.device, "attr": nd.attr, "origin": name,
-                            "created_by": created_by}
-    g.add_nodes_from(node_attrs.items())
-    edges = []
-    for nd in nodes:
-        dst = nd.name
-        port = 0
-        for text in nd.input:
-            if text[0] == "^":
-                src = text[1:]
-                if src not in protos:
-                    _dangling(source, dst, text)
-                edges.append((src, dst, -1, {"control": True}))
-            else:
-                src, src_port = parse_tensor(text)
-                if src not in protos:
-                    _dangling(source, dst, text)
-                edge = {"src_port": src_port, "dst_port": port}
-                if src_port == 0 and text.endswith(":0"):
-                    edge["spelled_port"] = True  # written 'x:0'; kept so emit gives it back
-                edges.append((src, dst, port, edge))
-                port += 1
-    g.add_edges_from(edges)
-    for nd in nodes:
-        del nd.input[:]
+    protos, node_data, succ, pred = ir._protos, g._node, g._succ, g._pred
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        for nd in nodes:
+            name = nd.name
+            if name in protos:
+                raise GraphxformError(f"{source or 'graph'}: duplicate node name '{name}'")
+            protos[name] = nd
+            created_by = None
+            if PROVENANCE_ATTR in nd.attr:  # written by an earlier graphxform run
+                created_by = nd.attr[PROVENANCE_ATTR].s.decode()
+                del nd.attr[PROVENANCE_ATTR]
+            node_data[name] = {"op": nd.op, "device": nd.device, "attr": nd.attr,
+                               "origin": name, "created_by": created_by}
+            succ[name] = {}
+            pred[name] = {}
+        for nd in nodes:
+            dst = nd.name
+            dst_pred = pred[dst]
+            port = 0
+            for text in nd.input:
+                if text[0] == "^":
+                    src = text[1:]
+                    key, edge = -1, {"control": True}
+                else:
+                    src, src_port = parse_tensor(text)
+                    key, edge = port, {"src_port": src_port, "dst_port": port}
+                    if src_port == 0 and text[-2:] == ":0":
+                        edge["spelled_port"] = True  # written 'x:0'; kept so emit gives it back
+                    port += 1
+                keyed = dst_pred.get(src)
+                if keyed is None:
+                    src_succ = succ.get(src)
+                    if src_succ is None:
+                        _dangling(source, dst, text)
+                    keyed = src_succ[dst] = dst_pred[src] = {}
+                keyed[key] = edge
+            del nd.input[:]
+    finally:
+        if collecting:
+            gc.enable()
+    if hasattr(nx, "_clear_cache"):
+        nx._clear_cache(g)
     del meta.graph_def.node[:]
     return ir
 

@@ -250,6 +250,7 @@ def _update_scope(op_name: str, var: str) -> str:
 def _link_optimizer(ir, variables, writers) -> Optimizer | None:
     """Link slots and gradients to variables; return the optimizer seen."""
     optimizer = fallback = None
+    children = _children_by_name(variables)
     for name, found in writers.items():
         var = variables[name]
         applies = [(c, p) for c, p in found if is_apply_op(ir.op(c)) and p == 0]
@@ -271,8 +272,8 @@ def _link_optimizer(ir, variables, writers) -> Optimizer | None:
                          if arg not in var_args and arg not in GRADIENT_ARGS}
                 kind = re.sub(r"^(Resource)?(Sparse)?Apply", "", ir.op(op_name))
                 optimizer = Optimizer(kind, op_name.split("/", 1)[0] + "/", hyper)
-        for other in variables:  # slots written through scatter/assign ops in the update scope
-            if (other.startswith(name + "/") and other not in var.slots.values()
+        for other in children.get(name, ()):  # slots written by scatter/assign ops in the scope
+            if (other not in var.slots.values()
                     and any(c.startswith(scope) for c, _ in writers[other])):
                 _link_slot(variables, var, other, other[len(name) + 1:])
         apply_ops = {c for c, _ in applies}
@@ -284,6 +285,18 @@ def _link_optimizer(ir, variables, writers) -> Optimizer | None:
         if fallback is None:
             fallback = Optimizer(_optimizer_kind(var), scope.split("/", 1)[0] + "/", {})
     return optimizer or fallback
+
+
+def _children_by_name(variables) -> dict:
+    """Variable -> variables named under it ('w' -> ['w/Adam', 'w/Adam_1']): slot candidates."""
+    children = {}
+    for name in variables:
+        parts = name.split("/")
+        for depth in range(1, len(parts)):
+            parent = "/".join(parts[:depth])
+            if parent in variables:
+                children.setdefault(parent, []).append(name)
+    return children
 
 
 def _optimizer_kind(var) -> str:
