@@ -162,7 +162,7 @@ def from_metagraph(meta, kind: str = "meta", source: str | None = None) -> Graph
                     src = text[1:]
                     key, edge = -1, {"control": True}
                 else:
-                    src, src_port = parse_tensor(text)
+                    src, src_port = (text, 0) if ":" not in text else parse_tensor(text)
                     key, edge = port, {"src_port": src_port, "dst_port": port}
                     if src_port == 0 and text[-2:] == ":0":
                         edge["spelled_port"] = True  # written 'x:0'; kept so emit gives it back
