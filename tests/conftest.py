@@ -38,3 +38,16 @@ def run_cli(capsys):
         out, err = capsys.readouterr()
         return code, out, err
     return run
+
+
+def graph_without_train_op():
+    """A GraphIR of an inference-only graph: a placeholder and one op, no training step."""
+    import tensorflow as tf
+
+    from graphxform.metagraph import from_metagraph
+    g = tf.Graph()
+    with g.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [None, 3], name="x")
+        tf.identity(x * 2.0, name="y")
+    return from_metagraph(tf.compat.v1.train.export_meta_graph(graph_def=g.as_graph_def(),
+                                                               graph=g))

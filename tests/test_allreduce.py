@@ -5,7 +5,7 @@ import os
 
 import numpy as np
 import pytest
-from conftest import fixture_path
+from conftest import fixture_path, graph_without_train_op
 
 from graphxform import equivalence, metagraph, strategies
 from graphxform.errors import GraphxformError
@@ -144,13 +144,7 @@ def test_initialization_makes_replicas_identical(tmp_path):
 
 
 def test_refuses_graph_without_train_op():
-    import tensorflow as tf
-    from graphxform.metagraph import from_metagraph
-    g = tf.Graph()
-    with g.as_default():
-        x = tf.compat.v1.placeholder(tf.float32, [None, 3], name="x")
-        tf.identity(x * 2.0, name="y")
-    ir = from_metagraph(tf.compat.v1.train.export_meta_graph(graph_def=g.as_graph_def(), graph=g))
+    ir = graph_without_train_op()
     with pytest.raises(GraphxformError, match="no train op"):
         strategies.transform(ir, "allreduce", devices=["/device:CPU:0", "/device:CPU:1"])
 

@@ -2,7 +2,7 @@
 to do (modified=False), one it must refuse."""
 
 import pytest
-from conftest import fixture_path
+from conftest import fixture_path, graph_without_train_op
 
 from graphxform import metagraph, training
 from graphxform.errors import GraphxformError, PassError
@@ -98,12 +98,7 @@ def test_sync_init():
 
 
 def test_replicate_refuses_without_train_op_and_names_the_pass():
-    import tensorflow as tf
-    g = tf.Graph()
-    with g.as_default():
-        tf.compat.v1.placeholder(tf.float32, [None, 3], name="x")
-    ir = metagraph.from_metagraph(tf.compat.v1.train.export_meta_graph(
-        graph_def=g.as_graph_def(), graph=g))
+    ir = graph_without_train_op()
     with pytest.raises(PassError, match="pass replicate .*no train op"):
         run(ir, [StripSaver(), Replicate()])
     assert issubclass(PassError, GraphxformError)

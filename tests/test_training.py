@@ -1,7 +1,7 @@
 """The analysis finds, by name, the variables, updates, gradients and slots of each fixture."""
 
 import pytest
-from conftest import fixture_path
+from conftest import fixture_path, graph_without_train_op
 
 from graphxform import metagraph, training
 
@@ -121,14 +121,8 @@ def test_while_loop_gradients(name):
 
 
 def test_graph_without_training_step_is_inspectable():
-    import tensorflow as tf
     from graphxform.errors import GraphxformError
-    from graphxform.metagraph import from_metagraph
-    g = tf.Graph()
-    with g.as_default():
-        x = tf.compat.v1.placeholder(tf.float32, [None, 3], name="x")
-        tf.identity(x * 2.0, name="y")
-    ir = from_metagraph(tf.compat.v1.train.export_meta_graph(graph_def=g.as_graph_def(), graph=g))
+    ir = graph_without_train_op()
     tg = training.analyze(ir)
     assert tg.train_op is None and tg.variables == {}
     with pytest.raises(GraphxformError, match="no train op"):
