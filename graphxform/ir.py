@@ -3,11 +3,13 @@
 Node key = node name. Node data: ``op``, ``device``, ``attr`` (the NodeDef's AttrValue map, kept
 as protos), ``origin`` (name in the loaded graph, None for created nodes) and ``created_by`` (the
 pass that made it, None for loaded nodes). A data edge carries ``src_port``/``dst_port``; a control
-edge carries ``control=True``. Passes change the graph only through the methods below.
+edge carries ``control=True``. Passes change the graph only through the methods below. Edge
+attribute dicts are never changed in place (rewiring replaces edges), so copies share them.
 """
 
 from __future__ import annotations
 
+import gc
 import itertools
 from typing import Callable, Iterable, Iterator
 
@@ -239,28 +241,41 @@ class GraphIR:
         names = list(names)
         mapping = {name: prefix + name for name in names}
         g = self.g
-        for name in names:
-            data = g.nodes[name]
-            new = mapping[name]
-            if new in g:
-                raise GraphxformError(f"cannot copy '{name}': '{new}' already exists")
-            proto = type(self._protos[name])()
-            proto.CopyFrom(self._protos[name])
-            colocation = proto.attr.get("_class")
-            if colocation is not None:
-                _remap_colocation(colocation, mapping)
-            dev = data["device"] if device is None else device(name) if callable(device) else device
-            self._protos[new] = proto
-            g.add_node(new, op=data["op"], device=dev, attr=proto.attr, origin=data["origin"],
-                       created_by=created_by if created_by is not None else data["created_by"])
-        edges = []
-        for name in names:
-            new = mapping[name]
-            for src, keyed in g._pred[name].items():
-                new_src = mapping.get(src, src)
-                for key, data in keyed.items():
-                    edges.append((new_src, new, key, data))
-        g.add_edges_from(edges)
+        node_data, succ, pred, protos = g._node, g._succ, g._pred, self._protos
+        for new in mapping.values():
+            if new in node_data:
+                raise GraphxformError(f"cannot copy to '{new}': it already exists")
+        collecting = gc.isenabled()
+        gc.disable()  # like metagraph.from_metagraph: fill networkx's dicts directly, per edge
+        try:
+            for name in names:
+                data = node_data[name]
+                new = mapping[name]
+                proto = type(protos[name])()
+                proto.CopyFrom(protos[name])
+                if "_class" in proto.attr:
+                    _remap_colocation(proto.attr["_class"], mapping)
+                dev = data["device"] if device is None else (
+                    device(name) if callable(device) else device)
+                protos[new] = proto
+                node_data[new] = {"op": data["op"], "device": dev, "attr": proto.attr,
+                                  "origin": data["origin"],
+                                  "created_by": created_by or data["created_by"]}
+                succ[new] = {}
+                pred[new] = {}
+            for name in names:
+                new = mapping[name]
+                new_pred = pred[new]
+                for src, keyed in pred[name].items():
+                    new_src = mapping.get(src, src)
+                    copied = dict(keyed)  # edge attr dicts are never mutated: share them
+                    new_pred[new_src] = copied
+                    succ[new_src][new] = copied
+        finally:
+            if collecting:
+                gc.enable()
+        if hasattr(nx, "_clear_cache"):
+            nx._clear_cache(g)
         return mapping
 
     # -------------------------------------------------------------- printing
