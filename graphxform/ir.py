@@ -125,24 +125,31 @@ class GraphIR:
         for key, value in (attr or {}).items():
             proto.attr[key].CopyFrom(value)
         self._protos[name] = proto
-        self.g.add_node(name, op=op, device=device, attr=proto.attr, origin=origin,
-                        created_by=created_by)
+        self.g._node[name] = {"op": op, "device": device, "attr": proto.attr, "origin": origin,
+                              "created_by": created_by}
+        self.g._succ[name] = {}
+        self.g._pred[name] = {}
         self._connect(name, inputs)
         return name
 
     def _connect(self, name: str, inputs: Iterable[str]) -> None:
         port = 0
-        add_edge = self.g.add_edge
         for text in inputs:
             if text.startswith("^"):
-                src = text[1:]
-                self._require(src, name)
-                add_edge(src, name, key=CONTROL_KEY, control=True)
+                self._add_edge(text[1:], name, CONTROL_KEY, {"control": True})
             else:
                 src, src_port = parse_tensor(text)
-                self._require(src, name)
-                add_edge(src, name, key=port, src_port=src_port, dst_port=port)
+                self._add_edge(src, name, port, {"src_port": src_port, "dst_port": port})
                 port += 1
+
+    def _add_edge(self, src: str, dst: str, key: int, edge: dict) -> None:
+        """networkx's own add_edge costs several times this: one edge, straight into the
+        adjacency dicts (the key dict is shared by _succ[src][dst] and _pred[dst][src])."""
+        self._require(src, dst)
+        keyed = self.g._pred[dst].get(src)
+        if keyed is None:
+            keyed = self.g._succ[src][dst] = self.g._pred[dst][src] = {}
+        keyed[key] = edge
 
     def _require(self, src: str, dst: str) -> None:
         if src not in self.g:
@@ -188,8 +195,7 @@ class GraphIR:
         src, _ = self.input(dst, dst_port)
         self.g.remove_edge(src, dst, key=dst_port)
         new_src, new_port = parse_tensor(tensor)
-        self._require(new_src, dst)
-        self.g.add_edge(new_src, dst, key=dst_port, src_port=new_port, dst_port=dst_port)
+        self._add_edge(new_src, dst, dst_port, {"src_port": new_port, "dst_port": dst_port})
 
     def replace_all_uses_with(self, old: str, new: str,
                               where: Callable[[str], bool] | None = None) -> int:
@@ -220,13 +226,11 @@ class GraphIR:
             if key == CONTROL_KEY:
                 self.add_control_input(dst, new_node)
             else:
-                self.g.add_edge(new_node, dst, key=key, src_port=port, dst_port=key)
+                self._add_edge(new_node, dst, key, {"src_port": port, "dst_port": key})
         return len(moves)
 
     def add_control_input(self, node: str, src: str) -> None:
-        self._require(src, node)
-        if not self.g.has_edge(src, node, key=CONTROL_KEY):
-            self.g.add_edge(src, node, key=CONTROL_KEY, control=True)
+        self._add_edge(src, node, CONTROL_KEY, {"control": True})
 
     def remove_control_input(self, node: str, src: str) -> None:
         if self.g.has_edge(src, node, key=CONTROL_KEY):
