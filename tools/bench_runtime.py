@@ -1,0 +1,302 @@
+"""Training throughput of the graph `apply --strategy allreduce` emits, against the original
+single-device graph and tf.distribute.MirroredStrategy, on the same model and CPU devices.
+
+The model is an MLP (784-H-H-10, ReLU, softmax cross-entropy, plain SGD at lr 0.01; H = 1024 by
+default) at one global batch for every contender:
+
+- original: the single-device TF1 training graph (exported MetaGraph), run in a tf.compat.v1
+  Session, one ``session.run(train_op, feed_dict)`` per step, the whole batch on one device.
+- emitted: that MetaGraph after ``strategies.transform(..., devices=/device:CPU:0..N-1)`` and
+  ``metagraph.save``, driven exactly like the original (``import_meta_graph``, the train op from
+  the "train_op" collection, feeds by the original names "x:0"/"y:0"); each replica gets
+  batch/N rows and the gradients are all-reduced by collectives.
+- mirrored: the same layers as a tf_keras model under ``tf.distribute.MirroredStrategy`` over N
+  logical CPU devices, a custom training loop (``strategy.run`` inside one ``tf.function`` per
+  step, SGD at the same rate, loss averaged over the global batch), input from a distributed
+  ``tf.data`` pipeline.
+
+Every contender runs in its own fresh Python subprocess (TF1 sessions and TF2 eager state do not
+share a process well; the logical-device split has to happen before TF initialises) with the
+same ``--inter-op``/``--intra-op`` thread counts and a session or context that has N CPU devices.
+Each does ``--warmup`` untimed steps, then ``--repeats`` timed windows of ``--steps`` steps; the
+figure is the best window (steps/s), the median is printed too. Budgets: emitted/original >=
+0.9 and emitted/mirrored > 1.0.
+
+Usage: python tools/bench_runtime.py [--devices 4] [--batch 256] [--steps 30] [--repeats 3]
+Always exits 0 (a failing contender or missed budget is reported, not raised).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+FEATURES, CLASSES = 784, 10
+ORIGINAL_BUDGET = 0.9   # emitted / original, at least
+MIRRORED_BUDGET = 1.0   # emitted / mirrored, more than
+RESULT_TAG = "BENCH_RUNTIME_RESULT "
+
+
+# ------------------------------------------------------------------ subprocess side
+
+def _data(batch: int, seed: int = 0):
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((batch, FEATURES)).astype(np.float32)
+    y = rng.integers(0, CLASSES, batch).astype(np.int64)
+    return x, y
+
+
+def _time_windows(step, warmup: int, steps: int, repeats: int, sync=lambda: None):
+    for _ in range(warmup):
+        step()
+    sync()
+    rates = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        sync()
+        rates.append(steps / (time.perf_counter() - t0))
+    return rates
+
+
+def build_mlp(path: str, hidden: int, lr: float) -> None:
+    """The single-device TF1 training graph, exported with devices cleared."""
+    import tensorflow as tf
+    v1 = tf.compat.v1
+    g = tf.Graph()
+    with g.as_default():
+        x = v1.placeholder(tf.float32, [None, FEATURES], name="x")
+        y = v1.placeholder(tf.int64, [None], name="y")
+        h, n_in = x, FEATURES
+        for i, n_out in enumerate([hidden, hidden, CLASSES]):
+            with v1.variable_scope(f"dense{i}"):
+                kernel = v1.get_variable("kernel", [n_in, n_out], use_resource=True,
+                                         initializer=v1.glorot_uniform_initializer())
+                bias = v1.get_variable("bias", [n_out], use_resource=True,
+                                       initializer=v1.zeros_initializer())
+                h = tf.matmul(h, kernel) + bias
+                if i < 2:
+                    h = tf.nn.relu(h)
+            n_in = n_out
+        xent = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=h)
+        loss = tf.identity(tf.reduce_mean(xent), name="loss")
+        v1.add_to_collection(v1.GraphKeys.LOSSES, loss)
+        global_step = v1.train.get_or_create_global_step()
+        train_op = v1.train.GradientDescentOptimizer(lr).minimize(loss, global_step=global_step)
+        if train_op not in v1.get_collection(v1.GraphKeys.TRAIN_OP):
+            v1.add_to_collection(v1.GraphKeys.TRAIN_OP, train_op)
+        v1.train.export_meta_graph(filename=path, graph=g, clear_devices=True)
+
+
+def run_session(path: str, opts: dict) -> dict:
+    """Drive a MetaGraph the way a user's TF1 script would: original names only."""
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+    x, y = _data(opts["batch"])
+    graph = tf.Graph()
+    with graph.as_default():
+        tf1.train.import_meta_graph(path)
+        init = tf1.global_variables_initializer()
+        train_op = tf1.get_collection("train_op")[0]
+    config = tf1.ConfigProto(device_count={"CPU": opts["devices"]},
+                             inter_op_parallelism_threads=opts["inter_op"],
+                             intra_op_parallelism_threads=opts["intra_op"])
+    with tf1.Session(graph=graph, config=config) as sess:
+        sess.run(init)
+        feed = {"x:0": x, "y:0": y}
+        first = float(sess.run("loss:0", feed))
+        rates = _time_windows(lambda: sess.run(train_op, feed), opts["warmup"], opts["steps"],
+                              opts["repeats"])
+        last = float(sess.run("loss:0", feed))
+        devices = sorted({op.device for op in graph.get_operations() if op.device})
+    return {"rates": rates, "loss_first": first, "loss_last": last,
+            "devices_used": len(devices)}
+
+
+def run_mirrored(opts: dict) -> dict:
+    import tensorflow as tf
+    n = opts["devices"]
+    tf.config.threading.set_inter_op_parallelism_threads(opts["inter_op"])
+    tf.config.threading.set_intra_op_parallelism_threads(opts["intra_op"])
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * n)
+    import tf_keras
+    logical = [d.name for d in tf.config.list_logical_devices("CPU")]
+    strategy = tf.distribute.MirroredStrategy(devices=logical[:n])
+    batch = opts["batch"]
+    x, y = _data(batch)
+    with strategy.scope():
+        model = tf_keras.Sequential([
+            tf_keras.Input((FEATURES,)),
+            tf_keras.layers.Dense(opts["hidden"], activation="relu",
+                                  kernel_initializer="glorot_uniform"),
+            tf_keras.layers.Dense(opts["hidden"], activation="relu",
+                                  kernel_initializer="glorot_uniform"),
+            tf_keras.layers.Dense(CLASSES, kernel_initializer="glorot_uniform"),
+        ])
+        optimizer = tf_keras.optimizers.SGD(opts["lr"])
+    # the same fixed global batch every step, like the feed_dict of the session contenders
+    dataset = tf.data.Dataset.from_tensors((x, y)).repeat().unbatch().batch(
+        batch, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
+    iterator = iter(strategy.experimental_distribute_dataset(dataset))
+
+    def step_fn(xb, yb):
+        with tf.GradientTape() as tape:
+            logits = model(xb, training=True)
+            per_example = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=yb, logits=logits)
+            loss = tf.nn.compute_average_loss(per_example, global_batch_size=batch)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    @tf.function
+    def train_step(it):
+        xb, yb = next(it)
+        per_replica = strategy.run(step_fn, args=(xb, yb))
+        return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
+
+    state = {}
+
+    def step():
+        state["loss"] = train_step(iterator)
+
+    first = float(train_step(iterator))
+    rates = _time_windows(step, opts["warmup"], opts["steps"], opts["repeats"],
+                          sync=lambda: state["loss"].numpy())
+    cross = type(strategy.extended._cross_device_ops).__name__ \
+        if getattr(strategy.extended, "_cross_device_ops", None) else "?"
+    return {"rates": rates, "loss_first": first, "loss_last": float(state["loss"]),
+            "devices_used": strategy.num_replicas_in_sync, "cross_device_ops": cross}
+
+
+def worker(kind: str, opts: dict) -> None:
+    if kind == "build":
+        build_mlp(opts["path"], opts["hidden"], opts["lr"])
+        result = {"path": opts["path"]}
+    elif kind in ("original", "emitted"):
+        result = run_session(opts["path"], opts)
+    elif kind == "mirrored":
+        result = run_mirrored(opts)
+    else:
+        raise ValueError(kind)
+    print(RESULT_TAG + json.dumps(result), flush=True)
+
+
+# ------------------------------------------------------------------ parent side
+
+def spawn(kind: str, opts: dict, timeout: float) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--_worker", kind, json.dumps(opts)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith(RESULT_TAG):
+            return json.loads(line[len(RESULT_TAG):])
+    tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
+    raise RuntimeError(f"{kind} worker failed (exit {proc.returncode}):\n{tail}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--devices", type=int, default=4, help="CPU devices = replicas")
+    parser.add_argument("--batch", type=int, default=256, help="global batch, all contenders")
+    parser.add_argument("--hidden", type=int, default=1024, help="MLP hidden width")
+    parser.add_argument("--lr", type=float, default=0.01)
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps")
+    parser.add_argument("--steps", type=int, default=30, help="steps per timed window")
+    parser.add_argument("--repeats", type=int, default=3, help="timed windows (best is kept)")
+    parser.add_argument("--inter-op", type=int, default=2,
+                        help="inter_op_parallelism_threads for every contender")
+    parser.add_argument("--intra-op", type=int, default=2,
+                        help="intra_op_parallelism_threads for every contender")
+    parser.add_argument("--out-dir", default=os.path.expanduser("~/.cache/graphxform-bench"),
+                        help="where the original and emitted .meta files go")
+    parser.add_argument("--only", default="original,emitted,mirrored",
+                        help="comma-separated subset of contenders to run")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds per subprocess")
+    parser.add_argument("--json", help="also write the figures to this file")
+    args = parser.parse_args(argv)
+
+    if args.batch % args.devices:
+        print(f"--batch {args.batch} does not divide across {args.devices} devices")
+        return 0
+    start = time.perf_counter()
+    opts = {k: getattr(args, k) for k in ("devices", "batch", "hidden", "lr", "warmup", "steps",
+                                          "repeats", "inter_op", "intra_op")}
+    os.makedirs(args.out_dir, exist_ok=True)
+    stem = os.path.join(args.out_dir, f"runtime-mlp{args.hidden}")
+    original, emitted = stem + ".meta", stem + f".allreduce{args.devices}.meta"
+    print(f"bench_runtime: MLP {FEATURES}-{args.hidden}-{args.hidden}-{CLASSES}, SGD lr "
+          f"{args.lr}, global batch {args.batch}, {args.devices} CPU devices, threads inter_op "
+          f"{args.inter_op} intra_op {args.intra_op}, {os.cpu_count()} CPU cores; "
+          f"{args.warmup} warm-up steps, best of {args.repeats} windows of {args.steps} steps")
+    try:
+        spawn("build", dict(opts, path=original), args.timeout)
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        from graphxform import metagraph, strategies
+        t0 = time.perf_counter()
+        ir = metagraph.load(original)
+        strategies.transform(ir, "allreduce",
+                             devices=[f"/device:CPU:{i}" for i in range(args.devices)])
+        metagraph.save(ir, emitted)
+        print(f"original {original} ({len(metagraph.load(original))} nodes); emitted {emitted} "
+              f"({len(ir)} nodes, transformed in {time.perf_counter() - t0:.2f} s)")
+    except Exception as e:  # noqa: BLE001 - reported; the tool always exits 0
+        print(f"cannot prepare the graphs: {type(e).__name__}: {e}")
+        return 0
+
+    results = {}
+    for kind in [k.strip() for k in args.only.split(",") if k.strip()]:
+        path = {"original": original, "emitted": emitted}.get(kind)
+        try:
+            res = spawn(kind, dict(opts, path=path), args.timeout)
+        except Exception as e:  # noqa: BLE001
+            print(f"{kind}: FAILED: {e}")
+            continue
+        res["best"] = max(res["rates"])
+        res["median"] = statistics.median(res["rates"])
+        results[kind] = res
+        extra = f", cross-device ops {res['cross_device_ops']}" if "cross_device_ops" in res else ""
+        print(f"{kind:9s} {res['best']:8.2f} steps/s best ({res['median']:.2f} median; windows "
+              f"{', '.join(f'{r:.2f}' for r in res['rates'])})  "
+              f"{res['best'] * args.batch:8.0f} examples/s  loss {res['loss_first']:.3f} -> "
+              f"{res['loss_last']:.3f}{extra}")
+
+    print()
+    verdicts = {}
+    if "emitted" in results:
+        for other, budget, strict in (("original", ORIGINAL_BUDGET, False),
+                                      ("mirrored", MIRRORED_BUDGET, True)):
+            if other not in results:
+                continue
+            ratio = results["emitted"]["best"] / results[other]["best"]
+            ok = ratio > budget if strict else ratio >= budget
+            verdicts[other] = {"ratio": ratio, "ok": ok}
+            print(f"emitted / {other:8s} = {ratio:.2f}x  (budget {'>' if strict else '>='} "
+                  f"{budget}x: {'within budget' if ok else 'OVER budget'})")
+    elapsed = time.perf_counter() - start
+    print(f"total benchmark time {elapsed:.0f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"options": opts, "results": results, "ratios": verdicts,
+                       "elapsed_s": elapsed}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--_worker"]:
+        worker(sys.argv[2], json.loads(sys.argv[3]))
+        sys.exit(0)
+    try:
+        main()
+    except Exception:  # noqa: BLE001 - the tool always exits 0 (usage errors keep their code)
+        traceback.print_exc()
+    sys.exit(0)
