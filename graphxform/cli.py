@@ -3,6 +3,7 @@ the traceback."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import sys
@@ -209,7 +210,7 @@ def _import_tensorflow_quietly(debug: bool) -> None:
     """TF's native libraries print start-up chatter straight to fd 2; keep it off the terminal
     so an error stays one line (``--debug`` shows everything)."""
     if debug:
-        import tensorflow  # noqa: F401
+        importlib.import_module("tensorflow")
         return
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     sys.stderr.flush()
@@ -217,7 +218,7 @@ def _import_tensorflow_quietly(debug: bool) -> None:
     devnull = os.open(os.devnull, os.O_WRONLY)
     try:
         os.dup2(devnull, 2)
-        import tensorflow  # noqa: F401
+        importlib.import_module("tensorflow")
     finally:
         os.dup2(saved, 2)
         os.close(saved)
