@@ -45,3 +45,92 @@ def cpu_devices_needed(device_names) -> int:
         if spec.device_type == "CPU" and spec.device_index is not None:
             count = max(count, spec.device_index + 1)
     return count
+
+
+class Cluster:
+    """A TF cluster: job name -> list of "host:port" task addresses (TensorFlow's ClusterSpec
+    JSON, or the "cluster" part of TF_CONFIG)."""
+
+    def __init__(self, jobs: dict, source: str = "cluster"):
+        self.source = source
+        self.jobs = {}
+        if not isinstance(jobs, dict) or not jobs:
+            raise GraphxformError(f"{source}: a cluster is a JSON object of jobs, e.g. "
+                                  '{"ps": ["127.0.0.1:2222"], "worker": [...]}')
+        for job, tasks in jobs.items():
+            if isinstance(tasks, dict):  # {"0": "host:port", ...}, TF allows sparse tasks
+                try:
+                    tasks = [tasks[k] for k in sorted(tasks, key=int)]
+                except ValueError:
+                    raise GraphxformError(f"{source}: job '{job}' has a task index that is not "
+                                          "a number") from None
+            if not isinstance(tasks, list) or not tasks:
+                raise GraphxformError(f"{source}: job '{job}' has no tasks")
+            for address in tasks:
+                if not isinstance(address, str) or ":" not in address:
+                    raise GraphxformError(f"{source}: job '{job}' task address {address!r} is "
+                                          "not host:port")
+            self.jobs[job] = list(tasks)
+        if "worker" not in self.jobs and "chief" not in self.jobs:
+            raise GraphxformError(f"{source}: the cluster has no 'worker' (or 'chief') job")
+
+    def tasks(self, job: str) -> list[str]:
+        return self.jobs.get(job, [])
+
+    def require(self, job: str, task: int) -> str:
+        tasks = self.tasks(job)
+        if not tasks:
+            raise GraphxformError(f"{self.source}: the cluster has no job '{job}'")
+        if not 0 <= task < len(tasks):
+            raise GraphxformError(f"{self.source}: job '{job}' has no task {task} (it has "
+                                  f"{len(tasks)})")
+        return tasks[task]
+
+    def as_dict(self) -> dict:
+        return {job: list(tasks) for job, tasks in self.jobs.items()}
+
+    def worker_devices(self, replicas_per_worker: int = 1, device_type: str = "CPU") -> list:
+        """One device per replica: /job:worker/task:i/device:CPU:j."""
+        if replicas_per_worker < 1:
+            raise GraphxformError(f"--replicas-per-worker must be at least 1, not "
+                                  f"{replicas_per_worker}")
+        return [f"/job:worker/task:{i}/device:{device_type}:{j}"
+                for i in range(len(self.tasks("worker"))) for j in range(replicas_per_worker)]
+
+
+def load_cluster(path: str | None = None, environ=None) -> tuple[Cluster, dict]:
+    """The cluster from a ClusterSpec JSON file, else from TF_CONFIG. Returns (cluster, task)
+    where task is TF_CONFIG's {"type": ..., "index": ...} (empty for a file)."""
+    import json
+    import os
+    environ = os.environ if environ is None else environ
+    if path:
+        try:
+            with open(path) as f:
+                text = f.read()
+        except OSError as e:
+            raise GraphxformError(f"{path}: cannot read: {e.strerror}") from None
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise GraphxformError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+        if isinstance(data, dict) and "cluster" in data:  # a TF_CONFIG-shaped file
+            data = data["cluster"]
+        return Cluster(data, source=path), {}
+    raw = environ.get("TF_CONFIG")
+    if not raw:
+        raise GraphxformError("no cluster: give --cluster FILE or set TF_CONFIG")
+    try:
+        config = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise GraphxformError(f"TF_CONFIG: not valid JSON ({e.msg})") from None
+    if not isinstance(config, dict) or "cluster" not in config:
+        raise GraphxformError('TF_CONFIG: has no "cluster"')
+    cluster = Cluster(config["cluster"], source="TF_CONFIG")
+    task = config.get("task") or {}
+    if task:
+        try:
+            cluster.require(task.get("type", ""), int(task.get("index", 0)))
+        except (TypeError, ValueError):
+            raise GraphxformError(f"TF_CONFIG: task {task!r} is not {{type, index}}") from None
+    return cluster, task
