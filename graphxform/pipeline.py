@@ -21,9 +21,12 @@ class PassResult:
 class PassContext:
     """What passes share: the analysis of the input graph and what earlier passes recorded."""
     training: object = None  # graphxform.training.TrainingGraph of the input graph
-    replicas: int = 1
-    devices: list = dataclasses.field(default_factory=list)
+    devices: list = dataclasses.field(default_factory=list)  # one per replica
     state: dict = dataclasses.field(default_factory=dict)  # pass name -> what it left for later
+
+    @property
+    def replicas(self) -> int:
+        return len(self.devices)
 
 
 class Pass:

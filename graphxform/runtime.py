@@ -24,7 +24,7 @@ class Feeds:
 
     def __init__(self, inputs, path: str | None = None, batch_size: int | None = None,
                  seed: int = 0):
-        self.inputs = [i for i in inputs]
+        self.inputs = list(inputs)
         self.pool = {}
         if path:
             try:
@@ -116,8 +116,13 @@ class Runner:
                                       f"{_first_line(e)}") from None
             if self.saver is None:  # no saver_def: save the global variables by op name
                 self.saver = tf1.train.Saver(allow_empty=True)
-            self.init_op = tf1.global_variables_initializer()
             self.variables = tf1.global_variables()
+            if self.variables:
+                self.init_op = tf1.global_variables_initializer()
+            else:  # no variable collections (a bare GraphDef): run the initializers found
+                self.init_op = tf.group(*[self.graph.get_operation_by_name(v.initializer)
+                                          for v in self.analysis.variables.values()
+                                          if v.initializer])
             for name in self.fetches + ([self.loss] if self.loss else []):
                 try:
                     self.graph.as_graph_element(name)

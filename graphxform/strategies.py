@@ -43,7 +43,7 @@ def transform(ir, strategy: str = "allreduce", devices=None, train_op: str | Non
     if strategy not in STRATEGIES:
         raise GraphxformError(f"unknown strategy '{strategy}' (known: {', '.join(STRATEGIES)})")
     devices = list(devices or ["/device:CPU:0"])
-    ctx = PassContext(training=training.analyze(ir, train_op=train_op), replicas=len(devices),
+    ctx = PassContext(training=training.analyze(ir, train_op=train_op),
                       devices=devices)
     pipeline = STRATEGIES[strategy](**options)
     pipeline.run(ir, ctx)

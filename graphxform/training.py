@@ -371,7 +371,7 @@ def _losses(ir) -> list[str]:
         names = list(col.node_list.value) or [b.decode() for b in col.bytes_list.value]
         if names:
             return [tensor_name(*parse_tensor(n)) for n in names]
-    if "gradients/Shape" in ir:
+    if "gradients/Shape" in ir and ir.inputs("gradients/Shape"):  # tf.gradients' Shape(loss)
         return [tensor_name(*ir.input("gradients/Shape", 0))]
     return ["loss:0"] if "loss" in ir else []
 

@@ -43,47 +43,30 @@ class AllReduce(Pass):
 
     def run(self, ir, ctx):
         tg = ctx.training
-        build = Builder(ir, self.name)
-        self.devices = ctx.devices
-        self.n = len(ctx.devices)
-        self.build = build
-        self.next_instance = 1
-        self.rewires = []  # (replica, tensor in replica, reduced tensor, consumer scope)
-        self._keys = [self._group_consts(i) for i in range(self.n)]
         dense, sparse = [], []
         for var in tg.trainable:
             grad = var.gradient
             if grad.kind == "dense" or self.sparse_as_dense:
-                nbytes = var.nbytes or 1
                 dense.append(DenseGrad(var.name, grad.tensor if grad.kind == "dense" else None,
-                                       var.shape, var.dtype, nbytes,
+                                       var.shape, var.dtype, var.nbytes or 1,
                                        None if grad.kind == "dense" else grad))
             else:
                 sparse.append((var, grad))
+        if not dense and not sparse:
+            return PassResult(modified=False)
         buckets = self._buckets(reversed(dense))  # last layers' gradients are ready first
-        previous = [None] * self.n
+        collectives = _Collectives(ir, self.name, ctx.devices)
+        previous = [None] * len(ctx.devices)
         for b, bucket in enumerate(buckets):
-            previous = self._reduce_bucket(ir, b, bucket, previous)
+            previous = collectives.reduce_bucket(b, bucket, previous)
         for j, (var, grad) in enumerate(sparse):
-            self._gather(ir, j, var, grad)
-        ctx.state[self.name] = {"rewires": self.rewires,
+            collectives.gather(j, var, grad)
+        ctx.state[self.name] = {"rewires": collectives.rewires,
                                "scope": tg.optimizer.scope if tg.optimizer else ""}
-        collectives = len(buckets) + 2 * len(sparse)
-        reduced = sum(g.nbytes for g in dense)
-        return PassResult(modified=bool(dense or sparse), summary={
+        return PassResult(modified=True, summary={
             "buckets": len(buckets), "sparse_gathers": len(sparse),
-            "collectives_per_replica": collectives, "dense_bytes_reduced": reduced})
-
-    def _group_consts(self, i):
-        scope = f"{SCOPE}{replica_prefix(i)}"
-        device = self.devices[i]
-        size = self.build.const(scope + "group_size", self.n, np.int32, device=device)
-        key = self.build.const(scope + "group_key", GROUP_KEY, np.int32, device=device)
-        return size, key
-
-    def _instance_key(self, scope, i):
-        return self.build.const(scope + "instance_key", self.next_instance, np.int32,
-                                device=self.devices[i])
+            "collectives_per_replica": len(buckets) + 2 * len(sparse),
+            "dense_bytes_reduced": sum(g.nbytes for g in dense)})
 
     def _buckets(self, grads):
         buckets, current, size = [], [], 0
@@ -97,6 +80,31 @@ class AllReduce(Pass):
             buckets.append(current)
         return buckets
 
+
+class _Collectives:
+    """The nodes of one all-reduce pass run: keys, buckets, gathers, and the rewires they
+    leave for rewire-consumers."""
+
+    def __init__(self, ir, created_by, devices):
+        self.ir = ir
+        self.build = Builder(ir, created_by)
+        self.devices = devices
+        self.n = len(devices)
+        self.next_instance = 1
+        self.rewires = []  # (replica, local tensor in that replica, reduced tensor)
+        self._keys = [self._group_consts(i) for i in range(self.n)]
+
+    def _group_consts(self, i):
+        scope = f"{SCOPE}{replica_prefix(i)}"
+        device = self.devices[i]
+        size = self.build.const(scope + "group_size", self.n, np.int32, device=device)
+        key = self.build.const(scope + "group_key", GROUP_KEY, np.int32, device=device)
+        return size, key
+
+    def _instance_key(self, scope, i):
+        return self.build.const(scope + "instance_key", self.next_instance, np.int32,
+                                device=self.devices[i])
+
     def _replica_grad(self, ir, i, g: DenseGrad, scope):
         """The gradient of ``g`` in replica i as a dense tensor (densifying IndexedSlices)."""
         prefix = replica_prefix(i)
@@ -109,8 +117,8 @@ class AllReduce(Pass):
                              [values, indices, rows], device=self.devices[i], T=g.dtype,
                              Tindices=opdefs.output_dtype(ir, *parse_tensor(indices)))
 
-    def _reduce_bucket(self, ir, b, bucket, previous):
-        build, out = self.build, []
+    def reduce_bucket(self, b, bucket, previous):
+        ir, build, out = self.ir, self.build, []
         for i in range(self.n):
             device = self.devices[i]
             scope = f"{SCOPE}bucket_{b}/{replica_prefix(i)}"
@@ -155,14 +163,14 @@ class AllReduce(Pass):
             self.rewires.append((i, prefix + g.tensor, reduced))
             return
         rows = np.arange(g.shape[0])
-        indices_dtype = opdefs.output_dtype(self.build.ir, *parse_tensor(prefix + g.sparse.indices))
+        indices_dtype = opdefs.output_dtype(self.ir, *parse_tensor(prefix + g.sparse.indices))
         all_rows = self.build.const(scope + f"rows_index_{g.var.replace('/', '_')}", rows,
                                     numpy_dtype(indices_dtype), device=self.devices[i])
         self.rewires.append((i, prefix + g.sparse.values, reduced))
         self.rewires.append((i, prefix + g.sparse.indices, f"{all_rows}:0"))
 
-    def _gather(self, ir, j, var, grad):
-        build = self.build
+    def gather(self, j, var, grad):
+        ir, build = self.ir, self.build
         values_key, indices_key = self.next_instance, self.next_instance + 1
         self.next_instance += 2
         for i in range(self.n):

@@ -31,7 +31,7 @@ class MergeFetches(Pass):
         n = len(ctx.devices)
         build = Builder(ir, self.name)
         merged = []
-        sinks = [name for name in [tg.train_op, *tg.noop_sinks] if name not in ir]
+        sinks = [name for name in dict.fromkeys([tg.train_op, *tg.noop_sinks]) if name not in ir]
         for name in sinks:
             build.op(name, "NoOp", ["^" + replica_prefix(i) + name for i in range(n)])
             merged.append(name)
@@ -40,7 +40,7 @@ class MergeFetches(Pass):
             merged += self._merge(ir, build, tensor, n, "mean")
         for tensor in self.concat:
             merged += self._merge(ir, build, tensor, n, "concat")
-        _restore_collection_names(ir, set(merged), n)
+        _restore_collection_names(ir, set(merged))
         return PassResult(modified=bool(merged), summary={"merged": merged})
 
     def _merge(self, ir, build, tensor, n, how):
@@ -63,7 +63,7 @@ class MergeFetches(Pass):
         return [node]
 
 
-def _restore_collection_names(ir, merged, n) -> None:
+def _restore_collection_names(ir, merged) -> None:
     """Collections that listed replica copies of a merged node list the original name again."""
     for col in ir.meta.collection_def.values():
         if not col.HasField("node_list"):

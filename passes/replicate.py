@@ -28,7 +28,7 @@ def shared_nodes(ir, tg) -> set:
         stack = [src for n in list(shared) for src, _ in ir.inputs(n)]
         while stack:  # stateless inputs used only by shared nodes (initial value, increment)
             node = stack.pop()
-            if node in shared or not ir.op(node) in ("Const", "Fill", "Identity", "Cast"):
+            if node in shared or ir.op(node) not in ("Const", "Fill", "Identity", "Cast"):
                 continue
             if all(dst in shared for dst in ir.successors(node)):
                 shared.add(node)

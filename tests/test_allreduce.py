@@ -219,3 +219,35 @@ def test_verify_cli_pass_and_explained_fail(run_cli):
     code, out, _ = run_cli("verify", fixture_path("cnn_bn_momentum"), "--replicas", "2",
                            "--steps", "2", "--batch-size", "16")
     assert code != 0 and "FAIL" in out and "batch norm" in out
+
+
+def test_train_op_without_global_step(tmp_path):
+    """minimize() without global_step: the train op is a NoOp sink, merged once."""
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+    g = tf.Graph()
+    with g.as_default():
+        tf1.set_random_seed(0)
+        x = tf1.placeholder(tf.float32, [None, 4], name="x")
+        w = tf1.get_variable("w", [4, 1], use_resource=True)
+        loss = tf.identity(tf.reduce_mean(tf.square(tf.matmul(x, w))), name="loss")
+        tf1.add_to_collection("losses", loss)
+        tf1.add_to_collection("train_op", tf1.train.GradientDescentOptimizer(0.1).minimize(loss))
+        path = str(tmp_path / "m.meta")
+        tf1.train.export_meta_graph(filename=path)
+    np.savez(str(tmp_path / "f.npz"), x=np.random.default_rng(0).standard_normal((16, 4)))
+    ir = metagraph.load(path)
+    strategies.transform(ir, "allreduce", devices=["/device:CPU:0", "/device:CPU:1"])
+    assert ir.op("GradientDescent") == "NoOp"
+    report = equivalence.compare(metagraph.load(path), ir, str(tmp_path / "f.npz"), steps=3,
+                                 batch_size=8)
+    assert report.ok, equivalence.format_report(report)
+
+
+def test_run_bare_graphdef_initializes_without_collections(tmp_path, run_cli):
+    pb = str(tmp_path / "mlp.pb")
+    metagraph.save(metagraph.load(fixture_path("mlp_sgd")), pb)
+    code, out, err = run_cli("run", pb, "--train-op", "GradientDescent", "--steps", "2",
+                             "--batch-size", "4")
+    assert code == 0, err
+    assert len([line for line in out.splitlines() if line.startswith("step")]) == 2

@@ -18,7 +18,7 @@ TWO = ["/device:CPU:0", "/device:CPU:1"]
 
 
 def context(ir, devices=TWO):
-    return PassContext(training=training.analyze(ir), replicas=len(devices), devices=devices)
+    return PassContext(training=training.analyze(ir), devices=devices)
 
 
 def run(name_or_ir, passes, devices=TWO):
