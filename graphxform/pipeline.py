@@ -23,6 +23,8 @@ class PassContext:
     training: object = None  # graphxform.training.TrainingGraph of the input graph
     devices: list = dataclasses.field(default_factory=list)  # one per replica
     state: dict = dataclasses.field(default_factory=dict)  # pass name -> what it left for later
+    cluster: object = None  # graphxform.cluster.Cluster for strategies that run on one
+    strategy: str = ""
 
     @property
     def replicas(self) -> int:

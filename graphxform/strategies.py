@@ -5,9 +5,12 @@ from __future__ import annotations
 
 from graphxform.passes.all_reduce import DEFAULT_BUCKET_BYTES, AllReduce
 from graphxform.passes.drop_in_saver import DropInSaver
+from graphxform.passes.insert_accumulators import InsertAccumulators
 from graphxform.passes.merge_fetches import MergeFetches
+from graphxform.passes.place_variables import PlaceVariables
 from graphxform.passes.replicate import Replicate
 from graphxform.passes.rewire_consumers import RewireConsumers
+from graphxform.passes.share_variables import ShareVariables
 from graphxform.passes.split_inputs import SplitInputs
 from graphxform.passes.strip_saver import StripSaver
 from graphxform.passes.sync_init import SyncInit
@@ -30,21 +33,49 @@ def allreduce(bucket_bytes: int = DEFAULT_BUCKET_BYTES, sparse_as_dense: bool = 
     ], verify=verify, dump_dir=dump_dir)
 
 
-STRATEGIES = {"allreduce": allreduce}
+def ps(ps_tasks: int = 1, staleness: int = 0, asynchronous: bool = False,
+       fetch_mean=(), fetch_concat=(), verify: bool = True,
+       dump_dir: str | None = None) -> Pipeline:
+    """Parameter servers: variables balanced by bytes over the ps tasks, one copy each; every
+    worker's gradients aggregated in accumulators on the ps and applied once per step (replica
+    devices and the cluster come from the PassContext)."""
+    return Pipeline([
+        StripSaver(),
+        PlaceVariables(ps_tasks=ps_tasks),
+        ShareVariables(),
+        Replicate(),
+        SplitInputs(),
+        InsertAccumulators(staleness=staleness, asynchronous=asynchronous),
+        MergeFetches(mean=tuple(fetch_mean), concat=tuple(fetch_concat)),
+        DropInSaver(),
+    ], verify=verify, dump_dir=dump_dir)
+
+
+STRATEGIES = {"allreduce": allreduce, "ps": ps}
+CLUSTER_STRATEGIES = {"ps"}  # strategies whose devices are a cluster's worker tasks
 
 
 def transform(ir, strategy: str = "allreduce", devices=None, train_op: str | None = None,
-              **options):
+              cluster=None, **options):
     """Analyse ``ir`` and run the strategy's pipeline on it in place; returns the Pipeline
-    (its ``timings`` say what each pass did)."""
+    (its ``timings`` say what each pass did). Cluster strategies take ``cluster`` (a
+    graphxform.cluster.Cluster) and default ``devices`` to one per worker task."""
     from graphxform import training
     from graphxform.errors import GraphxformError
     from graphxform.pipeline import PassContext
     if strategy not in STRATEGIES:
         raise GraphxformError(f"unknown strategy '{strategy}' (known: {', '.join(STRATEGIES)})")
+    if strategy in CLUSTER_STRATEGIES:
+        if cluster is None:
+            raise GraphxformError(f"strategy {strategy} needs a cluster: give --cluster FILE or "
+                                  "set TF_CONFIG")
+        if not cluster.tasks("ps"):
+            raise GraphxformError(f"{cluster.source}: strategy {strategy} needs a 'ps' job")
+        devices = devices or cluster.worker_devices()
+        options.setdefault("ps_tasks", len(cluster.tasks("ps")))
     devices = list(devices or ["/device:CPU:0"])
-    ctx = PassContext(training=training.analyze(ir, train_op=train_op),
-                      devices=devices)
+    ctx = PassContext(training=training.analyze(ir, train_op=train_op), devices=devices,
+                      cluster=cluster, strategy=strategy)
     pipeline = STRATEGIES[strategy](**options)
     pipeline.run(ir, ctx)
     return pipeline

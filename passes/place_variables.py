@@ -25,6 +25,10 @@ def balance(sizes: dict, tasks: int) -> dict:
     return placement
 
 
+def ps_device(task: int) -> str:
+    return f"/job:ps/task:{task}/device:CPU:0"
+
+
 @dataclasses.dataclass
 class PlaceVariables(Pass):
     name = "place-variables"
@@ -39,8 +43,9 @@ class PlaceVariables(Pass):
         sizes = {owner: sum(variables[v].nbytes for v in members)
                  for owner, members in groups.items()}
         placement = balance(sizes, self.ps_tasks)
+        devices = {}
         for owner, task in placement.items():
             for member in groups[owner]:
-                ir.node(member)["device"] = f"/job:ps/task:{task}/device:CPU:0"
-        ctx.state[self.name] = {"placement": placement, "bytes": sizes}
+                devices[member] = ir.node(member)["device"] = ps_device(task)
+        ctx.state[self.name] = {"placement": placement, "bytes": sizes, "devices": devices}
         return PassResult(modified=bool(placement), summary={"ps_tasks": self.ps_tasks})

@@ -2,14 +2,19 @@
 
 Each replica gets its own copy of every variable and slot. Shared by all replicas, under their
 original names: the input placeholders (split-inputs slices them) and global_step with the ops
-that only serve it (its initializer, reads and the once-per-step increment). A shared op that
-waited on a replicated op now waits on every replica's copy."""
+that only serve it (its initializer, reads and the once-per-step increment), plus whatever
+`share-variables` chose to keep single. A shared op that waited on a replicated op now waits on
+every replica's copy. A shared op that reads a replicated tensor (an update op reading a
+gradient, after share-variables) reads replica 0's copy for now; the edge is recorded as a
+`cross_edge` for `insert-accumulators`, which must aggregate it. Without share-variables such an
+edge is an error."""
 
 from __future__ import annotations
 
 import dataclasses
 
 from graphxform.errors import GraphxformError
+from graphxform.ir import tensor_name
 from graphxform.nodes import replica_prefix
 from graphxform.pipeline import Pass, PassResult
 from graphxform.training import PLACEHOLDER_OPS
@@ -46,7 +51,8 @@ class Replicate(Pass):
         if any(n.startswith("replica_0/") for n in ir.nodes()):
             raise GraphxformError("the graph is already transformed (it has nodes under "
                                   "replica_0/); start from the single-device graph")
-        shared = shared_nodes(ir, tg)
+        sharing = ctx.state.get("share-variables")
+        shared = shared_nodes(ir, tg) | (sharing["shared"] if sharing else set())
         copied = [n for n in ir.nodes() if n not in shared]
         replicas = []
         for i, device in enumerate(ctx.devices):
@@ -54,19 +60,24 @@ class Replicate(Pass):
             mapping = ir.copy_nodes(copied, prefix, device=device, created_by=self.name)
             _rename_frames(ir, mapping.values(), prefix)
             replicas.append(mapping)
+        cross_edges = []
         for name in shared:  # shared ops that waited on a replicated op wait on all copies
             for src in list(ir.control_inputs(name)):
                 if src not in shared:
                     ir.remove_control_input(name, src)
                     for mapping in replicas:
                         ir.add_control_input(name, mapping[src])
-            for src, _ in ir.inputs(name):
-                if src not in shared:
+            for port, (src, src_port) in enumerate(ir.inputs(name)):
+                if src in shared:
+                    continue
+                if not sharing:
                     raise GraphxformError(f"'{name}' runs once per step but reads '{src}', which "
                                           "every replica computes")
+                ir.set_input(name, port, tensor_name(replicas[0][src], src_port))
+                cross_edges.append((name, port, tensor_name(src, src_port)))
         ir.remove_nodes(copied)
         _update_collections(ir, shared, len(ctx.devices))
-        ctx.state[self.name] = {"shared": shared}
+        ctx.state[self.name] = {"shared": shared, "cross_edges": cross_edges}
         return PassResult(modified=True, summary={"replicas": len(ctx.devices),
                                                   "nodes_per_replica": len(copied)})
 
