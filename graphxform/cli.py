@@ -75,22 +75,38 @@ def default_output(model: str, strategy: str) -> str:
     return f"{stem}.{strategy}.meta"
 
 
-def _transform(model, strategy, replicas, devices, train_op, bucket_bytes, sparse_as_dense,
-               no_verify=False, dump_dir=None):
-    from graphxform import metagraph, strategies, verify as verify_mod
-    device_list = _devices(replicas, devices)
+def _transform(model, options, no_verify=False, dump_dir=None):
+    """Load MODEL twice (original, to transform) and run the strategy the options name."""
+    from graphxform import cluster, metagraph, strategies, verify as verify_mod
+    strategy = options["strategy"]
+    kwargs = {}
+    if strategy in strategies.CLUSTER_STRATEGIES:
+        found, _ = cluster.load_cluster(options["cluster"])
+        if options["devices"] or options["replicas"]:
+            raise click.UsageError(f"--strategy {strategy} places replicas on the cluster's "
+                                   "workers: use --replicas-per-worker, not --replicas/--devices")
+        device_list = found.worker_devices(options["replicas_per_worker"])
+        kwargs = {"cluster": found, "staleness": options["staleness"],
+                  "asynchronous": options["async_"]}
+    else:
+        if options["cluster"]:
+            raise click.UsageError(f"--strategy {strategy} runs on local devices; --cluster is "
+                                   "for ps")
+        device_list = _devices(options["replicas"], options["devices"])
+        kwargs = {"bucket_bytes": options["bucket_bytes"],
+                  "sparse_as_dense": options["sparse_as_dense"]}
     ir = metagraph.load(model)
     original = metagraph.load(model)
-    pipeline = strategies.transform(ir, strategy, devices=device_list, train_op=train_op,
-                                    bucket_bytes=bucket_bytes, sparse_as_dense=sparse_as_dense,
-                                    verify=not no_verify, dump_dir=dump_dir)
+    pipeline = strategies.transform(ir, strategy, devices=device_list,
+                                    train_op=options["train_op"], verify=not no_verify,
+                                    dump_dir=dump_dir, **kwargs)
     verify_mod.check_imports(ir)
     return original, ir, pipeline
 
 
 strategy_options = [
     click.option("--strategy", default="allreduce", show_default=True,
-                 type=click.Choice(["allreduce"]), help="How to distribute the training step."),
+                 type=click.Choice(["allreduce", "ps"]), help="How to distribute the training step."),
     click.option("--replicas", type=int, help="Number of replicas (local CPU devices)."),
     click.option("--devices", help="Comma-separated TF device names, one per replica "
                  "(e.g. /device:GPU:0,/device:GPU:1)."),
@@ -99,6 +115,16 @@ strategy_options = [
                  type=click.IntRange(min=1), help="Largest fused all-reduce bucket."),
     click.option("--sparse-as-dense", is_flag=True,
                  help="All-reduce sparse gradients as dense tensors instead of gathering them."),
+    click.option("--cluster", type=click.Path(dir_okay=False),
+                 help="ClusterSpec JSON (jobs ps, worker, optionally chief) for ps strategies; "
+                 "default: TF_CONFIG."),
+    click.option("--replicas-per-worker", default=1, show_default=True,
+                 type=click.IntRange(min=1), help="Replicas (CPU devices) on each worker task."),
+    click.option("--staleness", default=0, show_default=True, type=click.IntRange(min=0),
+                 help="ps: let a worker run up to K steps ahead of the slowest (gradients up to "
+                 "K steps old still count)."),
+    click.option("--async", "async_", is_flag=True,
+                 help="ps: no aggregation; each worker applies its own gradient when ready."),
 ]
 
 
@@ -118,25 +144,28 @@ def with_options(options):
 @click.option("--dump-dir", type=click.Path(file_okay=False),
               help="Write NN_<pass>.pbtxt and .dot after every pass.")
 @debug_option
-def apply(model, strategy, replicas, devices, train_op, bucket_bytes, sparse_as_dense, output,
-          no_verify, dump_dir, debug):
+def apply(model, output, no_verify, dump_dir, debug, **options):
     """Transform MODEL with a strategy and write the distributed graph."""
     from graphxform import metagraph
+    strategy = options["strategy"]
     output = output or default_output(model, strategy)
     metagraph.check_output_path(output, model)
-    _, ir, pipeline = _transform(model, strategy, replicas, devices, train_op, bucket_bytes,
-                                 sparse_as_dense, no_verify, dump_dir)
+    _, ir, pipeline = _transform(model, options, no_verify, dump_dir)
     metagraph.save(ir, output)
     summary = {}
     for t in pipeline.timings:
         summary.update(t.summary)
     click.echo(f"wrote {output}: {strategy}, {summary.get('replicas')} replicas, "
                f"{len(ir)} nodes")
-    click.echo(f"  collectives per replica per step: {summary.get('collectives_per_replica', 0)} "
-               f"({summary.get('buckets', 0)} dense buckets, {summary.get('sparse_gathers', 0)} "
-               f"sparse gathers x2)")
-    click.echo(f"  dense bytes all-reduced per replica per step: "
-               f"{summary.get('dense_bytes_reduced', 0)}")
+    if "buckets" in summary:
+        click.echo(f"  collectives per replica per step: "
+                   f"{summary.get('collectives_per_replica', 0)} ({summary['buckets']} dense "
+                   f"buckets, {summary.get('sparse_gathers', 0)} sparse gathers x2)")
+        click.echo(f"  dense bytes all-reduced per replica per step: "
+                   f"{summary.get('dense_bytes_reduced', 0)}")
+    if "workers" in summary:
+        click.echo(f"  {summary['workers']} workers, {summary.get('ps_tasks')} ps tasks, "
+                   f"{summary.get('aggregated', 0)} variables aggregated in accumulators")
     for t in pipeline.timings:
         click.echo(f"  {t.name:18} {t.seconds * 1000:8.1f} ms" + ("" if t.modified else
                                                                   "  (nothing to do)"))
@@ -193,14 +222,13 @@ def _short(value) -> str:
 @click.option("--rtol", default=1e-5, show_default=True, type=float,
               help="Largest relative difference that passes.")
 @debug_option
-def verify_command(model, strategy, replicas, devices, train_op, bucket_bytes, sparse_as_dense,
-                   steps, feeds, batch_size, fetches, rtol, debug):
-    """Transform MODEL, then train both from the same checkpoint and compare."""
+def verify_command(model, steps, feeds, batch_size, fetches, rtol, debug, **options):
+    """Transform MODEL, then train both from the same checkpoint and compare (a ps graph runs
+    on its cluster's servers, started in this process on 127.0.0.1)."""
     from graphxform import equivalence
-    original, ir, _ = _transform(model, strategy, replicas, devices, train_op, bucket_bytes,
-                                 sparse_as_dense)
+    original, ir, _ = _transform(model, options)
     report = equivalence.compare(original, ir, feeds, steps=steps, batch_size=batch_size,
-                                 fetches=fetches, rtol=rtol, train_op=train_op)
+                                 fetches=fetches, rtol=rtol, train_op=options["train_op"])
     click.echo(equivalence.format_report(report))
     if not report.ok:
         sys.exit(EXIT_ERROR)

@@ -4,16 +4,18 @@ replica of a variable still holds the same value."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import tempfile
 
 import numpy as np
 
-from graphxform import training
+from graphxform import distributed, training
+from graphxform.distributed import ClusterPlan
 from graphxform.ir import GraphIR
 from graphxform.nodes import replica_prefix
-from graphxform.runtime import Feeds, Runner
+from graphxform.runtime import Feeds, Runner, cpus_by_job
 
 
 @dataclasses.dataclass
@@ -79,7 +81,7 @@ def compare(original: GraphIR, transformed: GraphIR, feeds_path: str | None = No
             start = run.save(os.path.join(tmp, "start"))
             before = [run.step(feeds.batch(k)) for k in range(steps)]
             expected = run.variable_values()
-        with Runner(transformed, fetches=fetches) as run:
+        with _transformed_runner(transformed, fetches) as run:
             run.restore(start)
             after = [run.step(feeds.batch(k)) for k in range(steps)]
             got = run.variable_values()
@@ -99,7 +101,30 @@ def compare(original: GraphIR, transformed: GraphIR, feeds_path: str | None = No
     if tg.loss:
         fetched.insert(0, Difference(tg.loss, max(
             [relative_difference(b, a) for b, a in losses] + [0.0])))
-    return Report(steps, rtol, variables, fetched, losses, mismatch_reasons(original, tg))
+    reasons = mismatch_reasons(original, tg)
+    plan = ClusterPlan.from_ir(transformed)
+    if plan is not None and plan.is_async:
+        reasons.append("--async: each worker applies its own gradient when it is ready, so "
+                       "updates interleave in no fixed order")
+    return Report(steps, rtol, variables, fetched, losses, reasons)
+
+
+@contextlib.contextmanager
+def _transformed_runner(transformed: GraphIR, fetches):
+    """A Runner for the transformed graph; a cluster graph gets its cluster's servers started
+    in this process on fresh 127.0.0.1 ports and a session on its chief."""
+    plan = ClusterPlan.from_ir(transformed)
+    if plan is None:
+        with Runner(transformed, fetches=fetches) as run:
+            yield run
+        return
+    cluster = distributed.local_cluster(plan.job_sizes())
+    job, task = plan.chief.split(":")
+    with distributed.InProcessCluster(cluster, cpus=cpus_by_job(transformed)) as servers:
+        config = distributed.session_config(job, int(task), chief=True)
+        with Runner(transformed, fetches=fetches, target=servers.target(job, int(task)),
+                    config=config) as run:
+            yield run
 
 
 def format_report(report: Report) -> str:

@@ -96,7 +96,9 @@ class Runner:
     """A session over one MetaGraph; the devices it places on are created locally."""
 
     def __init__(self, ir: GraphIR, train_op: str | None = None, fetches=(),
-                 threads: int = 0):
+                 threads: int = 0, target: str = "", config=None):
+        """``target``/``config``: a TF server's session target and its ConfigProto (a cluster
+        graph); by default a local session with the CPU devices the graph names."""
         import tensorflow as tf
         tf1 = tf.compat.v1
         self.tf1 = tf1
@@ -128,11 +130,12 @@ class Runner:
                     self.graph.as_graph_element(name)
                 except (KeyError, ValueError):
                     raise GraphxformError(f"no tensor named '{name}' to fetch") from None
-        config = tf1.ConfigProto(device_count={"CPU": cluster.cpu_devices_needed(devices)},
-                                 allow_soft_placement=True,
-                                 inter_op_parallelism_threads=threads,
-                                 intra_op_parallelism_threads=threads)
-        self.session = tf1.Session(graph=self.graph, config=config)
+        if config is None:
+            config = tf1.ConfigProto(device_count={"CPU": cluster.cpu_devices_needed(devices)},
+                                     allow_soft_placement=True,
+                                     inter_op_parallelism_threads=threads,
+                                     intra_op_parallelism_threads=threads)
+        self.session = tf1.Session(target, graph=self.graph, config=config)
 
     def close(self):
         self.session.close()
@@ -186,6 +189,20 @@ class Runner:
     def variable_values(self) -> dict:
         """Every global variable's value by node name (replica copies under their own names)."""
         return self.session.run({v.op.name: v for v in self.variables})
+
+
+def cpus_by_job(ir: GraphIR) -> dict:
+    """job -> how many CPU devices each of its tasks must offer for the graph's placements."""
+    import tensorflow as tf
+    found = {}
+    for name in ir.nodes():
+        device = ir.node(name)["device"]
+        if not device:
+            continue
+        spec = tf.DeviceSpec.from_string(device)
+        if spec.job and spec.device_type == "CPU" and spec.device_index is not None:
+            found[spec.job] = max(found.get(spec.job, 1), spec.device_index + 1)
+    return found
 
 
 def _first_line(error) -> str:

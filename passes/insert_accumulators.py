@@ -19,12 +19,11 @@ With `asynchronous`, nothing is aggregated: every worker gets its own copy of th
 update region and applies its local mean gradient whenever it is ready.
 
 What the runtime needs (step op per task, loss per worker, chief, chief_init) is written to the
-`graphxform_cluster` collection as one JSON document."""
+graph as a graphxform.distributed.ClusterPlan."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import numpy as np
 
@@ -34,7 +33,6 @@ from graphxform.ir import parse_tensor
 from graphxform.nodes import Builder, replica_prefix
 from graphxform.pipeline import Pass, PassResult
 
-CLUSTER_COLLECTION = "graphxform_cluster"
 SYNC_SCOPE = "ps_sync/"
 ASYNC_SCOPE = "ps_async/"
 INT64 = 9  # DataType enum DT_INT64
@@ -375,17 +373,8 @@ def _np(dtype_enum):
 
 
 def _write_plan(ir, ctx, workers, steps, losses, chief_init, options) -> None:
-    plan = {
-        "strategy": ctx.strategy,
-        "cluster": ctx.cluster.as_dict() if ctx.cluster is not None else {},
-        "chief": workers.chief_task,
-        "replicas_per_worker": max(len(r) for r in workers.replicas.values()),
-        "steps": steps,
-        "losses": losses,
-        "chief_init": chief_init,
-        "staleness": options.staleness,
-        "async": options.asynchronous,
-    }
-    col = ir.meta.collection_def[CLUSTER_COLLECTION]
-    del col.bytes_list.value[:]
-    col.bytes_list.value.append(json.dumps(plan, sort_keys=True).encode())
+    from graphxform.distributed import ClusterPlan
+    ClusterPlan(cluster=ctx.cluster.as_dict() if ctx.cluster is not None else {}, steps=steps,
+                losses=losses, chief=workers.chief_task, chief_init=chief_init,
+                strategy=ctx.strategy or "ps", staleness=options.staleness,
+                is_async=options.asynchronous).write_to(ir.meta)

@@ -1,0 +1,160 @@
+"""Strategy ps: equivalence on an in-process cluster, placement, the passes, bad input."""
+
+import json
+
+import numpy as np
+import pytest
+
+from conftest import fixture_path
+from graphxform import cluster, distributed, metagraph, strategies, training
+from graphxform.errors import GraphxformError
+from graphxform.passes.place_variables import balance
+from graphxform.pipeline import PassContext, Pipeline
+
+SPEC = {"ps": ["127.0.0.1:2222", "127.0.0.1:2223"],
+        "worker": ["127.0.0.1:2224", "127.0.0.1:2225"]}
+
+
+@pytest.fixture
+def cluster_file(tmp_path):
+    path = tmp_path / "cluster.json"
+    path.write_text(json.dumps(SPEC))
+    return str(path)
+
+
+def transform_ps(name, spec=SPEC, **options):
+    ir = metagraph.load(fixture_path(name))
+    strategies.transform(ir, "ps", cluster=cluster.Cluster(spec), **options)
+    return ir
+
+
+@pytest.mark.parametrize("name, per_worker", [("mlp_sgd", 1), ("embedding_adam", 1),
+                                              ("legacy_ref", 1), ("mlp_sgd", 2)])
+def test_verify_matches_single_device(run_cli, cluster_file, name, per_worker):
+    code, out, err = run_cli("verify", fixture_path(name), "--strategy", "ps", "--cluster",
+                             cluster_file, "--replicas-per-worker", per_worker, "--feeds",
+                             fixture_path(name, ".npz"), "--steps", 5)
+    assert code == 0, out + err
+    assert "PASS" in out
+
+
+def test_ps_graph_shape():
+    ir = transform_ps("embedding_adam")
+    tg = training.analyze(metagraph.load(fixture_path("embedding_adam")))
+    for var in tg.variables:  # one copy of every variable, slot and optimizer state, on a ps task
+        assert var in ir and not any(f"replica_{i}/{var}" in ir for i in range(2))
+        assert ir.node(var)["device"].startswith("/job:ps/task:")
+    assert ir.op("embedding/weights/accumulator") == "SparseConditionalAccumulator"
+    assert ir.op("dense0/kernel/accumulator") == "ConditionalAccumulator"
+    for var in ("embedding/weights", "dense0/kernel"):  # the accumulator lives with its variable
+        assert ir.node(var + "/accumulator")["device"] == ir.node(var)["device"]
+    updates = [n for n in ir.nodes() if ir.op(n) == "ResourceApplyAdam"]
+    assert len(updates) == 2  # one update per dense variable per step, not one per replica
+    plan = distributed.ClusterPlan.from_ir(ir)
+    assert plan.chief == "worker:0" and set(plan.steps) == {"worker:0", "worker:1"}
+    assert plan.steps["worker:1"] in ir and ir.op("ps_sync/worker_1/token") == "QueueDequeueV2"
+    assert set(plan.losses) == {"worker:0", "worker:1"}
+
+
+def test_chief_job_gets_a_step_without_replicas():
+    ir = transform_ps("mlp_sgd", {**SPEC, "chief": ["127.0.0.1:2226"]})
+    plan = distributed.ClusterPlan.from_ir(ir)
+    assert plan.chief == "chief:0" and set(plan.steps) == {"chief:0", "worker:0", "worker:1"}
+    assert not any(ir.node(n)["device"].startswith("/job:chief") for n in ir.nodes())
+
+
+def test_staleness_prefills_tokens_and_async_copies_the_update():
+    ir = transform_ps("mlp_sgd", staleness=2)
+    assert distributed.ClusterPlan.from_ir(ir).chief_init == "ps_sync/chief_init"
+    assert ir.op("dense0/kernel/accumulator/set_global_step") == "AccumulatorSetGlobalStep"
+    ir = transform_ps("mlp_sgd", asynchronous=True)
+    assert not any(ir.op(n) == "ConditionalAccumulator" for n in ir.nodes())
+    applies = [n for n in ir.nodes() if ir.op(n) == "ResourceApplyGradientDescent"]
+    assert len(applies) == 2 * 4  # each worker updates each variable itself
+    assert distributed.ClusterPlan.from_ir(ir).is_async
+
+
+def test_async_verify_says_why_it_cannot_match(run_cli, cluster_file):
+    code, out, _ = run_cli("verify", fixture_path("mlp_sgd"), "--strategy", "ps", "--cluster",
+                           cluster_file, "--async", "--feeds", fixture_path("mlp_sgd", ".npz"),
+                           "--steps", 2, "--rtol", 1.0)
+    assert "cannot match exactly: --async" in out
+
+
+def test_checkpoint_from_ps_graph_restores_into_the_original(tmp_path):
+    from graphxform.runtime import Feeds, Runner
+    ir = transform_ps("mlp_sgd")
+    original = metagraph.load(fixture_path("mlp_sgd"))
+    feeds = Feeds(training.analyze(original).inputs, fixture_path("mlp_sgd", ".npz"))
+    with distributed.InProcessCluster(distributed.local_cluster({"ps": 2, "worker": 2})) as c:
+        with Runner(ir, target=c.target("worker", 0),
+                    config=distributed.session_config("worker", 0, chief=True)) as run:
+            run.initialize()
+            run.step(feeds.batch(0))
+            saved = run.variable_values()
+            prefix = run.save(str(tmp_path / "ps"))
+    with Runner(original) as run:
+        run.restore(prefix)
+        restored = run.variable_values()
+    for name, value in restored.items():
+        np.testing.assert_array_equal(value, saved[name])
+
+
+def test_placement_balances_unequal_variables():
+    sizes = {"huge": 1000, "a": 300, "b": 300, "c": 200, "d": 100, "e": 100, "f": 50}
+    for tasks in (2, 3, 4):
+        placement = balance(sizes, tasks)
+        load = [sum(s for n, s in sizes.items() if placement[n] == t) for t in range(tasks)]
+        assert max(load) <= max(sizes.values()) + sum(sizes.values()) / tasks
+
+
+def test_place_variables_keeps_slots_with_their_variable():
+    ir = transform_ps("embedding_adam")
+    for slot in ("embedding/weights/Adam", "embedding/weights/Adam_1"):
+        assert ir.node(slot)["device"] == ir.node("embedding/weights")["device"]
+
+
+def test_share_variables_refuses_a_graph_without_train_op():
+    from conftest import graph_without_train_op
+    from graphxform.passes.share_variables import ShareVariables
+    ir = graph_without_train_op()
+    ctx = PassContext(training=training.analyze(ir), devices=["/job:worker/task:0/device:CPU:0"])
+    with pytest.raises(GraphxformError, match="share-variables.*no train op"):
+        Pipeline([ShareVariables()]).run(ir, ctx)
+
+
+def test_insert_accumulators_needs_shared_variables():
+    from graphxform.passes.insert_accumulators import InsertAccumulators
+    ir = metagraph.load(fixture_path("mlp_sgd"))
+    ctx = PassContext(training=training.analyze(ir), devices=["/job:worker/task:0/device:CPU:0"])
+    with pytest.raises(GraphxformError, match="needs share-variables"):
+        Pipeline([InsertAccumulators()]).run(ir, ctx)
+
+
+@pytest.mark.parametrize("spec, message", [
+    ('{"ps": [], "worker": ["127.0.0.1:1"]}', "job 'ps' has no tasks"),
+    ('{"worker": ["127.0.0.1:1"]}', "needs a 'ps' job"),
+    ("{oops", "not valid JSON"),
+])
+def test_bad_cluster_is_a_one_line_error(run_cli, tmp_path, spec, message):
+    path = tmp_path / "cluster.json"
+    path.write_text(spec)
+    out_path = tmp_path / "out.meta"
+    code, out, err = run_cli("apply", fixture_path("mlp_sgd"), "--strategy", "ps", "--cluster",
+                             path, "-o", out_path)
+    assert code != 0 and message in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1 and not out_path.exists()
+
+
+def test_tf_config_naming_a_missing_task(run_cli, tmp_path, monkeypatch):
+    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": SPEC,
+                                                "task": {"type": "worker", "index": 5}}))
+    code, _, err = run_cli("apply", fixture_path("mlp_sgd"), "--strategy", "ps", "-o",
+                           tmp_path / "out.meta")
+    assert code != 0 and "has no task 5" in err and "Traceback" not in err
+
+
+def test_ps_refuses_replicas_option(run_cli, cluster_file, tmp_path):
+    code, _, err = run_cli("apply", fixture_path("mlp_sgd"), "--strategy", "ps", "--cluster",
+                           cluster_file, "--replicas", 2, "-o", tmp_path / "out.meta")
+    assert code != 0 and "--replicas-per-worker" in err
