@@ -11,6 +11,7 @@ import traceback
 
 import click
 
+from graphxform.distributed import DEFAULT_TIMEOUT_S
 from graphxform.errors import GraphxformError
 
 EXIT_ERROR = 1
@@ -181,12 +182,32 @@ def apply(model, output, no_verify, dump_dir, debug, **options):
 @click.option("--save", "save_to", help="Checkpoint prefix to write after the last step.")
 @click.option("--fetch", "fetches", multiple=True, help="Tensor to print each step (repeatable).")
 @click.option("--train-op", help="Train op name when the graph has no 'train_op' collection.")
+@click.option("--cluster", "cluster_file", type=click.Path(dir_okay=False),
+              help="ps graphs: ClusterSpec JSON; run this task's part of each step on "
+              "TensorFlow's gRPC runtime (default: TF_CONFIG).")
+@click.option("--job", help="ps graphs: this task's job (worker or chief; default: TF_CONFIG).")
+@click.option("--task", "task_index", type=click.IntRange(min=0),
+              help="ps graphs: this task's index in its job (default: TF_CONFIG).")
+@click.option("--timeout", default=DEFAULT_TIMEOUT_S, show_default=True,
+              type=click.FloatRange(min=0, min_open=True),
+              help="ps graphs: seconds any blocking op or wait may take before failing.")
 @debug_option
-def run(model, steps, feeds, batch_size, restore, save_to, fetches, train_op, debug):
-    """Train MODEL (original or transformed) for some steps, printing the loss."""
+def run(model, steps, feeds, batch_size, restore, save_to, fetches, train_op, cluster_file, job,
+        task_index, timeout, debug):
+    """Train MODEL (original or transformed) for some steps, printing the loss. A ps graph runs
+    one task of its cluster: `--cluster F --job worker --task I` (or TF_CONFIG)."""
     from graphxform import metagraph
     from graphxform.runtime import Feeds, Runner
     ir = metagraph.load(model)
+    if _on_cluster(ir, cluster_file, job, task_index):
+        from graphxform import task as task_mod
+        found, job, task_index = task_mod.resolve_task(cluster_file, job, task_index)
+        task_mod.run_task(ir, found, job, task_index, steps, feeds=feeds, batch_size=batch_size,
+                          restore=restore, save=save_to, fetches=fetches, timeout_s=timeout,
+                          echo=_echo_flush)
+        from graphxform.launch import finish_child
+        finish_child()
+        return
     with Runner(ir, train_op=train_op, fetches=fetches) as runner:
         source = Feeds(runner.analysis.inputs, feeds, batch_size)
         if restore:
@@ -204,6 +225,25 @@ def run(model, steps, feeds, batch_size, restore, save_to, fetches, train_op, de
                 click.echo("  ".join(parts))
         if save_to:
             click.echo(f"saved {runner.save(save_to)}")
+
+
+def _on_cluster(ir, cluster_file, job, task_index) -> bool:
+    """Whether `run` runs one task of a cluster: --cluster/--job/--task, or a ps graph with
+    TF_CONFIG set; a ps graph with neither is an error (it names no local devices)."""
+    from graphxform.distributed import ClusterPlan
+    if cluster_file or job or task_index is not None:
+        return True
+    if ClusterPlan.from_ir(ir) is None:
+        return False
+    if os.environ.get("TF_CONFIG"):
+        return True
+    raise GraphxformError(f"{ir.source} was built for a cluster: give --cluster F --job J "
+                          "--task I (or set TF_CONFIG), or try it with `graphxform launch`")
+
+
+def _echo_flush(text: str) -> None:
+    click.echo(text)
+    sys.stdout.flush()
 
 
 def _short(value) -> str:
@@ -232,6 +272,58 @@ def verify_command(model, steps, feeds, batch_size, fetches, rtol, debug, **opti
     click.echo(equivalence.format_report(report))
     if not report.ok:
         sys.exit(EXIT_ERROR)
+
+
+@cli.command()
+@click.option("--cluster", "cluster_file", type=click.Path(dir_okay=False),
+              help="ClusterSpec JSON (default: TF_CONFIG).")
+@click.option("--job", help="This task's job, e.g. ps (default: TF_CONFIG).")
+@click.option("--task", "task_index", type=click.IntRange(min=0),
+              help="This task's index in its job (default: TF_CONFIG, else 0).")
+@click.option("--cpus", default=1, show_default=True, type=click.IntRange(min=1),
+              help="CPU devices the server offers.")
+@debug_option
+def serve(cluster_file, job, task_index, cpus, debug):
+    """Start one task's TensorFlow gRPC server (a ps task) and block until SIGTERM/Ctrl-C."""
+    from graphxform import task as task_mod
+    found, job, task_index = task_mod.resolve_task(cluster_file, job, task_index)
+    task_mod.serve(found, job, task_index, cpus, echo=_echo_flush)
+    from graphxform.launch import finish_child
+    finish_child()
+
+
+@cli.command()
+@click.argument("model", type=click.Path(dir_okay=False))
+@click.option("--steps", default=10, show_default=True, type=click.IntRange(min=1))
+@click.option("--feeds", type=click.Path(dir_okay=False),
+              help=".npz of input arrays keyed by placeholder name (default: synthetic data).")
+@click.option("--batch-size", type=int, help="Global batch per step (every worker reads it).")
+@click.option("--cluster", "cluster_file", type=click.Path(dir_okay=False),
+              help="Run on this cluster's 127.0.0.1 ports (default: the cluster MODEL was "
+              "built for, on free ports).")
+@click.option("--restore", help="Checkpoint prefix (or directory) the chief starts from.")
+@click.option("--save", "save_to", help="Checkpoint prefix the chief writes (as PREFIX-STEP).")
+@click.option("--timeout", default=DEFAULT_TIMEOUT_S, show_default=True,
+              type=click.FloatRange(min=0, min_open=True),
+              help="Seconds any blocking op or wait may take before a task fails.")
+@debug_option
+def launch(model, steps, feeds, batch_size, cluster_file, restore, save_to, timeout, debug):
+    """Start the cluster a ps graph was built for as local processes, train, print the mean
+    loss over workers per step, and tear everything down."""
+    from graphxform import metagraph
+    from graphxform.cluster import load_cluster
+    from graphxform.launch import Launch
+    from graphxform.task import plan_of
+    plan = plan_of(metagraph.load(model))
+    found = load_cluster(cluster_file)[0] if cluster_file else None
+    for path in (feeds, restore):
+        if path and not os.path.exists(path) and not os.path.exists(path + ".index"):
+            raise GraphxformError(f"{path}: no such file")
+    absolute = lambda p: os.path.abspath(p) if p else p
+    Launch(absolute(model), plan, found, steps=steps, feeds=absolute(feeds),
+           batch_size=batch_size, timeout_s=timeout, save=absolute(save_to),
+           restore=absolute(restore), debug=debug, echo=_echo_flush,
+           warn=lambda text: click.echo(text, err=True)).run()
 
 
 def _import_tensorflow_quietly(debug: bool) -> None:

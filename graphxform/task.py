@@ -1,0 +1,311 @@
+"""One task's part of a `ps` graph's training step, on TensorFlow's gRPC runtime: start (or
+reuse) the task's server, connect a session to it, let the chief initialise (or restore) while
+the others wait, run the task's step op, and let the chief save."""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+
+import numpy as np
+
+from graphxform import distributed, metagraph, training
+from graphxform.cluster import Cluster
+from graphxform.distributed import ClusterPlan, describe
+from graphxform.errors import GraphxformError
+from graphxform.ir import GraphIR
+from graphxform.runtime import _first_line
+
+POLL_S = 0.2
+
+
+def plan_of(ir: GraphIR) -> ClusterPlan:
+    plan = ClusterPlan.from_ir(ir)
+    if plan is None:
+        raise GraphxformError(f"{ir.source or 'the graph'} was not built for a cluster (no "
+                              f"'{distributed.CLUSTER_COLLECTION}' collection; build it with "
+                              "`graphxform apply --strategy ps --cluster F`)")
+    return plan
+
+
+def cpus_needed(ir: GraphIR, job: str, task: int) -> int:
+    """How many CPU devices this task's server needs for the replicas placed on it."""
+    pattern = re.compile(rf"/job:{re.escape(job)}(?:/replica:\d+)?/task:{task}/device:CPU:(\d+)")
+    count = 1
+    for name in ir.nodes():
+        match = pattern.search(ir.node(name)["device"] or "")
+        if match:
+            count = max(count, int(match.group(1)) + 1)
+    return count
+
+
+class TaskRunner:
+    """A session for task ``job:task`` of the cluster a `ps` graph was built for.
+
+    ``target`` connects to a server already running (InProcessCluster); without one this task's
+    server is started here. ``timeout_s`` bounds every blocking op and every wait."""
+
+    def __init__(self, ir: GraphIR, cluster: Cluster, job: str, task: int,
+                 timeout_s: float = distributed.DEFAULT_TIMEOUT_S, target: str | None = None,
+                 fetches=()):
+        import tensorflow as tf
+        tf1 = tf.compat.v1
+        self.tf, self.tf1 = tf, tf1
+        self.plan = plan_of(ir)
+        self.plan.check_cluster(cluster)
+        self.cluster, self.job, self.task = cluster, job, int(task)
+        self.name = describe(cluster, job, self.task)
+        cluster.require(job, self.task)
+        self.step_op = self.plan.step_of(job, self.task)
+        self.loss = self.plan.losses.get(f"{job}:{self.task}")
+        self.chief = self.plan.is_chief(job, self.task)
+        self.timeout_s = timeout_s
+        self.fetches = list(fetches)
+        self.inputs = training.analyze(ir).inputs
+        self.steps_run = 0
+        self.server = None
+        if target is None:
+            self.server = distributed.start_server(cluster, job, self.task,
+                                                   cpus_needed(ir, job, self.task))
+            target = distributed.grpc_target(cluster.require(job, self.task))
+        self.target = target
+        meta = metagraph.to_metagraph(ir)
+        if not self.chief:
+            distributed.visible_to(meta.graph_def, job, self.task)
+        self.graph = tf.Graph()
+        with self.graph.as_default():
+            try:
+                self.saver = tf1.train.import_meta_graph(meta, clear_devices=False)
+            except (ValueError, KeyError, tf.errors.OpError) as e:
+                raise GraphxformError(f"TensorFlow cannot import {ir.source or 'the graph'}: "
+                                      f"{_first_line(e)}") from None
+            for name in [self.step_op] + ([self.loss] if self.loss else []) + self.fetches:
+                try:
+                    self.graph.as_graph_element(name)
+                except (KeyError, ValueError):
+                    raise GraphxformError(f"no op or tensor named '{name}' in the graph (named "
+                                          f"by its cluster plan or --fetch)") from None
+            self.global_step = tf1.train.get_global_step(self.graph)
+            self.variables = tf1.global_variables() + tf1.local_variables()
+            self.ready_op = None  # built on first use (TF warns about an unused one)
+            if self.chief:
+                self.init_op = tf1.global_variables_initializer()
+                self.local_init_op = tf1.local_variables_initializer()
+                if self.saver is None:
+                    self.saver = tf1.train.Saver(allow_empty=True)
+        self.session = tf1.Session(target, graph=self.graph, config=distributed.session_config(
+            job, self.task, self.chief, timeout_s))
+
+    # ---------------------------------------------------------------- life cycle
+    def close(self):
+        self.session.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def wait_for_cluster(self):
+        """Every task this one talks to accepts connections (bounded by the timeout)."""
+        if self.chief:
+            needed = [(j, t) for j, ts in self.cluster.jobs.items() for t in range(len(ts))]
+        else:
+            needed = [("ps", t) for t in range(len(self.cluster.tasks("ps")))]
+        distributed.wait_for_tasks(self.cluster, needed, self.timeout_s)
+
+    def prepare(self, restore: str | None = None):
+        """The chief initialises (or restores) every variable and runs chief_init; the others
+        wait until it has."""
+        self.wait_for_cluster()
+        if not self.chief:
+            self._wait_until_ready()
+            return
+        if restore:
+            self.restore(restore)
+            missing = self._uninitialized()
+            if missing:  # not in the checkpoint's saver (e.g. local step counters)
+                with self.graph.as_default():
+                    names = set(missing)
+                    self._run(self.tf1.variables_initializer(
+                        [v for v in self.variables if v.op.name in names]), "initialising")
+        else:
+            self._run([self.init_op, self.local_init_op], "initialising the variables")
+        if self.plan.chief_init:
+            self._run(self.plan.chief_init, "running chief_init")
+
+    def _uninitialized(self) -> list[str]:
+        if self.ready_op is None:
+            with self.graph.as_default():
+                self.ready_op = self.tf1.report_uninitialized_variables(self.variables)
+        names = self._run(self.ready_op, "checking which variables are initialised")
+        return [n.decode() if isinstance(n, bytes) else str(n) for n in names]
+
+    def _wait_until_ready(self):
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            missing = self._uninitialized()
+            if not missing:
+                return
+            if time.monotonic() > deadline:
+                raise GraphxformError(
+                    f"{self.name}: the chief ({self.plan.chief.replace(':', ' ')}) has not "
+                    f"initialised the variables after {self.timeout_s:g} s (still missing: "
+                    f"{', '.join(missing[:3])})")
+            time.sleep(POLL_S)
+
+    # ---------------------------------------------------------------- steps
+    def step(self, feed: dict):
+        """One step of this task's part; returns (mean loss of its replicas or None, fetches)."""
+        names = ([self.loss] if self.loss else []) + self.fetches
+        values = self._run([self.step_op] + names, f"step {self.steps_run + 1}", feed)[1:]
+        self.steps_run += 1
+        got = dict(zip(names, values))
+        loss = float(np.mean(got[self.loss])) if self.loss else None
+        return loss, {k: got[k] for k in self.fetches}
+
+    def _run(self, fetches, what: str, feed=None):
+        tf = self.tf
+        try:
+            return self.session.run(fetches, feed)
+        except tf.errors.OpError as e:
+            raise GraphxformError(self._explain(e, what)) from None
+
+    def _explain(self, error, what: str) -> str:
+        """One line: which task stopped answering, else what timed out, else TF's message."""
+        tf = self.tf
+        text = _first_line(error)
+        if isinstance(error, (tf.errors.DeadlineExceededError, tf.errors.UnavailableError,
+                              tf.errors.AbortedError, tf.errors.CancelledError,
+                              tf.errors.InternalError, tf.errors.UnknownError)):
+            lost = distributed.unreachable_tasks(self.cluster)
+            if lost:
+                who = ", ".join(describe(self.cluster, j, t) for j, t in lost)
+                return f"{self.name}: {who} stopped answering ({what}: {type(error).__name__})"
+            if isinstance(error, tf.errors.DeadlineExceededError):
+                return (f"{self.name}: {what} timed out after {self.timeout_s:g} s waiting for "
+                        "other tasks (one stopped or is too slow; see --timeout)")
+        match = re.search(r"split_inputs/([^/]+)/split", str(error))
+        if match:
+            return f"the batch for input '{match.group(1)}' does not divide evenly across replicas"
+        return f"{self.name}: {what} failed: {text}"
+
+    # ---------------------------------------------------------------- checkpoints
+    def restore(self, path: str):
+        """Restore from a checkpoint prefix, or the latest checkpoint of a directory."""
+        tf = self.tf
+        prefix = path
+        if os.path.isdir(path):
+            prefix = tf.train.latest_checkpoint(path)
+            if prefix is None:
+                raise GraphxformError(f"{path}: no checkpoint in this directory")
+        try:
+            with self.graph.as_default():
+                self.saver.restore(self.session, prefix)
+        except (ValueError, tf.errors.OpError) as e:
+            raise GraphxformError(f"cannot restore checkpoint {prefix}: {_first_line(e)}") from None
+
+    def save(self, prefix: str) -> str:
+        """Write PREFIX-<global step> and only then point the directory's `checkpoint` state file
+        at it (TF writes each checkpoint file under a temporary name and renames it; the state
+        file is replaced atomically, last): a crash mid-save leaves the previous latest
+        checkpoint in place. Returns the written prefix."""
+        tf = self.tf
+        step = (int(self._run(self.global_step, "reading global_step"))
+                if self.global_step is not None else self.steps_run)
+        directory = os.path.dirname(os.path.abspath(prefix))
+        os.makedirs(directory, exist_ok=True)
+        try:
+            with self.graph.as_default():
+                return self.saver.save(self.session, prefix, global_step=step,
+                                       write_meta_graph=False)
+        except (ValueError, tf.errors.OpError) as e:
+            raise GraphxformError(f"cannot save checkpoint {prefix}-{step}: "
+                                  f"{_first_line(e)}") from None
+
+
+# ---------------------------------------------------------------- the CLI's halves
+def resolve_task(cluster_file: str | None, job: str | None, task: int | None,
+                 environ=None) -> tuple[Cluster, str, int]:
+    """The cluster (--cluster, else TF_CONFIG) and this process's job and task (--job/--task,
+    else TF_CONFIG's "task"); one-line errors for a task the cluster does not have."""
+    import json
+    from graphxform.cluster import load_cluster
+    environ = os.environ if environ is None else environ
+    cluster, tf_task = load_cluster(cluster_file, environ)
+    if job is None:
+        if not tf_task and environ.get("TF_CONFIG"):
+            try:
+                tf_task = json.loads(environ["TF_CONFIG"]).get("task") or {}
+            except (ValueError, AttributeError):
+                tf_task = {}
+        if not tf_task or not tf_task.get("type"):
+            raise GraphxformError("give --job and --task (or set TF_CONFIG's \"task\")")
+        job = tf_task["type"]
+        if task is None:
+            try:
+                task = int(tf_task.get("index", 0))
+            except (TypeError, ValueError):
+                raise GraphxformError(f"TF_CONFIG: task {tf_task!r} is not {{type, index}}") \
+                    from None
+    task = 0 if task is None else task
+    cluster.require(job, task)
+    return cluster, job, task
+
+
+def serve(cluster: Cluster, job: str, task: int, cpus: int = 1, echo=print) -> None:
+    """Start this task's server and block until SIGTERM or SIGINT."""
+    import signal
+    import threading
+    from graphxform.launch import exit_with_parent
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set())
+                for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        distributed.start_server(cluster, job, task, cpus)
+        exit_with_parent()
+        echo(f"serving {describe(cluster, job, task)} at "
+             f"{distributed.grpc_target(cluster.require(job, task))}")
+        while not stop.wait(0.5):
+            pass
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def run_task(ir: GraphIR, cluster: Cluster, job: str, task: int, steps: int,
+             feeds: str | None = None, batch_size: int | None = None,
+             restore: str | None = None, save: str | None = None, fetches=(),
+             timeout_s: float = distributed.DEFAULT_TIMEOUT_S, echo=print) -> list:
+    """`graphxform run OUT --cluster F --job J --task I`: this task's part of K steps, printing
+    "step k  loss X" (its replicas' mean loss); the chief initialises or restores and saves.
+    Returns the losses."""
+    from graphxform.launch import exit_with_parent
+    from graphxform.runtime import Feeds
+    exit_with_parent()
+    runner = TaskRunner(ir, cluster, job, task, timeout_s=timeout_s, fetches=fetches)
+    losses = []
+    with runner:
+        source = Feeds(runner.inputs, feeds, batch_size)
+        if restore and not runner.chief:
+            raise GraphxformError(f"--restore is for the chief ({runner.plan.chief}); "
+                                  f"{runner.name} gets the variables from the ps tasks")
+        runner.prepare(restore if runner.chief else None)
+        echo(f"{runner.name}: ready{' (chief)' if runner.chief else ''}")
+        for k in range(steps):
+            loss, fetched = runner.step(source.batch(k))
+            losses.append(loss)
+            parts = [f"step {k + 1}"]
+            if loss is not None:
+                parts.append(f"loss {loss:.8g}")
+            parts += [f"{name} {_short(value)}" for name, value in fetched.items()]
+            echo("  ".join(parts))
+        if save and runner.chief:
+            echo(f"saved {runner.save(save)}")
+    return losses
+
+
+def _short(value) -> str:
+    array = np.asarray(value)
+    return f"{array.item():.6g}" if array.size == 1 else f"{array.dtype}{list(array.shape)}"
