@@ -89,6 +89,11 @@ def _transform(model, options, no_verify=False, dump_dir=None):
         device_list = found.worker_devices(options["replicas_per_worker"])
         kwargs = {"cluster": found, "staleness": options["staleness"],
                   "asynchronous": options["async_"]}
+        if strategy == "partitioned-ps":
+            kwargs.update(partitions=options["partitions"],
+                          partition_min_bytes=options["partition_min_bytes"])
+        elif options["partitions"] is not None:
+            raise click.UsageError("--partitions is an option of --strategy partitioned-ps")
     else:
         if options["cluster"]:
             raise click.UsageError(f"--strategy {strategy} runs on local devices; --cluster is "
@@ -107,7 +112,7 @@ def _transform(model, options, no_verify=False, dump_dir=None):
 
 strategy_options = [
     click.option("--strategy", default="allreduce", show_default=True,
-                 type=click.Choice(["allreduce", "ps"]), help="How to distribute the training step."),
+                 type=click.Choice(["allreduce", "ps", "partitioned-ps"]), help="How to distribute the training step."),
     click.option("--replicas", type=int, help="Number of replicas (local CPU devices)."),
     click.option("--devices", help="Comma-separated TF device names, one per replica "
                  "(e.g. /device:GPU:0,/device:GPU:1)."),
@@ -126,6 +131,11 @@ strategy_options = [
                  "K steps old still count)."),
     click.option("--async", "async_", is_flag=True,
                  help="ps: no aggregation; each worker applies its own gradient when ready."),
+    click.option("--partitions", type=int,
+                 help="partitioned-ps: shards per variable (default: one per ps task)."),
+    click.option("--partition-min-bytes", default=0, show_default=True,
+                 type=click.IntRange(min=0),
+                 help="partitioned-ps: variables smaller than this stay whole."),
 ]
 
 

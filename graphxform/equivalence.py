@@ -85,6 +85,7 @@ def compare(original: GraphIR, transformed: GraphIR, feeds_path: str | None = No
             run.restore(start)
             after = [run.step(feeds.batch(k)) for k in range(steps)]
             got = run.variable_values()
+    _join_shards(got, expected)
     variables = []
     for name in sorted(expected):
         copies = [got[name]] if name in got else [
@@ -107,6 +108,17 @@ def compare(original: GraphIR, transformed: GraphIR, feeds_path: str | None = No
         reasons.append("--async: each worker applies its own gradient when it is ready, so "
                        "updates interleave in no fixed order")
     return Report(steps, rtol, variables, fetched, losses, reasons)
+
+
+def _join_shards(got: dict, expected: dict) -> None:
+    """A variable partition-variables split into `<name>/part_<k>` is compared whole."""
+    for name in expected:
+        if name not in got and f"{name}/part_0" in got:
+            parts = []
+            while f"{name}/part_{len(parts)}" in got:
+                parts.append(got.pop(f"{name}/part_{len(parts)}"))
+            if parts:
+                got[name] = np.concatenate(parts, axis=0)
 
 
 @contextlib.contextmanager

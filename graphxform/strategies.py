@@ -7,6 +7,7 @@ from graphxform.passes.all_reduce import DEFAULT_BUCKET_BYTES, AllReduce
 from graphxform.passes.drop_in_saver import DropInSaver
 from graphxform.passes.insert_accumulators import InsertAccumulators
 from graphxform.passes.merge_fetches import MergeFetches
+from graphxform.passes.partition_variables import PartitionVariables
 from graphxform.passes.place_variables import PlaceVariables
 from graphxform.passes.replicate import Replicate
 from graphxform.passes.rewire_consumers import RewireConsumers
@@ -51,8 +52,20 @@ def ps(ps_tasks: int = 1, staleness: int = 0, asynchronous: bool = False,
     ], verify=verify, dump_dir=dump_dir)
 
 
-STRATEGIES = {"allreduce": allreduce, "ps": ps}
-CLUSTER_STRATEGIES = {"ps"}  # strategies whose devices are a cluster's worker tasks
+def partitioned_ps(ps_tasks: int = 1, partitions: int | None = None,
+                   partition_min_bytes: int = 0, staleness: int = 0, asynchronous: bool = False,
+                   fetch_mean=(), fetch_concat=(), verify: bool = True,
+                   dump_dir: str | None = None) -> Pipeline:
+    """ps with every trainable variable of at least ``partition_min_bytes`` split along axis 0
+    into ``partitions`` shards (default: one per ps task), placed like separate variables."""
+    pipeline = ps(ps_tasks, staleness, asynchronous, fetch_mean, fetch_concat, verify, dump_dir)
+    pipeline.passes.insert(1, PartitionVariables(partitions=partitions or ps_tasks,
+                                                 min_bytes=partition_min_bytes))
+    return pipeline
+
+
+STRATEGIES = {"allreduce": allreduce, "ps": ps, "partitioned-ps": partitioned_ps}
+CLUSTER_STRATEGIES = {"ps", "partitioned-ps"}  # strategies whose devices are a cluster's worker tasks
 
 
 def transform(ir, strategy: str = "allreduce", devices=None, train_op: str | None = None,

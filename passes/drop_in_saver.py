@@ -1,7 +1,8 @@
 """drop-in-saver: a Saver keyed by the original variable names and full shapes.
 
 Saving writes replica 0's values (replicas are identical after every step); restoring assigns
-every replica's copy, so a checkpoint of the single-device graph restores into the transformed
+every replica's copy. A variable `partition-variables` split is saved as the concatenation of its
+shards and restored by slicing, so a checkpoint of the single-device graph restores into the transformed
 graph and the reverse. The MetaGraph's saver_def points at it, so `import_meta_graph` users and
 `tf.compat.v1.train.Saver` see a normal saver."""
 
@@ -26,8 +27,12 @@ class DropInSaver(Pass):
         from tensorflow.core.protobuf import saver_pb2
         tg = ctx.training
         shared = ctx.state["replicate"]["shared"]
+        partitioned = ctx.state.get("partition-variables", {"shards": {}, "originals": {}})
+        shards = partitioned["shards"]
         build = Builder(ir, self.name)
-        variables = sorted(tg.variables.values(), key=lambda v: v.name)
+        parts = {shard for found in shards.values() for shard, _, _ in found}
+        variables = sorted([v for v in tg.variables.values() if v.name not in parts] +
+                           list(partitioned["originals"].values()), key=lambda v: v.name)
         scope = SCOPE if not any(n.startswith(SCOPE) for n in ir.nodes()) else ir.unique_name(
             "save") + "/"
         default = build.const(scope + "filename/input", "model", np.object_)
@@ -37,6 +42,9 @@ class DropInSaver(Pass):
         slices = build.const(scope + "SaveV2/shape_and_slices", [""] * len(variables), np.object_)
         values = []
         for k, var in enumerate(variables):
+            if var.name in shards:
+                values.append(self._concat(build, f"{scope}concat_{k}", var, shards[var.name]))
+                continue
             source = var.name if var.name in shared else replica_prefix(0) + var.name
             if var.kind == "resource":
                 values.append(build.op(f"{scope}read_{k}", "ReadVariableOp", [source],
@@ -51,18 +59,23 @@ class DropInSaver(Pass):
                            dtypes=dtypes)
         assigns = []
         for k, var in enumerate(variables):
-            targets = [var.name] if var.name in shared else [
-                replica_prefix(i) + var.name for i in range(len(ctx.devices))]
-            for i, target in enumerate(targets):
+            if var.name in shards:
+                targets = [(shard, self._slice(build, f"{scope}slice_{k}_{j}", f"{restore}:{k}",
+                                               var, offset, rows))
+                           for j, (shard, offset, rows) in enumerate(shards[var.name])]
+            elif var.name in shared:
+                targets = [(var.name, f"{restore}:{k}")]
+            else:
+                targets = [(replica_prefix(i) + var.name, f"{restore}:{k}")
+                           for i in range(len(ctx.devices))]
+            for i, (target, value) in enumerate(targets):
                 device = ir.node(target)["device"]
                 if var.kind == "resource":
                     assigns.append(build.op(f"{scope}assign_{k}_{i}", "AssignVariableOp",
-                                            [target, f"{restore}:{k}"], device=device,
-                                            dtype=var.dtype))
+                                            [target, value], device=device, dtype=var.dtype))
                 else:
                     assigns.append(build.op(f"{scope}assign_{k}_{i}", "Assign",
-                                            [target, f"{restore}:{k}"], device=device,
-                                            T=var.dtype))
+                                            [target, value], device=device, T=var.dtype))
         restore_all = build.op(scope + "restore_all", "NoOp", ["^" + a for a in assigns])
         saver_def = ir.meta.saver_def
         saver_def.CopyFrom(saver_pb2.SaverDef(
@@ -70,3 +83,22 @@ class DropInSaver(Pass):
             restore_op_name=restore_all, max_to_keep=5, keep_checkpoint_every_n_hours=10000.0,
             version=saver_pb2.SaverDef.V2))
         return PassResult(modified=True, summary={"variables": len(variables)})
+
+    @staticmethod
+    def _concat(build, name, var, shards) -> str:
+        """The full value of a partitioned variable: its shards' reads, concatenated."""
+        reads = []
+        for j, (shard, _, _) in enumerate(shards):
+            device = build.ir.node(shard)["device"]
+            reads.append(build.op(f"{name}/read_{j}", "ReadVariableOp", [shard], device=device,
+                                  dtype=var.dtype) if var.kind == "resource" else shard)
+        axis = build.const(name + "/axis", 0, np.int32)
+        return build.op(name, "ConcatV2", reads + [axis], N=len(reads), T=var.dtype)
+
+    @staticmethod
+    def _slice(build, name, tensor, var, offset, rows) -> str:
+        """Rows [offset, offset + rows) of a restored full variable."""
+        rank = len(var.shape)
+        begin = build.const(name + "/begin", [offset] + [0] * (rank - 1), np.int32)
+        size = build.const(name + "/size", [rows] + [-1] * (rank - 1), np.int32)
+        return build.op(name, "Slice", [tensor, begin, size], T=var.dtype, Index=3)

@@ -35,7 +35,9 @@ class ShareVariables(Pass):
         per_example = set()
         for name in batched:
             per_example |= nx.descendants(ir.g, name)
-        region = {n for n in per_example if n.startswith(tg.optimizer.scope)} | {train_op}
+        shard_updates = ctx.state.get("partition-variables", {}).get("update_nodes", set())
+        region = {n for n in per_example
+                  if n.startswith(tg.optimizer.scope) or n in shard_updates} | {train_op}
         replicated = per_example - region - shared_nodes(ir, tg)
         replicated = {n for n in replicated if ir.op(n) not in PLACEHOLDER_OPS}
         _pull_in_helpers(ir, replicated, region)
@@ -68,9 +70,10 @@ def colocated_with(ir, name) -> list[str]:
 def _pull_in_helpers(ir, replicated, region) -> None:
     """Replicate stateless helpers that only replicated nodes use (constants, shape arithmetic),
     so each replica computes them locally, and anything colocated with a replicated node."""
-    def movable(n):
+    def movable(n):  # a read of a variable stays with the variable
         return (n not in replicated and n not in region and ir.op(n) not in VARIABLE_OPS
-                and ir.op(n) not in PLACEHOLDER_OPS and not opdefs.is_stateful(ir, ir.op(n)))
+                and ir.op(n) not in PLACEHOLDER_OPS and not opdefs.is_stateful(ir, ir.op(n))
+                and not any(ir.op(src) in VARIABLE_OPS for src in ir.predecessors(n)))
 
     stack = [src for n in replicated for src in ir.predecessors(n)]
     stack += [n for n in ir.nodes() if n not in replicated

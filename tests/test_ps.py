@@ -22,18 +22,26 @@ def cluster_file(tmp_path):
     return str(path)
 
 
-def transform_ps(name, spec=SPEC, **options):
+def transform_ps(name, spec=SPEC, strategy="ps", **options):
     ir = metagraph.load(fixture_path(name))
-    strategies.transform(ir, "ps", cluster=cluster.Cluster(spec), **options)
+    strategies.transform(ir, strategy, cluster=cluster.Cluster(spec), **options)
     return ir
 
 
-@pytest.mark.parametrize("name, per_worker", [("mlp_sgd", 1), ("embedding_adam", 1),
-                                              ("legacy_ref", 1), ("mlp_sgd", 2)])
-def test_verify_matches_single_device(run_cli, cluster_file, name, per_worker):
-    code, out, err = run_cli("verify", fixture_path(name), "--strategy", "ps", "--cluster",
-                             cluster_file, "--replicas-per-worker", per_worker, "--feeds",
-                             fixture_path(name, ".npz"), "--steps", 5)
+@pytest.mark.parametrize("name, strategy, options", [
+    ("mlp_sgd", "ps", []),
+    ("embedding_adam", "ps", []),
+    ("legacy_ref", "ps", []),
+    ("mlp_sgd", "ps", ["--replicas-per-worker", 2]),
+    ("mlp_sgd", "partitioned-ps", []),
+    ("embedding_adam", "partitioned-ps", ["--partitions", 3, "--partition-min-bytes", 100,
+                                          "--replicas-per-worker", 2]),
+    ("legacy_ref", "partitioned-ps", []),
+])
+def test_verify_matches_single_device(run_cli, cluster_file, name, strategy, options):
+    code, out, err = run_cli("verify", fixture_path(name), "--strategy", strategy, "--cluster",
+                             cluster_file, *options, "--feeds", fixture_path(name, ".npz"),
+                             "--steps", 5)
     assert code == 0, out + err
     assert "PASS" in out
 
@@ -81,11 +89,16 @@ def test_async_verify_says_why_it_cannot_match(run_cli, cluster_file):
     assert "cannot match exactly: --async" in out
 
 
-def test_checkpoint_from_ps_graph_restores_into_the_original(tmp_path):
+@pytest.mark.parametrize("name, strategy, options", [
+    ("mlp_sgd", "ps", {}),
+    ("embedding_adam", "partitioned-ps", {"partitions": 3, "partition_min_bytes": 100}),
+])
+def test_checkpoint_from_ps_graph_restores_into_the_original(tmp_path, name, strategy, options):
     from graphxform.runtime import Feeds, Runner
-    ir = transform_ps("mlp_sgd")
-    original = metagraph.load(fixture_path("mlp_sgd"))
-    feeds = Feeds(training.analyze(original).inputs, fixture_path("mlp_sgd", ".npz"))
+    ir = metagraph.load(fixture_path(name))
+    strategies.transform(ir, strategy, cluster=cluster.Cluster(SPEC), **options)
+    original = metagraph.load(fixture_path(name))
+    feeds = Feeds(training.analyze(original).inputs, fixture_path(name, ".npz"))
     with distributed.InProcessCluster(distributed.local_cluster({"ps": 2, "worker": 2})) as c:
         with Runner(ir, target=c.target("worker", 0),
                     config=distributed.session_config("worker", 0, chief=True)) as run:
@@ -96,8 +109,9 @@ def test_checkpoint_from_ps_graph_restores_into_the_original(tmp_path):
     with Runner(original) as run:
         run.restore(prefix)
         restored = run.variable_values()
-    for name, value in restored.items():
-        np.testing.assert_array_equal(value, saved[name])
+    for var, value in restored.items():
+        parts = [saved[f"{var}/part_{k}"] for k in range(3) if f"{var}/part_{k}" in saved]
+        np.testing.assert_array_equal(value, np.concatenate(parts) if parts else saved[var])
 
 
 def test_placement_balances_unequal_variables():
@@ -158,3 +172,35 @@ def test_ps_refuses_replicas_option(run_cli, cluster_file, tmp_path):
     code, _, err = run_cli("apply", fixture_path("mlp_sgd"), "--strategy", "ps", "--cluster",
                            cluster_file, "--replicas", 2, "-o", tmp_path / "out.meta")
     assert code != 0 and "--replicas-per-worker" in err
+
+
+def test_partition_variables_shards_variables_slots_and_lookups():
+    ir = transform_ps("embedding_adam", strategy="partitioned-ps", partitions=3,
+                      partition_min_bytes=100)
+    assert "embedding/weights" not in ir and "embedding/weights/Adam" not in ir
+    shapes = [tuple(d.size for d in ir.node(f"embedding/weights/part_{k}")["attr"]["shape"]
+                    .shape.dim) for k in range(3)]
+    assert shapes == [(17, 8), (17, 8), (16, 8)]  # 50 rows, uneven
+    assert all(f"embedding/weights/Adam_1/part_{k}" in ir for k in range(3))
+    assert "dense0/kernel" in ir  # under --partition-min-bytes: whole
+    lookups = [n for n in ir.nodes() if ir.op(n) == "ResourceGather"]
+    assert lookups and all("/part_" in ir.inputs(n)[0][0] for n in lookups)
+    assert any(ir.op(n) == "DynamicStitch" for n in ir.nodes())
+    for k in range(3):  # each shard has its own accumulator, on the shard's ps task
+        acc = f"embedding/weights/part_{k}/accumulator"
+        assert ir.op(acc) == "SparseConditionalAccumulator"
+        assert ir.node(acc)["device"] == ir.node(f"embedding/weights/part_{k}")["device"]
+
+
+def test_partition_variables_nothing_to_do_and_too_many_partitions(run_cli, cluster_file,
+                                                                   tmp_path):
+    from graphxform.passes.partition_variables import PartitionVariables
+    ir = metagraph.load(fixture_path("mlp_sgd"))
+    ctx = PassContext(training=training.analyze(ir))
+    assert not PartitionVariables(partitions=1).run(ir, ctx).modified
+    assert not PartitionVariables(partitions=2, min_bytes=1 << 30).run(ir, ctx).modified
+    out_path = tmp_path / "out.meta"
+    code, _, err = run_cli("apply", fixture_path("mlp_sgd"), "--strategy", "partitioned-ps",
+                           "--cluster", cluster_file, "--partitions", 99, "-o", out_path)
+    assert code != 0 and "fewer than --partitions 99" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1 and not out_path.exists()

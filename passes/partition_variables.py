@@ -1,0 +1,353 @@
+"""partition-variables: split variables along axis 0 into shards `<var>/part_<k>`, slots alike,
+so one big variable (an embedding) spreads over several ps tasks.
+
+Shards hold contiguous rows, as even as the rows allow (the first `rows % S` shards get one
+more). What the rest of the graph sees stays the same:
+- a read of the variable becomes the concatenation of the shards' reads;
+- an embedding lookup (ResourceGather) becomes a partitioned lookup: ids are routed to the shard
+  that holds their row, gathered there, and stitched back in order;
+- the optimizer's update scope for the variable is copied once per shard, reading the shard and
+  its slots' shards; a dense gradient is split by rows, a sparse one routed per shard with its
+  indices made shard-local;
+- checkpoints keep the full variable under its original name (`drop-in-saver` concatenates the
+  shards to save and slices them to restore), recorded in ``ctx.state``.
+
+The analysis in ``ctx.training`` is updated in place: shards replace the variables, so the
+passes after this one place, share and aggregate shards like any other variable."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from graphxform import opdefs
+from graphxform.errors import GraphxformError
+from graphxform.ir import parse_tensor, tensor_name
+from graphxform.nodes import Builder
+from graphxform.pipeline import Pass, PassResult
+from graphxform.training import Gradient, Variable, _update_scope
+
+INT32 = 3
+
+
+def shard_rows(rows: int, shards: int) -> list[int]:
+    """Rows per shard: contiguous, the first ``rows % shards`` shards one row larger."""
+    return [rows // shards + (1 if k < rows % shards else 0) for k in range(shards)]
+
+
+@dataclasses.dataclass
+class PartitionVariables(Pass):
+    name = "partition-variables"
+    partitions: int = 2
+    min_bytes: int = 0  # variables smaller than this stay whole
+
+    def run(self, ir, ctx):
+        tg = ctx.training
+        tg.require_train_op(self.name)
+        if self.partitions < 1:
+            raise GraphxformError(f"--partitions must be at least 1, not {self.partitions}")
+        chosen = [v for v in tg.trainable if len(v.shape) >= 1 and v.nbytes >= self.min_bytes]
+        if self.partitions == 1 or not chosen:
+            return PassResult(modified=False)
+        for var in chosen:
+            if var.shape[0] < self.partitions:
+                raise GraphxformError(f"variable '{var.name}' has {var.shape[0]} rows, fewer "
+                                      f"than --partitions {self.partitions}")
+        build = Builder(ir, self.name)
+        state = ctx.state.setdefault(self.name, {"shards": {}, "originals": {},
+                                                 "update_nodes": set()})
+        for var in chosen:
+            _Partition(ir, build, tg, var, shard_rows(var.shape[0], self.partitions),
+                       state).run()
+        _update_variable_defs(ir, state)
+        _drop_colocation(ir, set(state["shards"]))
+        return PassResult(modified=True, summary={"partitioned": len(chosen),
+                                                  "shards": self.partitions})
+
+
+class _Partition:
+    """Everything that partitioning one trainable variable (and its slots) does."""
+
+    def __init__(self, ir, build, tg, var, rows, state):
+        self.ir, self.build, self.tg, self.var, self.rows, self.state = (
+            ir, build, tg, var, rows, state)
+        self.offsets = [int(x) for x in np.cumsum([0] + rows[:-1])]
+        self.members = [var] + [tg.variables[s] for s in var.slots.values()]
+
+    def run(self):
+        scope = self._update_scope()
+        if f"/update_{self.var.name}/" not in scope:
+            raise GraphxformError(f"cannot partition '{self.var.name}': its optimizer update is "
+                                  f"not in an 'update_{self.var.name}' scope")
+        shards = {m.name: self._make_shards(m) for m in self.members}
+        for member in self.members:
+            self._rewrite_uses(member, shards[member.name])
+        grads = self._route_gradient()
+        updates = self._copy_updates(shards, grads)
+        for member in self.members:
+            self._record(member, shards[member.name], updates, grads)
+            self.ir.remove_dead([member.initializer, member.name], keep=lambda n: False)
+
+    # ----------------------------------------------------------- shards
+    def _make_shards(self, member) -> list[str]:
+        ir, build = self.ir, self.build
+        data = ir.node(member.name)
+        shards = []
+        for k, rows in enumerate(self.rows):
+            name = f"{member.name}/part_{k}"
+            shape = [rows, *member.shape[1:]]
+            attrs = {"dtype": member.dtype, "shape": shape, "shared_name": name}
+            shards.append(build.op(name, data["op"], device=data["device"], **attrs))
+            begin = build.const(f"{name}/Initializer/begin", [self.offsets[k]] +
+                                [0] * (len(shape) - 1), np.int32)
+            size = build.const(f"{name}/Initializer/size", [rows] + [-1] * (len(shape) - 1),
+                               np.int32)
+            initial = build.op(f"{name}/Initializer/slice", "Slice",
+                               [member.initial_value, begin, size], T=member.dtype, Index=INT32)
+            if member.kind == "resource":
+                build.op(f"{name}/Assign", "AssignVariableOp", [name, initial],
+                         dtype=member.dtype)
+                build.op(f"{name}/Read/ReadVariableOp", "ReadVariableOp", [name],
+                         dtype=member.dtype)
+            else:
+                build.op(f"{name}/Assign", "Assign", [name, initial], T=member.dtype)
+                build.op(f"{name}/read", "Identity", [name], T=member.dtype)
+        if member.initializer in ir:  # `init` and friends now wait on every shard's assign
+            for consumer in list(ir.control_consumers(member.initializer)):
+                ir.remove_control_input(consumer, member.initializer)
+                for shard in shards:
+                    ir.add_control_input(consumer, f"{shard}/Assign")
+        return shards
+
+    # ----------------------------------------------------------- uses outside the update
+    def _rewrite_uses(self, member, shards):
+        ir, build = self.ir, self.build
+        scope = self._update_scope()
+        for consumer, port in list(ir.consumers(member.name)):
+            if consumer.startswith(scope) or consumer == member.initializer:
+                continue
+            op = ir.op(consumer)
+            if op in ("ReadVariableOp", "Identity") and port == 0:
+                self._replace(consumer, self._concat(f"{consumer}/partitioned", shards, member))
+            elif op == "ResourceGather" and port == 0:
+                self._replace(consumer, self._lookup(consumer, shards))
+            elif op == "VariableShape":
+                out = ir.node(consumer)["attr"]["out_type"].type
+                self._replace(consumer, build.const(f"{consumer}/partitioned",
+                                                    list(member.shape), _numpy(out)))
+            elif op == "VarIsInitializedOp":
+                checks = [build.op(f"{consumer}/part_{k}", "VarIsInitializedOp", [s])
+                          for k, s in enumerate(shards)]
+                axis = build.const(f"{consumer}/axis", 0, np.int32)
+                stacked = build.op(f"{consumer}/stack", "Pack", checks, N=len(checks), T=10)
+                self._replace(consumer, build.op(f"{consumer}/partitioned", "All",
+                                                 [stacked, axis], Tidx=INT32))
+            else:
+                raise GraphxformError(f"cannot partition '{member.name}': '{consumer}' ({op}) "
+                                      "uses it in a way graphxform cannot split")
+
+    def _replace(self, old, new):
+        self.ir.replace_all_uses_with(old, new)
+        self.ir.remove_dead([old], keep=lambda n: False)
+
+    def _concat(self, name, shards, member):
+        reads = [f"{s}/Read/ReadVariableOp" if member.kind == "resource" else f"{s}/read"
+                 for s in shards]
+        axis = self.build.const(name + "/axis", 0, np.int32)
+        return self.build.op(name, "ConcatV2", reads + [axis], N=len(reads), T=member.dtype)
+
+    def _shard_of(self, scope, indices, dtype):
+        """For each index, the shard holding its row: how many shard offsets it reaches."""
+        build = self.build
+        bounds = build.const(scope + "/bounds", self.offsets[1:], _numpy(dtype))
+        minus_one = build.const(scope + "/minus_one", -1, np.int32)
+        column = build.op(scope + "/column", "ExpandDims", [indices, minus_one], T=dtype,
+                          Tdim=INT32)
+        reached = build.op(scope + "/reached", "GreaterEqual", [column, bounds], T=dtype)
+        counts = build.op(scope + "/reached_int", "Cast", [reached], SrcT=10, DstT=INT32)
+        return build.op(scope + "/shard", "Sum", [counts, minus_one], T=INT32, Tidx=INT32)
+
+    def _local(self, scope, parts, k, dtype):
+        offset = self.build.const(f"{scope}/offset_{k}", self.offsets[k], _numpy(dtype))
+        return self.build.op(f"{scope}/local_{k}", "Sub", [f"{parts}:{k}", offset], T=dtype)
+
+    def _lookup(self, gather, shards):
+        """A partitioned embedding lookup with the same result as ``gather``."""
+        ir, build = self.ir, self.build
+        ids, _ = ir.input(gather, 1)
+        ids = tensor_name(*ir.input(gather, 1))
+        attr = ir.node(gather)["attr"]
+        dtype, index_type = attr["dtype"].type, attr["Tindices"].type
+        scope = f"{gather}/partitioned"
+        flat_shape = build.const(scope + "/flat_shape", [-1], np.int32)
+        flat = build.op(scope + "/flat_ids", "Reshape", [ids, flat_shape], T=index_type)
+        shard = self._shard_of(scope, flat, index_type)
+        n = len(shards)
+        parts = build.op(scope + "/ids", "DynamicPartition", [flat, shard], num_partitions=n,
+                         T=index_type)
+        size = build.op(scope + "/size", "Size", [flat], T=index_type, out_type=INT32)
+        zero = build.const(scope + "/zero", 0, np.int32)
+        one = build.const(scope + "/one", 1, np.int32)
+        positions = build.op(scope + "/positions", "Range", [zero, size, one], Tidx=INT32)
+        where = build.op(scope + "/where", "DynamicPartition", [positions, shard],
+                         num_partitions=n, T=INT32)
+        gathered = [build.op(f"{scope}/gather_{k}", "ResourceGather",
+                             [s, self._local(scope, parts, k, index_type)], dtype=dtype,
+                             Tindices=index_type, validate_indices=True)
+                    for k, s in enumerate(shards)]
+        stitched = build.op(scope + "/stitch", "DynamicStitch",
+                            [f"{where}:{k}" for k in range(n)] + gathered, N=n, T=dtype)
+        ids_shape = build.op(scope + "/ids_shape", "Shape", [ids], T=index_type, out_type=INT32)
+        rest = build.const(scope + "/row_shape", list(self.var.shape[1:]), np.int32)
+        axis = build.const(scope + "/axis", 0, np.int32)
+        shape = build.op(scope + "/shape", "ConcatV2", [ids_shape, rest, axis], N=2, T=INT32)
+        return build.op(scope, "Reshape", [stitched, shape], T=dtype)
+
+    # ----------------------------------------------------------- gradient and update
+    def _update_scope(self) -> str:
+        return _update_scope(self.var.updates[0], self.var.name) if self.var.updates else "\0"
+
+    def _route_gradient(self) -> list[dict]:
+        """Per shard, {original gradient tensor: the shard's part of it}."""
+        build, grad, n = self.build, self.var.gradient, len(self.rows)
+        scope = f"{self.var.name}/part_gradients"
+        if grad.kind == "dense":
+            sizes = build.const(scope + "/rows", self.rows, np.int32)
+            axis = build.const(scope + "/axis", 0, np.int32)
+            split = build.op(scope + "/split", "SplitV", [grad.tensor, sizes, axis],
+                             num_split=n, T=self.var.dtype, Tlen=INT32)
+            return [{grad.tensor: f"{split}:{k}"} for k in range(n)]
+        index_type = opdefs.output_dtype(self.ir, *parse_tensor(grad.indices))
+        shard = self._shard_of(scope, grad.indices, index_type)
+        values = build.op(scope + "/values", "DynamicPartition", [grad.values, shard],
+                          num_partitions=n, T=self.var.dtype)
+        indices = build.op(scope + "/indices", "DynamicPartition", [grad.indices, shard],
+                           num_partitions=n, T=index_type)
+        return [{grad.values: f"{values}:{k}",
+                 grad.indices: self._local(scope, indices, k, index_type) + ":0"}
+                for k in range(n)]
+
+    def _copy_updates(self, shards, grads) -> list[dict]:
+        """The update scope once per shard, reading that shard, its slots' shards and its part
+        of the gradient. Returns {original node: copy} per shard."""
+        ir = self.ir
+        scope = self._update_scope()
+        nodes = [n for n in ir.nodes() if n.startswith(scope)]
+        copies = []
+        for k in range(len(self.rows)):
+            mapping = ir.copy_nodes(nodes, f"{self.var.name}/part_{k}/",
+                                    created_by=self.build.created_by)
+            renames = {m: shards[m][k] for m in shards}
+            for original, copy in mapping.items():
+                for port, (src, src_port) in enumerate(ir.inputs(copy)):
+                    tensor = tensor_name(src, src_port)
+                    if src in renames:
+                        ir.set_input(copy, port, tensor_name(renames[src], src_port))
+                    elif tensor in grads[k]:
+                        ir.set_input(copy, port, grads[k][tensor])
+                _recolocate(ir, copy, renames)
+                ir.node(copy)["attr"].pop("_output_shapes", None)  # shapes are the shard's now
+            copies.append(mapping)
+            self.state["update_nodes"].update(mapping.values())
+        for node in nodes:  # what waited on the update waits on every shard's
+            for consumer in list(ir.control_consumers(node)):
+                if consumer.startswith(scope):
+                    continue
+                ir.remove_control_input(consumer, node)
+                for mapping in copies:
+                    ir.add_control_input(consumer, mapping[node])
+            outside = [c for c, _ in ir.consumers(node) if not c.startswith(scope)]
+            if outside:
+                raise GraphxformError(f"cannot partition '{self.var.name}': '{outside[0]}' "
+                                      f"reads '{node}' of its update")
+        ir.remove_nodes(nodes)
+        return copies
+
+    def _record(self, member, shards, updates, grads):
+        """Shards replace ``member`` in the analysis; the saver needs the original."""
+        tg = self.tg
+        del tg.variables[member.name]
+        self.state["originals"][member.name] = member
+        self.state["shards"][member.name] = list(zip(shards, self.offsets, self.rows))
+        for k, shard in enumerate(shards):
+            var = Variable(
+                name=shard, kind=member.kind, dtype=member.dtype,
+                shape=(self.rows[k], *member.shape[1:]), trainable=member.trainable,
+                role=member.role, initializer=f"{shard}/Assign",
+                initial_value=f"{shard}/Initializer/slice:0",
+                updates=[updates[k][u] for u in member.updates if u in updates[k]],
+                device=member.device)
+            if member is self.var:
+                g = member.gradient
+                var.gradient = (Gradient("dense", tensor=grads[k][g.tensor]) if g.kind == "dense"
+                                else Gradient("sparse", values=grads[k][g.values],
+                                              indices=grads[k][g.indices]))
+                var.slots = {slot: f"{name}/part_{k}" for slot, name in member.slots.items()}
+            else:
+                var.slot_of = f"{self.var.name}/part_{k}"
+            tg.variables[shard] = var
+
+
+def _recolocate(ir, name, renames) -> None:
+    """`_class: loc:@var` on a copied update op names the shard instead."""
+    attr = ir.node(name)["attr"]
+    if "_class" not in attr:
+        return
+    values = [v.decode() for v in attr["_class"].list.s]
+    fixed = ["loc:@" + renames.get(v[5:], v[5:]) if v.startswith("loc:@") else v for v in values]
+    del attr["_class"].list.s[:]
+    attr["_class"].list.s.extend(v.encode() for v in fixed)
+
+
+def _drop_colocation(ir, gone) -> None:
+    """Nodes colocated with a variable that is now shards are no longer tied to it."""
+    for name in ir.nodes():
+        attr = ir.node(name)["attr"]
+        if "_class" not in attr:
+            continue
+        values = list(attr["_class"].list.s)
+        kept = [v for v in values if not (v.startswith(b"loc:@") and v[5:].decode() in gone)]
+        if len(kept) == len(values):
+            continue
+        if kept:
+            del attr["_class"].list.s[:]
+            attr["_class"].list.s.extend(kept)
+        else:
+            del attr["_class"]
+
+
+def _numpy(dtype_enum):
+    from graphxform.nodes import numpy_dtype
+    return numpy_dtype(dtype_enum)
+
+
+def _update_variable_defs(ir, state) -> None:
+    """Variable collections list the shards in place of the variables they split."""
+    from tensorflow.core.framework import variable_pb2
+    from graphxform.passes.replicate import VARIABLE_DEF_COLLECTIONS
+    for key in VARIABLE_DEF_COLLECTIONS:
+        if key not in ir.meta.collection_def:
+            continue
+        col = ir.meta.collection_def[key]
+        out = []
+        for raw in col.bytes_list.value:
+            vd = variable_pb2.VariableDef.FromString(raw)
+            name = parse_tensor(vd.variable_name)[0]
+            if name not in state["shards"]:
+                out.append(raw)
+                continue
+            original = state["originals"][name]
+            for shard, _, _ in state["shards"][name]:
+                read = (f"{shard}/Read/ReadVariableOp" if original.kind == "resource"
+                        else f"{shard}/read")
+                copy = variable_pb2.VariableDef()
+                copy.CopyFrom(vd)
+                copy.variable_name = f"{shard}:0"
+                copy.initializer_name = f"{shard}/Assign"
+                copy.snapshot_name = f"{read}:0"
+                copy.initial_value_name = f"{shard}/Initializer/slice:0"
+                copy.ClearField("save_slice_info_def")
+                out.append(copy.SerializeToString())
+        del col.bytes_list.value[:]
+        col.bytes_list.value.extend(out)
