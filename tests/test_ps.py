@@ -204,3 +204,30 @@ def test_partition_variables_nothing_to_do_and_too_many_partitions(run_cli, clus
                            "--cluster", cluster_file, "--partitions", 99, "-o", out_path)
     assert code != 0 and "fewer than --partitions 99" in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1 and not out_path.exists()
+
+
+def test_placement_on_a_graph_with_very_unequal_variables():
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [None, 4], name="x")
+        sizes = {"huge": (4, 5000), "big": (4, 800), "mid": (4, 300), "small": (4, 20),
+                 "tiny": (4, 1)}
+        total = 0.0
+        for name, shape in sizes.items():
+            w = tf1.get_variable(name, shape, use_resource=True)
+            total += tf.reduce_mean(tf.matmul(x, w))
+        loss = tf.identity(total, name="loss")
+        train = tf1.train.GradientDescentOptimizer(0.1).minimize(loss)
+        tf1.add_to_collection("train_op", train)
+        ir = metagraph.from_metagraph(tf1.train.export_meta_graph(graph=g))
+    ps_tasks = 3
+    spec = {"ps": [f"127.0.0.1:{2300 + i}" for i in range(ps_tasks)], "worker": SPEC["worker"]}
+    strategies.transform(ir, "ps", cluster=cluster.Cluster(spec))
+    nbytes = {name: 4 * rows * cols for name, (rows, cols) in sizes.items()}
+    load = {}
+    for name, size in nbytes.items():
+        load[ir.node(name)["device"]] = load.get(ir.node(name)["device"], 0) + size
+    assert len(load) == ps_tasks
+    assert max(load.values()) <= max(nbytes.values()) + sum(nbytes.values()) / ps_tasks
