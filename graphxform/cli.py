@@ -336,6 +336,28 @@ def launch(model, steps, feeds, batch_size, cluster_file, restore, save_to, time
            warn=lambda text: click.echo(text, err=True)).run()
 
 
+@cli.command()
+@click.argument("model", type=click.Path(dir_okay=False))
+@click.option("--strategy", default="allreduce", show_default=True,
+              help="allreduce, ps or partitioned-ps (an unknown name is a one-line error).")
+@with_options([o for o in strategy_options  # theirs but --strategy, which is ours above
+               if all(p.name != "strategy" for p in o(lambda: None).__click_params__)])
+@click.option("--batch-size", default=32, show_default=True, type=int,
+              help="Global batch per step, split evenly across replicas.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document for machines.")
+@debug_option
+def cost(model, batch_size, as_json, debug, **options):
+    """Bytes each task (device, for allreduce) sends and receives per training step, per
+    variable, measured on the transformed graph next to the strategy's textbook minimum."""
+    from graphxform import cost as cost_mod
+    cost_mod.check_request(options["strategy"], batch_size)
+    original, ir, _ = _transform(model, options)
+    report = cost_mod.measure(original, ir, batch_size=batch_size, strategy=options["strategy"],
+                              train_op=options["train_op"])
+    click.echo(json.dumps(report.to_dict(), indent=2) if as_json else
+               cost_mod.format_text(report))
+
+
 def _import_tensorflow_quietly(debug: bool) -> None:
     """TF's native libraries print start-up chatter straight to fd 2; keep it off the terminal
     so an error stays one line (``--debug`` shows everything)."""
