@@ -276,6 +276,8 @@ class _Partition:
                 shape=(self.rows[k], *member.shape[1:]), trainable=member.trainable,
                 role=member.role, initializer=f"{shard}/Assign",
                 initial_value=f"{shard}/Initializer/slice:0",
+                reads=[f"{shard}/Read/ReadVariableOp" if member.kind == "resource"
+                       else f"{shard}/read"],
                 updates=[updates[k][u] for u in member.updates if u in updates[k]],
                 device=member.device)
             if member is self.var:

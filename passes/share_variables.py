@@ -38,9 +38,15 @@ class ShareVariables(Pass):
         shard_updates = ctx.state.get("partition-variables", {}).get("update_nodes", set())
         region = {n for n in per_example
                   if n.startswith(tg.optimizer.scope) or n in shard_updates} | {train_op}
-        replicated = per_example - region - shared_nodes(ir, tg)
-        replicated = {n for n in replicated if ir.op(n) not in PLACEHOLDER_OPS}
-        _pull_in_helpers(ir, replicated, region)
+        single = shared_nodes(ir, tg) | region
+        snapshots = {r for v in tg.variables.values() for r in v.reads}
+        replicated = {n for n in per_example - single if ir.op(n) not in PLACEHOLDER_OPS}
+        added = _pull_in_helpers(ir, replicated, region, snapshots)
+        while added:  # what consumes a pulled-in node is per-replica work too
+            grown = {d for n in added for d in nx.descendants(ir.g, n)} - single - replicated
+            grown = {n for n in grown if ir.op(n) not in PLACEHOLDER_OPS | VARIABLE_OPS}
+            replicated |= grown
+            added = _pull_in_helpers(ir, replicated, region, snapshots) | grown if grown else set()
         if not replicated:
             raise GraphxformError("nothing in the training step depends on a batched input; "
                                   "there is no per-replica work to distribute")
@@ -67,17 +73,19 @@ def colocated_with(ir, name) -> list[str]:
     return [v.decode()[5:] for v in attr["_class"].list.s if v.startswith(b"loc:@")]
 
 
-def _pull_in_helpers(ir, replicated, region) -> None:
+def _pull_in_helpers(ir, replicated, region, snapshots) -> set:
     """Replicate stateless helpers that only replicated nodes use (constants, shape arithmetic),
-    so each replica computes them locally, and anything colocated with a replicated node."""
-    def movable(n):  # a read of a variable stays with the variable
-        return (n not in replicated and n not in region and ir.op(n) not in VARIABLE_OPS
-                and ir.op(n) not in PLACEHOLDER_OPS and not opdefs.is_stateful(ir, ir.op(n))
-                and not any(ir.op(src) in VARIABLE_OPS for src in ir.predecessors(n)))
+    so each replica computes them locally, and anything colocated with a replicated node.
+    Returns the nodes added."""
+    def movable(n):  # a variable's own snapshot (`w/read`) stays with the variable
+        return (n not in replicated and n not in region and n not in snapshots
+                and ir.op(n) not in VARIABLE_OPS and ir.op(n) not in PLACEHOLDER_OPS
+                and not opdefs.is_stateful(ir, ir.op(n)))
 
     stack = [src for n in replicated for src in ir.predecessors(n)]
     stack += [n for n in ir.nodes() if n not in replicated
               and any(t in replicated for t in colocated_with(ir, n))]
+    added = set()
     while stack:
         n = stack.pop()
         if n not in ir or not movable(n):
@@ -88,4 +96,6 @@ def _pull_in_helpers(ir, replicated, region) -> None:
                            or not any(True for _ in ir.successors(n))):
             continue
         replicated.add(n)
+        added.add(n)
         stack.extend(ir.predecessors(n))
+    return added
