@@ -223,6 +223,7 @@ def session_config(job: str, task: int, chief: bool, timeout_s: float = DEFAULT_
     - isolate_session_state stays False: every worker's session must share the variables,
       accumulators and token queue on the ps tasks."""
     import tensorflow as tf
+    fail_fast()
     config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=threads,
                                       intra_op_parallelism_threads=threads)
     if not chief:
@@ -232,9 +233,20 @@ def session_config(job: str, task: int, chief: bool, timeout_s: float = DEFAULT_
     return config
 
 
+def fail_fast() -> None:
+    """Make TF's gRPC calls fail at once on a task that is gone (UNAVAILABLE) instead of
+    waiting for it to come back, which no op timeout bounds. TF reads GRPC_FAIL_FAST once, at
+    its first RPC, so this runs before any server or session exists (a value the user set
+    wins). Starting tasks in any order still works: sessions wait for their peers' ports
+    first (wait_for_tasks)."""
+    import os
+    os.environ.setdefault("GRPC_FAIL_FAST", "true")
+
+
 def start_server(cluster: Cluster, job: str, task: int, cpus: int = 1):
     """Start this task's tf.distribute.Server (it listens on 0.0.0.0:PORT)."""
     import tensorflow as tf
+    fail_fast()
     cluster.require(job, task)
     try:
         return tf.distribute.Server(tf.train.ClusterSpec(cluster.as_dict()), job_name=job,

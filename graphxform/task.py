@@ -15,9 +15,20 @@ from graphxform.cluster import Cluster
 from graphxform.distributed import ClusterPlan, describe
 from graphxform.errors import GraphxformError
 from graphxform.ir import GraphIR
-from graphxform.runtime import _first_line
 
 POLL_S = 0.2
+_REMOTE_TASK = re.compile(r"(?:From|remote target) /job:([^/\s]+)/replica:\d+/task:(\d+)")
+_BOILERPLATE = re.compile(r"^(Graph execution error:|=+|Detected at node|Node:|\s*\[\[)")
+
+
+def tf_message(error) -> str:
+    """The first line of a TF error that says something ("Graph execution error:" does not)."""
+    text = getattr(error, "message", None) or str(error)
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not _BOILERPLATE.match(line):
+            return line
+    return type(error).__name__
 
 
 def plan_of(ir: GraphIR) -> ClusterPlan:
@@ -79,7 +90,7 @@ class TaskRunner:
                 self.saver = tf1.train.import_meta_graph(meta, clear_devices=False)
             except (ValueError, KeyError, tf.errors.OpError) as e:
                 raise GraphxformError(f"TensorFlow cannot import {ir.source or 'the graph'}: "
-                                      f"{_first_line(e)}") from None
+                                      f"{tf_message(e)}") from None
             for name in [self.step_op] + ([self.loss] if self.loss else []) + self.fetches:
                 try:
                     self.graph.as_graph_element(name)
@@ -175,17 +186,25 @@ class TaskRunner:
     def _explain(self, error, what: str) -> str:
         """One line: which task stopped answering, else what timed out, else TF's message."""
         tf = self.tf
-        text = _first_line(error)
+        text = tf_message(error)
         if isinstance(error, (tf.errors.DeadlineExceededError, tf.errors.UnavailableError,
                               tf.errors.AbortedError, tf.errors.CancelledError,
                               tf.errors.InternalError, tf.errors.UnknownError)):
             lost = distributed.unreachable_tasks(self.cluster)
+            if not lost:  # a task killed this instant may still hold its port briefly
+                time.sleep(0.5)
+                lost = distributed.unreachable_tasks(self.cluster)
             if lost:
                 who = ", ".join(describe(self.cluster, j, t) for j, t in lost)
                 return f"{self.name}: {who} stopped answering ({what}: {type(error).__name__})"
             if isinstance(error, tf.errors.DeadlineExceededError):
                 return (f"{self.name}: {what} timed out after {self.timeout_s:g} s waiting for "
                         "other tasks (one stopped or is too slow; see --timeout)")
+            remote = _REMOTE_TASK.search(str(error))
+            if remote:
+                return (f"{self.name}: {what} failed on "
+                        f"{describe(self.cluster, remote.group(1), int(remote.group(2)))}: "
+                        f"{text}")
         match = re.search(r"split_inputs/([^/]+)/split", str(error))
         if match:
             return f"the batch for input '{match.group(1)}' does not divide evenly across replicas"
@@ -204,7 +223,7 @@ class TaskRunner:
             with self.graph.as_default():
                 self.saver.restore(self.session, prefix)
         except (ValueError, tf.errors.OpError) as e:
-            raise GraphxformError(f"cannot restore checkpoint {prefix}: {_first_line(e)}") from None
+            raise GraphxformError(f"cannot restore checkpoint {prefix}: {tf_message(e)}") from None
 
     def save(self, prefix: str) -> str:
         """Write PREFIX-<global step> and only then point the directory's `checkpoint` state file
@@ -222,7 +241,7 @@ class TaskRunner:
                                        write_meta_graph=False)
         except (ValueError, tf.errors.OpError) as e:
             raise GraphxformError(f"cannot save checkpoint {prefix}-{step}: "
-                                  f"{_first_line(e)}") from None
+                                  f"{tf_message(e)}") from None
 
 
 # ---------------------------------------------------------------- the CLI's halves
