@@ -5,10 +5,16 @@ as protos), ``origin`` (name in the loaded graph, None for created nodes) and ``
 pass that made it, None for loaded nodes). A data edge carries ``src_port``/``dst_port``; a control
 edge carries ``control=True``. Passes change the graph only through the methods below. Edge
 attribute dicts are never changed in place (rewiring replaces edges), so copies share them.
+
+Each node keeps a NodeDef (its attrs and rare fields). Its ``input`` list stays valid, so emitting
+the node is one copy, until a method changes the node's in-edges: that marks the node dirty and
+emit rebuilds its inputs from the edges. The same methods record which nodes changed since the
+last structural check, so the pipeline's verify only looks at those.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import itertools
 from typing import Callable, Iterable, Iterator
@@ -18,6 +24,66 @@ import networkx as nx
 from graphxform.errors import GraphxformError
 
 CONTROL_KEY = -1  # edge key of a control edge; data edges are keyed by their dst_port
+
+
+class FrozenDict(dict):
+    """An edge attr dict or key dict (``_succ[u][v]``, which is also ``_pred[v][u]``). Equal ones
+    are shared between edges and node pairs (every control-only pair has the same key dict, and
+    copies share their originals'), so none is ever changed in place: GraphIR replaces a pair's
+    key dict to add or remove an edge, and networkx's own edge mutators fail loudly here."""
+
+    def _refuse(self, *args, **kwargs):
+        raise TypeError("graphxform shares edge dicts between edges; change edges through "
+                        "GraphIR's methods, not networkx's")
+
+    __setitem__ = __delitem__ = update = setdefault = pop = popitem = clear = __ior__ = _refuse
+
+    def __reduce__(self):
+        return type(self), (dict(self),)
+
+
+CONTROL_EDGE = FrozenDict(control=True)
+CONTROL_KEYS = FrozenDict({CONTROL_KEY: CONTROL_EDGE})  # key dict of a control-only pair
+_DATA_KEYS = {}  # (dst_port, src_port) -> key dict of a pair joined by that one data edge
+
+
+def data_keys(dst_port: int, src_port: int) -> FrozenDict:
+    """The shared key dict of a node pair joined by one data edge src:src_port -> dst_port."""
+    keys = _DATA_KEYS.get((dst_port, src_port))
+    if keys is None:
+        edge = FrozenDict(src_port=src_port, dst_port=dst_port)
+        keys = _DATA_KEYS[(dst_port, src_port)] = FrozenDict({dst_port: edge})
+    return keys
+
+
+def join_edge(succ: dict, pred: dict, src: str, dst: str, key: int, edge: dict) -> None:
+    """Add one edge straight into networkx's adjacency dicts (networkx's add_edge costs several
+    times this), replacing the pair's key dict rather than changing it."""
+    keys = pred[dst].get(src)
+    if keys is None:
+        if key == CONTROL_KEY:
+            keys = CONTROL_KEYS
+        elif set(edge) == {"src_port", "dst_port"}:
+            keys = data_keys(key, edge["src_port"])
+        else:
+            keys = FrozenDict({key: _frozen(edge)})
+    else:
+        keys = FrozenDict({**keys, key: _frozen(edge)})
+    succ[src][dst] = pred[dst][src] = keys
+
+
+def _frozen(edge: dict) -> FrozenDict:
+    return edge if isinstance(edge, FrozenDict) else FrozenDict(edge)
+
+
+def split_edge(succ: dict, pred: dict, src: str, dst: str, key: int) -> None:
+    """Remove one edge (it must exist), replacing the pair's key dict rather than changing it."""
+    rest = {k: edge for k, edge in pred[dst][src].items() if k != key}
+    if rest:
+        succ[src][dst] = pred[dst][src] = FrozenDict(rest)
+    else:
+        del succ[src][dst]
+        del pred[dst][src]
 
 
 def parse_tensor(name: str) -> tuple[str, int]:
@@ -36,6 +102,26 @@ def _input_string(node: str, port: int) -> str:
     return node if port == 0 else f"{node}:{port}"
 
 
+@contextlib.contextmanager
+def paused_gc():
+    """Pause the cyclic garbage collector. Building or copying a graph allocates many dicts that
+    all stay alive; meanwhile the collector would walk them again and again, a large share of
+    the run. Afterwards they move straight to the oldest generation (freeze + unfreeze moves
+    lists, it walks nothing) instead of being walked by the next young collection; garbage
+    made meanwhile is still collected, by a later full collection."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        if gc.get_freeze_count() == 0:  # leave anyone else's frozen objects alone
+            gc.freeze()
+            gc.unfreeze()
+        gc.enable()
+
+
 class GraphIR:
     """One graph plus the MetaGraph fields that travel with it.
 
@@ -48,7 +134,9 @@ class GraphIR:
         self.meta = meta
         self.kind = kind
         self.source = source
-        self._protos = {}  # name -> NodeDef holding attr and rare fields; input/name/op/device unused
+        self._protos = {}  # name -> NodeDef: attrs, rare fields, inputs (valid unless dirty)
+        self._dirty = set()  # nodes whose NodeDef input list no longer matches their in-edges
+        self._unverified = set()  # nodes added or rewired since the last take_unverified()
 
     # ---------------------------------------------------------------- reading
     def __contains__(self, name: str) -> bool:
@@ -108,8 +196,40 @@ class GraphIR:
         return self.g._pred[name].keys()
 
     def proto(self, name: str):
-        """The NodeDef that holds this node's attrs (its input/name/op/device fields are stale)."""
+        """The NodeDef that holds this node's attrs. Its name is the node's; its op and device
+        may lag the node data, and its input list is stale while the node is dirty."""
         return self._protos[name]
+
+    def is_dirty(self, name: str) -> bool:
+        """Whether ``name``'s in-edges changed since its NodeDef input list was written; emit
+        then rebuilds the list from the edges instead of copying it."""
+        return name in self._dirty
+
+    def edge_inputs(self, name: str) -> list[str]:
+        """``name``'s TF input list built from its edges: data inputs in dst_port order, then
+        control inputs. A clean node's NodeDef holds the same list."""
+        data, controls = [], []
+        for src, keyed in self.g._pred[name].items():
+            for key, edge in keyed.items():
+                if key == CONTROL_KEY:
+                    controls.append("^" + src)
+                else:
+                    port = edge["src_port"]
+                    plain = port == 0 and "spelled_port" not in edge
+                    data.append((key, src if plain else f"{src}:{port}"))
+        data.sort()
+        return [text for _, text in data] + controls
+
+    def take_unverified(self) -> set[str]:
+        """Nodes added or rewired since the last call (every node of a freshly built IR), for
+        an incremental structural check; the record starts empty again. Removed nodes drop out."""
+        found, self._unverified = self._unverified, set()
+        return found
+
+    def _touch(self, name: str) -> None:
+        """``name``'s in-edges changed: its NodeDef inputs are stale and it needs verifying."""
+        self._dirty.add(name)
+        self._unverified.add(name)
 
     # --------------------------------------------------------------- mutation
     def add_node(self, name: str, op: str, inputs: Iterable[str] = (), *, device: str = "",
@@ -122,6 +242,7 @@ class GraphIR:
         if proto is None:
             from tensorflow.core.framework import node_def_pb2
             proto = node_def_pb2.NodeDef()
+        proto.name, proto.op, proto.device = name, op, device
         for key, value in (attr or {}).items():
             proto.attr[key].CopyFrom(value)
         self._protos[name] = proto
@@ -129,6 +250,7 @@ class GraphIR:
                               "created_by": created_by}
         self.g._succ[name] = {}
         self.g._pred[name] = {}
+        self._touch(name)  # its inputs are written out from the edges on emit
         self._connect(name, inputs)
         return name
 
@@ -136,20 +258,19 @@ class GraphIR:
         port = 0
         for text in inputs:
             if text.startswith("^"):
-                self._add_edge(text[1:], name, CONTROL_KEY, {"control": True})
+                self._add_edge(text[1:], name, CONTROL_KEY, CONTROL_EDGE)
             else:
                 src, src_port = parse_tensor(text)
                 self._add_edge(src, name, port, {"src_port": src_port, "dst_port": port})
                 port += 1
 
     def _add_edge(self, src: str, dst: str, key: int, edge: dict) -> None:
-        """networkx's own add_edge costs several times this: one edge, straight into the
-        adjacency dicts (the key dict is shared by _succ[src][dst] and _pred[dst][src])."""
+        """One edge; the caller marks ``dst`` touched."""
         self._require(src, dst)
-        keyed = self.g._pred[dst].get(src)
-        if keyed is None:
-            keyed = self.g._succ[src][dst] = self.g._pred[dst][src] = {}
-        keyed[key] = edge
+        join_edge(self.g._succ, self.g._pred, src, dst, key, edge)
+
+    def _remove_edge(self, src: str, dst: str, key: int) -> None:
+        split_edge(self.g._succ, self.g._pred, src, dst, key)
 
     def _require(self, src: str, dst: str) -> None:
         if src not in self.g:
@@ -157,24 +278,33 @@ class GraphIR:
 
     def remove_node(self, name: str, safe: bool = True) -> None:
         """Remove a node; with ``safe`` refuse while anything still consumes it."""
-        if safe and self.g._succ[name]:
-            users = ", ".join(sorted(self.g._succ[name])[:3])
-            raise GraphxformError(f"cannot remove '{name}': still used by {users}")
+        users = self.g._succ[name]
+        if safe and users:
+            first = ", ".join(sorted(users)[:3])
+            raise GraphxformError(f"cannot remove '{name}': still used by {first}")
+        for dst in users:
+            self._touch(dst)
         self.g.remove_node(name)
-        del self._protos[name]
+        self._forget(name)
 
     def remove_nodes(self, names: Iterable[str], safe: bool = True) -> None:
         """Remove a set of nodes at once; with ``safe`` refuse while a node outside the set
         still consumes one of them."""
         names = set(names)
-        if safe:
-            for name in names:
-                outside = [dst for dst in self.g._succ[name] if dst not in names]
-                if outside:
-                    raise GraphxformError(f"cannot remove '{name}': still used by {outside[0]}")
+        for name in names:
+            outside = [dst for dst in self.g._succ[name] if dst not in names]
+            if outside and safe:
+                raise GraphxformError(f"cannot remove '{name}': still used by {outside[0]}")
+            for dst in outside:
+                self._touch(dst)
         self.g.remove_nodes_from(names)
         for name in names:
-            del self._protos[name]
+            self._forget(name)
+
+    def _forget(self, name: str) -> None:
+        del self._protos[name]
+        self._dirty.discard(name)
+        self._unverified.discard(name)
 
     def remove_dead(self, roots: Iterable[str], keep: Callable[[str], bool]) -> int:
         """Remove ``roots`` and then their inputs, as long as nothing consumes them and
@@ -193,9 +323,11 @@ class GraphIR:
     def set_input(self, dst: str, dst_port: int, tensor: str) -> None:
         """Point input ``dst_port`` of ``dst`` at ``tensor``."""
         src, _ = self.input(dst, dst_port)
-        self.g.remove_edge(src, dst, key=dst_port)
         new_src, new_port = parse_tensor(tensor)
+        self._require(new_src, dst)
+        self._remove_edge(src, dst, dst_port)
         self._add_edge(new_src, dst, dst_port, {"src_port": new_port, "dst_port": dst_port})
+        self._touch(dst)
 
     def replace_all_uses_with(self, old: str, new: str,
                               where: Callable[[str], bool] | None = None) -> int:
@@ -222,65 +354,88 @@ class GraphIR:
                 elif data["src_port"] == old_port:
                     moves.append((dst, key, new_port))
         for dst, key, port in moves:
-            self.g.remove_edge(old_node, dst, key=key)
+            self._remove_edge(old_node, dst, key)
             if key == CONTROL_KEY:
-                self.add_control_input(dst, new_node)
+                self._add_edge(new_node, dst, CONTROL_KEY, CONTROL_EDGE)
             else:
                 self._add_edge(new_node, dst, key, {"src_port": port, "dst_port": key})
+            self._touch(dst)
         return len(moves)
 
     def add_control_input(self, node: str, src: str) -> None:
-        self._add_edge(src, node, CONTROL_KEY, {"control": True})
+        self._add_edge(src, node, CONTROL_KEY, CONTROL_EDGE)
+        self._touch(node)
 
     def remove_control_input(self, node: str, src: str) -> None:
         if self.g.has_edge(src, node, key=CONTROL_KEY):
-            self.g.remove_edge(src, node, key=CONTROL_KEY)
+            self._remove_edge(src, node, CONTROL_KEY)
+            self._touch(node)
 
     def copy_nodes(self, names: Iterable[str], prefix: str, *, device=None,
                    created_by: str | None = None) -> dict[str, str]:
         """Copy ``names`` as ``prefix + name``; edges among copied nodes follow the copies, inputs
         from outside keep pointing at the originals. ``device`` is a string or a function of the
         original name. Colocation attrs (``_class: loc:@x``) follow copies too. Returns
-        {original: copy}."""
+        {original: copy}.
+
+        A copy of a clean node gets its input list rewritten here, so it is clean too."""
         names = list(names)
         mapping = {name: prefix + name for name in names}
-        g = self.g
-        node_data, succ, pred, protos = g._node, g._succ, g._pred, self._protos
         for new in mapping.values():
-            if new in node_data:
+            if new in self.g._node:
                 raise GraphxformError(f"cannot copy to '{new}': it already exists")
-        collecting = gc.isenabled()
-        gc.disable()  # like metagraph.from_metagraph: fill networkx's dicts directly, per edge
-        try:
+        pick = device if callable(device) else (lambda name, fixed=device: fixed)
+        with paused_gc():
             for name in names:
-                data = node_data[name]
-                new = mapping[name]
-                proto = type(protos[name])()
-                proto.CopyFrom(protos[name])
-                if "_class" in proto.attr:
-                    _remap_colocation(proto.attr["_class"], mapping)
-                dev = data["device"] if device is None else (
-                    device(name) if callable(device) else device)
-                protos[new] = proto
-                node_data[new] = {"op": data["op"], "device": dev, "attr": proto.attr,
-                                  "origin": data["origin"],
-                                  "created_by": created_by or data["created_by"]}
-                succ[new] = {}
-                pred[new] = {}
+                self._copy_node(name, mapping, prefix, pick(name), created_by)
             for name in names:
-                new = mapping[name]
-                new_pred = pred[new]
-                for src, keyed in pred[name].items():
-                    new_src = mapping.get(src, src)
-                    copied = dict(keyed)  # edge attr dicts are never mutated: share them
-                    new_pred[new_src] = copied
-                    succ[new_src][new] = copied
-        finally:
-            if collecting:
-                gc.enable()
+                self._copy_edges(name, mapping)
+        self._unverified.update(mapping.values())
         if hasattr(nx, "_clear_cache"):
-            nx._clear_cache(g)
+            nx._clear_cache(self.g)
         return mapping
+
+    def _copy_node(self, name, mapping, prefix, device, created_by) -> None:
+        """The node and its NodeDef; its input list names the copies of copied inputs."""
+        data = self.g._node[name]
+        new = mapping[name]
+        proto = self._protos[name]
+        copy = type(proto)()
+        copy.CopyFrom(proto)
+        copy.name = new
+        if device is None:
+            device = data["device"]
+        else:
+            copy.device = device
+        if "_class" in copy.attr:
+            _remap_colocation(copy.attr["_class"], mapping)
+        if name in self._dirty:
+            self._dirty.add(new)
+        elif copy.input:
+            _rename_inputs(copy.input, self.g._pred[name], mapping, prefix)
+        self._protos[new] = copy
+        self.g._node[new] = {"op": data["op"], "device": device, "attr": copy.attr,
+                             "origin": data["origin"],
+                             "created_by": created_by or data["created_by"]}
+        self.g._succ[new] = {}
+        self.g._pred[new] = {}
+
+    def _copy_edges(self, name, mapping) -> None:
+        """The copy's in-edges and its out-edges to other copies, straight into the adjacency
+        dicts; copies share their originals' key dicts (they hold no node names)."""
+        new = mapping[name]
+        preds, users = self.g._pred[name], self.g._succ[name]
+        succ = self.g._succ
+        if preds:
+            self.g._pred[new] = dict(zip(map(mapping.get, preds, preds), preds.values()))
+            if not preds.keys() <= mapping.keys():  # inputs from outside: they gain a consumer
+                for src, keys in preds.items():
+                    if src not in mapping:
+                        succ[src][new] = keys
+        if users.keys() <= mapping.keys():
+            succ[new] = dict(zip(map(mapping.__getitem__, users), users.values()))
+        else:
+            succ[new] = {mapping[dst]: keys for dst, keys in users.items() if dst in mapping}
 
     # -------------------------------------------------------------- printing
     def node_line(self, name: str) -> str:
@@ -322,6 +477,23 @@ def _remap_colocation(attr_value, mapping: dict[str, str]) -> None:
     if changed:
         del attr_value.list.s[:]
         attr_value.list.s.extend(items)
+
+
+def _rename_inputs(texts, preds, mapping: dict[str, str], prefix: str) -> None:
+    """Rewrite a NodeDef input list in place so inputs that were copied name their copies."""
+    if preds.keys() <= mapping.keys():  # every input was copied: prefix them all
+        caret = "^" + prefix
+        texts[:] = [caret + t[1:] if t[0] == "^" else prefix + t for t in texts]
+    else:
+        texts[:] = [_renamed_input(t, mapping) for t in texts]
+
+
+def _renamed_input(text: str, mapping: dict[str, str]) -> str:
+    caret = "^" if text[0] == "^" else ""
+    body = text[len(caret):]
+    src = parse_tensor(body)[0] if not caret else body
+    new = mapping.get(src)
+    return text if new is None else caret + new + body[len(src):]
 
 
 def format_attr(value) -> str:

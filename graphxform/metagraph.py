@@ -6,7 +6,7 @@ GraphDef, ``.pbtxt``/``.txt`` either one in text form. A file holding the other 
 
 from __future__ import annotations
 
-import gc
+import operator
 import os
 import tempfile
 
@@ -15,7 +15,8 @@ import networkx as nx
 from google.protobuf import message, text_format
 
 from graphxform.errors import GraphxformError
-from graphxform.ir import GraphIR, parse_tensor
+from graphxform.ir import (CONTROL_EDGE, CONTROL_KEY, CONTROL_KEYS, GraphIR, data_keys,
+                           join_edge, parse_tensor, paused_gc)
 
 TEXT_SUFFIXES = (".pbtxt", ".txt")
 # The pass that created a node travels in the file as an internal attr (TF ignores attrs that
@@ -128,60 +129,95 @@ def _check_nodes(path, graph_def) -> None:
 
 
 def from_metagraph(meta, kind: str = "meta", source: str | None = None) -> GraphIR:
-    """Build a GraphIR; ``meta`` is consumed (its node list moves into the IR).
+    """Build a GraphIR; ``meta`` is consumed (its nodes move into the IR, which keeps each
+    NodeDef whole, inputs included, so emitting an untouched node is one copy).
 
     This is the hot path of every command, so it fills networkx's adjacency dicts directly
     (the layout MultiDiGraph.add_edge makes: one key dict shared by _succ[u][v] and _pred[v][u])
     with the garbage collector paused: per-edge add_edge calls cost several times the parse."""
     nodes = list(meta.graph_def.node)
     ir = GraphIR(meta, kind=kind, source=source)
-    g = ir.g
-    protos, node_data, succ, pred = ir._protos, g._node, g._succ, g._pred
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        for nd in nodes:
-            name = nd.name
-            if name in protos:
-                raise GraphxformError(f"{source or 'graph'}: duplicate node name '{name}'")
-            protos[name] = nd
-            created_by = None
-            if PROVENANCE_ATTR in nd.attr:  # written by an earlier graphxform run
-                created_by = nd.attr[PROVENANCE_ATTR].s.decode()
-                del nd.attr[PROVENANCE_ATTR]
-            node_data[name] = {"op": nd.op, "device": nd.device, "attr": nd.attr,
-                               "origin": name, "created_by": created_by}
-            succ[name] = {}
-            pred[name] = {}
-        for nd in nodes:
-            dst = nd.name
-            dst_pred = pred[dst]
-            port = 0
-            for text in nd.input:
-                if text[0] == "^":
-                    src = text[1:]
-                    key, edge = -1, {"control": True}
-                else:
-                    src, src_port = (text, 0) if ":" not in text else parse_tensor(text)
-                    key, edge = port, {"src_port": src_port, "dst_port": port}
-                    if src_port == 0 and text[-2:] == ":0":
-                        edge["spelled_port"] = True  # written 'x:0'; kept so emit gives it back
-                    port += 1
-                keyed = dst_pred.get(src)
-                if keyed is None:
-                    src_succ = succ.get(src)
-                    if src_succ is None:
-                        _dangling(source, dst, text)
-                    keyed = src_succ[dst] = dst_pred[src] = {}
-                keyed[key] = edge
-            del nd.input[:]
-    finally:
-        if collecting:
-            gc.enable()
+    with paused_gc():
+        names = [_add_loaded(ir, nd, source) for nd in nodes]
+        succ, pred = ir.g._succ, ir.g._pred
+        for nd, dst in zip(nodes, names):
+            if nd.input:
+                _link_inputs(nd.input, dst, succ, pred, source)
     if hasattr(nx, "_clear_cache"):
-        nx._clear_cache(g)
+        nx._clear_cache(ir.g)
+    ir._unverified = set(names)
     del meta.graph_def.node[:]
     return ir
+
+
+def _add_loaded(ir: GraphIR, nd, source) -> str:
+    name = nd.name
+    if name in ir._protos:
+        raise GraphxformError(f"{source or 'graph'}: duplicate node name '{name}'")
+    ir._protos[name] = nd
+    created_by = None
+    if PROVENANCE_ATTR in nd.attr:  # written by an earlier graphxform run
+        created_by = nd.attr[PROVENANCE_ATTR].s.decode()
+        del nd.attr[PROVENANCE_ATTR]
+    ir.g._node[name] = {"op": nd.op, "device": nd.device, "attr": nd.attr, "origin": name,
+                        "created_by": created_by}
+    ir.g._succ[name] = {}
+    ir.g._pred[name] = {}
+    return name
+
+
+def _link_inputs(texts, dst: str, succ: dict, pred: dict, source) -> None:
+    """The edges of one NodeDef input list. Data inputs come first; the control inputs after
+    them (ResNet-50's gradient ops wait on 106 batch-norm updates each) are linked in bulk,
+    all sharing one key dict."""
+    texts = list(texts)
+    port = 0
+    for text in texts:
+        if text[0] == "^":
+            break
+        src, src_port = (text, 0) if ":" not in text else parse_tensor(text)
+        edge = None
+        if src_port == 0 and text[-2:] == ":0":  # written 'x:0'; kept so emit gives it back
+            edge = {"src_port": 0, "dst_port": port, "spelled_port": True}
+        _link(succ, pred, src, dst, port, src_port, edge, source, text)
+        port += 1
+    else:
+        return
+    rest = texts[port:]
+    controls = dict.fromkeys(map(_after_caret, rest), CONTROL_KEYS)
+    dst_pred = pred[dst]
+    if len(set(map(_first_char, rest))) > 1 or not dst_pred.keys().isdisjoint(controls):
+        _link_rest(rest, dst, succ, pred, port, source)  # unusual order, or data and control
+        return
+    dst_pred.update(controls)
+    try:
+        for src in controls:
+            succ[src][dst] = CONTROL_KEYS
+    except KeyError as missing:
+        _dangling(source, dst, "^" + missing.args[0])
+
+
+def _link_rest(texts, dst, succ, pred, port, source) -> None:
+    for text in texts:
+        if text[0] == "^":
+            _link(succ, pred, text[1:], dst, CONTROL_KEY, 0, CONTROL_EDGE, source, text)
+        else:
+            src, src_port = parse_tensor(text)
+            _link(succ, pred, src, dst, port, src_port, None, source, text)
+            port += 1
+
+
+_after_caret = operator.itemgetter(slice(1, None))
+_first_char = operator.itemgetter(0)
+
+
+def _link(succ, pred, src, dst, key, src_port, edge, source, text) -> None:
+    if src not in succ:
+        _dangling(source, dst, text)
+    if edge is None and key != CONTROL_KEY and src not in pred[dst]:
+        succ[src][dst] = pred[dst][src] = data_keys(key, src_port)
+    else:
+        join_edge(succ, pred, src, dst, key, edge or {"src_port": src_port, "dst_port": key})
 
 
 def _dangling(source, dst, text):
@@ -190,38 +226,31 @@ def _dangling(source, dst, text):
 
 
 def to_metagraph(ir: GraphIR):
-    """Emit a fresh MetaGraphDef (the IR is left untouched)."""
+    """Emit a fresh MetaGraphDef (the IR is left untouched): one copy per node; only nodes
+    whose in-edges changed get their input list rebuilt from the edges."""
     meta_graph_pb2, _ = _protos()
     meta = meta_graph_pb2.MetaGraphDef()
     meta.CopyFrom(ir.meta)
-    out_nodes = meta.graph_def.node
-    g = ir.g
-    pred = g._pred
-    protos = ir._protos
-    for name, data in g.nodes(data=True):
-        nd = out_nodes.add()
-        nd.CopyFrom(protos[name])
-        nd.name = name
-        nd.op = data["op"]
-        nd.device = data["device"]
-        if data["created_by"]:
-            nd.attr[PROVENANCE_ATTR].s = data["created_by"].encode()
-        data_inputs = []
-        controls = []
-        for src, keyed in pred[name].items():
-            for key, edge in keyed.items():
-                if key == -1:
-                    controls.append("^" + src)
-                else:
-                    p = edge["src_port"]
-                    plain = p == 0 and "spelled_port" not in edge
-                    data_inputs.append((key, src if plain else f"{src}:{p}"))
-        if data_inputs:
-            if len(data_inputs) > 1:
-                data_inputs.sort()
-            nd.input.extend([text for _, text in data_inputs])
-        if controls:
-            nd.input.extend(controls)
+    add = meta.graph_def.node.add
+    protos, dirty = ir._protos, ir._dirty
+    marks = {}  # created_by -> bytes
+    with paused_gc():
+        for name, data in ir.g._node.items():
+            nd = add()
+            nd.CopyFrom(protos[name])
+            if nd.op != data["op"]:
+                nd.op = data["op"]
+            if nd.device != data["device"]:
+                nd.device = data["device"]
+            created_by = data["created_by"]
+            if created_by:
+                mark = marks.get(created_by)
+                if mark is None:
+                    mark = marks[created_by] = created_by.encode()
+                nd.attr[PROVENANCE_ATTR].s = mark
+            if name in dirty:
+                del nd.input[:]
+                nd.input.extend(ir.edge_inputs(name))
     return meta
 
 

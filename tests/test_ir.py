@@ -92,3 +92,87 @@ def test_printer_matches_golden(update_goldens):
         golden.write_text(text)
     assert text == golden.read_text()
     assert len(text.splitlines()) == len(ir)
+
+
+# ------------------------------------------------ clean nodes emit their NodeDef, dirty ones edges
+
+def loaded_ir():
+    """A loaded graph whose node 'n' lists its control inputs in an order the edges do not keep
+    ('^c' before '^a'; 'a' is also a data input), so emit shows which list it wrote."""
+    from tensorflow.core.protobuf import meta_graph_pb2
+    meta = meta_graph_pb2.MetaGraphDef()
+    for name, inputs in [("a", []), ("b", []), ("c", []), ("d", []),
+                         ("n", ["a", "b:0", "^c", "^a"]), ("m", ["n", "^d"])]:
+        node = meta.graph_def.node.add(name=name, op="NoOp" if not inputs else "Foo")
+        node.input.extend(inputs)
+    return metagraph.from_metagraph(meta)
+
+
+def emitted_inputs(ir):
+    return {nd.name: list(nd.input) for nd in metagraph.to_graphdef(ir).node}
+
+
+def test_clean_node_emits_its_original_node_def():
+    ir = loaded_ir()
+    assert not ir.is_dirty("n")
+    assert emitted_inputs(ir)["n"] == ["a", "b:0", "^c", "^a"]
+    assert ir.edge_inputs("n") == ["a", "b:0", "^a", "^c"]
+
+
+def test_dirty_node_is_emitted_from_its_edges():
+    ir = loaded_ir()
+    ir.add_control_input("n", "d")
+    assert ir.is_dirty("n") and not ir.is_dirty("m")
+    assert emitted_inputs(ir)["n"] == ["a", "b:0", "^a", "^c", "^d"]
+    assert emitted_inputs(ir)["m"] == ["n", "^d"]
+
+
+MUTATIONS = {
+    "set_input": (lambda ir: ir.set_input("n", 1, "d"), ["n"]),
+    "replace_all_uses_with node": (lambda ir: ir.replace_all_uses_with("a", "d"), ["n"]),
+    "replace_all_uses_with tensor": (lambda ir: ir.replace_all_uses_with("b:0", "d:0"), ["n"]),
+    "add_control_input": (lambda ir: ir.add_control_input("m", "a"), ["m"]),
+    "remove_control_input": (lambda ir: ir.remove_control_input("m", "d"), ["m"]),
+    "remove_node": (lambda ir: ir.remove_node("c", safe=False), ["n"]),
+    "remove_nodes": (lambda ir: ir.remove_nodes(["c", "d"], safe=False), ["n", "m"]),
+    "remove_dead": (lambda ir: (ir.remove_node("m"), ir.remove_dead(["n"], keep=lambda n: n == "a")),
+                    []),
+    "add_node": (lambda ir: ir.add_node("new", "Foo", ["a", "^b"]), ["new"]),
+}
+
+
+@pytest.mark.parametrize("method", sorted(MUTATIONS))
+def test_every_mutation_marks_what_it_changed(method):
+    ir = loaded_ir()
+    ir.take_unverified()
+    change, touched = MUTATIONS[method]
+    change(ir)
+    assert {n for n in ir.nodes() if ir.is_dirty(n)} == set(touched)
+    assert ir.take_unverified() == set(touched)
+    assert ir.take_unverified() == set()
+    for name, inputs in emitted_inputs(ir).items():  # every emitted list matches the edges
+        if name != "n" or ir.is_dirty("n"):
+            assert inputs == ir.edge_inputs(name), name
+
+
+def test_copies_of_clean_nodes_are_clean_with_renamed_inputs():
+    ir = loaded_ir()
+    ir.add_control_input("m", "c")  # m is dirty: so is its copy
+    ir.take_unverified()
+    mapping = ir.copy_nodes(["b", "c", "n", "m"], "r/")
+    assert not ir.is_dirty("r/n") and ir.is_dirty("r/m")
+    assert ir.take_unverified() == set(mapping.values())
+    out = emitted_inputs(ir)
+    assert out["r/n"] == ["a", "r/b:0", "^r/c", "^a"]  # 'a' was not copied
+    assert out["r/m"] == ir.edge_inputs("r/m") == ["r/n", "^d", "^r/c"]
+    assert ir.consumers("a") == [("n", 0), ("r/n", 0)]
+
+
+def test_edge_dicts_are_shared_so_networkx_cannot_change_them_in_place():
+    ir = loaded_ir()
+    assert ir.g._pred["n"]["c"] is ir.g._pred["m"]["d"]  # every control-only pair: one dict
+    with pytest.raises(TypeError, match="GraphIR's methods"):
+        ir.g.remove_edge("c", "n")
+    with pytest.raises(TypeError, match="GraphIR's methods"):
+        ir.g.edges["c", "n", -1]["control"] = False
+    assert ir.control_inputs("n") == ["a", "c"]
