@@ -6,6 +6,7 @@ run it, so a pass that sends more than it should shows up as a ratio above 1.
 - Where a node runs: its device, except that an op reading a resource (ReadVariableOp,
   ResourceGather, an optimizer update) runs with the resource, and a `_class` colocation wins
   over an empty device, as in TF's placer. An unplaced node runs on the client: the chief task.
+  (Checked against the partition graphs TF builds for a ps graph on an in-process cluster.)
 - A tensor crosses when producer and consumer run on different tasks; TF's graph partitioner
   makes one send/recv per (tensor, destination task), so each pair is counted once. Constants
   are not counted (TF copies them to their consumers), nor control edges (no payload).
@@ -29,6 +30,9 @@ from graphxform.errors import GraphxformError
 from graphxform.ir import GraphIR, parse_tensor
 
 DT_RESOURCE = 20
+# ops TF's placer does not pull onto their resource inputs' device (they forward, not read)
+RESOURCE_COLOCATION_EXEMPT = {"IdentityN", "PartitionedCall", "StatefulPartitionedCall", "While",
+                              "StatelessWhile", "If", "StatelessIf", "Case", "StatelessCase"}
 COLLECTIVE_REDUCE = "CollectiveReduceV2"
 COLLECTIVE_GATHER = "CollectiveGatherV2"
 OTHER = "other"
@@ -125,13 +129,19 @@ def measure(original: GraphIR, ir: GraphIR, batch_size: int = 32, strategy: str 
     minimum = (allreduce_minimum(ir, step, tg, sparse_rows) if model == "allreduce"
                else ps_minimum(ir, tg, sparse_rows, client, owners))
     endpoints, variables = _tally(transfers, minimum, tg)
-    unknown = shapes.unknown_crossing
+    handles = {t for t in shapes.unknown_crossing if _is_resource(ir, t)}
+    unknown = shapes.unknown_crossing - handles
+    if handles:
+        notes.append(f"{len(handles)} variable handle(s) passed to another task (into a loop or "
+                     "function): the reads inside, possibly one per iteration, are not counted: "
+                     + ", ".join(sorted(handles)[:3]))
     if unknown:
         notes.append(f"{len(unknown)} crossing tensor(s) of unknown static size not counted: "
                      + ", ".join(sorted(unknown)[:3]))
     if any(t.upper_bound for t in transfers):
         notes.append("sparse gradients and gathered rows are counted at one row per id fed "
-                     "(duplicate ids included): an upper bound on the rows a step touches")
+                     "(duplicate ids included): an upper bound on the rows a step touches; a "
+                     "partitioned variable's ids are spread over its shards by their rows")
     notes.append(f"unplaced nodes run on the client, the chief task {client}; constants and "
                  "control edges are not counted")
     return CostReport(strategy=strategy or model, batch_size=batch_size, replicas=replicas,
@@ -140,6 +150,11 @@ def measure(original: GraphIR, ir: GraphIR, batch_size: int = 32, strategy: str 
 
 
 # ------------------------------------------------------------------ the graph as TF will run it
+
+def _is_resource(ir, tensor: str) -> bool:
+    from graphxform import opdefs
+    return opdefs.output_dtype(ir, *parse_tensor(tensor)) == DT_RESOURCE
+
 
 def count_replicas(ir: GraphIR) -> int:
     """Replica copies (`replica_{i}/...`) in the graph; 1 for an untransformed one."""
@@ -189,6 +204,8 @@ class Placement:
         ir = self.ir
         variable_ports = self._variable_ports(name)
         for port, (src, src_port) in enumerate(ir.inputs(name)):
+            if ir.op(name) in RESOURCE_COLOCATION_EXEMPT:
+                break
             if port in variable_ports or opdefs.output_dtype(ir, src, src_port) == DT_RESOURCE:
                 return src
         attr = ir.node(name)["attr"].get("_class")
@@ -277,15 +294,10 @@ def static_shapes(ir: GraphIR, batched, batch_size: int) -> Shapes:
 
 
 def _dtype_size(dtype) -> int | None:
-    base = dtype.base_dtype
-    if base in (_tf().string, _tf().resource, _tf().variant):
-        return None
-    return base.size
-
-
-def _tf():
+    """Bytes per element; None where a size is not fixed (strings, handles, variants)."""
     import tensorflow as tf
-    return tf
+    base = dtype.base_dtype
+    return None if base in (tf.string, tf.resource, tf.variant) else base.size
 
 
 class VariableNames:
