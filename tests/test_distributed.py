@@ -335,7 +335,6 @@ def test_serve_from_tf_config_blocks_until_sigterm(tmp_path):
     assert port_free(port)
 
 
-@pytest.mark.slow
 def test_launch_trains_like_a_single_device_and_leaves_nothing(run_cli, built):
     save = built["dir"] / "launched" / "model"
     code, out, err = run_cli("launch", built["meta"], "--steps", STEPS, "--feeds",
