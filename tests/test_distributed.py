@@ -373,7 +373,7 @@ def test_launch_stops_with_a_clear_error_when_a_worker_dies(built):
         killed = time.monotonic()
         code = proc.wait(timeout=60)
         elapsed = time.monotonic() - killed
-        error = wait_for_line(lines, r"graphxform: error:", 5, seen)
+        error = wait_for_line(lines, r"^graphxform: error:", 5, seen)
     assert code == 1 and elapsed < 60
     assert error == (f"graphxform: error: worker 1 (127.0.0.1:{port}) stopped: exit code -9 "
                      "(SIGKILL)")
