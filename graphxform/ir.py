@@ -483,9 +483,11 @@ def _rename_inputs(texts, preds, mapping: dict[str, str], prefix: str) -> None:
     """Rewrite a NodeDef input list in place so inputs that were copied name their copies."""
     if preds.keys() <= mapping.keys():  # every input was copied: prefix them all
         caret = "^" + prefix
-        texts[:] = [caret + t[1:] if t[0] == "^" else prefix + t for t in texts]
+        renamed = [caret + t[1:] if t[0] == "^" else prefix + t for t in texts]
     else:
-        texts[:] = [_renamed_input(t, mapping) for t in texts]
+        renamed = [_renamed_input(t, mapping) for t in texts]
+    del texts[:]  # (upb: delete + extend is several times faster than slice assignment)
+    texts.extend(renamed)
 
 
 def _renamed_input(text: str, mapping: dict[str, str]) -> str:
