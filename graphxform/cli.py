@@ -84,7 +84,7 @@ def _transform(model, options, no_verify=False, dump_dir=None):
     if strategy in strategies.CLUSTER_STRATEGIES:
         found, _ = cluster.load_cluster(options["cluster"])
         if options["devices"] or options["replicas"]:
-            raise click.UsageError(f"--strategy {strategy} places replicas on the cluster's "
+            raise GraphxformError(f"--strategy {strategy} places replicas on the cluster's "
                                    "workers: use --replicas-per-worker, not --replicas/--devices")
         device_list = found.worker_devices(options["replicas_per_worker"])
         kwargs = {"cluster": found, "staleness": options["staleness"],
@@ -93,10 +93,10 @@ def _transform(model, options, no_verify=False, dump_dir=None):
             kwargs.update(partitions=options["partitions"],
                           partition_min_bytes=options["partition_min_bytes"])
         elif options["partitions"] is not None:
-            raise click.UsageError("--partitions is an option of --strategy partitioned-ps")
+            raise GraphxformError("--partitions is an option of --strategy partitioned-ps")
     else:
         if options["cluster"]:
-            raise click.UsageError(f"--strategy {strategy} runs on local devices; --cluster is "
+            raise GraphxformError(f"--strategy {strategy} runs on local devices; --cluster is "
                                    "for ps")
         device_list = _devices(options["replicas"], options["devices"])
         kwargs = {"bucket_bytes": options["bucket_bytes"],
@@ -385,9 +385,9 @@ def main(argv=None):
         _import_tensorflow_quietly(debug)
     try:
         cli.main(args=argv, prog_name="graphxform", standalone_mode=False)
-    except click.exceptions.Abort:
-        click.echo("graphxform: aborted", err=True)
-        sys.exit(EXIT_ERROR)
+    except click.exceptions.Abort:  # click's name for Ctrl-C
+        click.echo("graphxform: interrupted", err=True)
+        sys.exit(130)
     except click.ClickException as e:
         e.show()
         sys.exit(e.exit_code)
