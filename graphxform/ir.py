@@ -379,27 +379,50 @@ class GraphIR:
         {original: copy}.
 
         A copy of a clean node gets its input list rewritten here, so it is clean too."""
+        return self.copy_nodes_many(names, [prefix], devices=[device], created_by=created_by)[0]
+
+    def copy_nodes_many(self, names: Iterable[str], prefixes: list[str], *, devices=None,
+                        created_by: str | None = None) -> list[dict[str, str]]:
+        """``copy_nodes`` once per prefix (with ``devices[i]`` for ``prefixes[i]``), in that
+        order, reading each original once: what every copy needs from it (input names,
+        colocation targets, which inputs and consumers are copied too) is worked out first."""
         names = list(names)
-        mapping = {name: prefix + name for name in names}
-        for new in mapping.values():
-            if new in self.g._node:
-                raise GraphxformError(f"cannot copy to '{new}': it already exists")
-        pick = device if callable(device) else (lambda name, fixed=device: fixed)
+        devices = [None] * len(prefixes) if devices is None else list(devices)
+        mappings = [{name: prefix + name for name in names} for prefix in prefixes]
+        new_names = [new for mapping in mappings for new in mapping.values()]
+        clash = next((new for new in new_names if new in self.g._node), None)
+        if clash is None and len(set(new_names)) < len(new_names):
+            clash = next(new for new in new_names if new_names.count(new) > 1)
+        if clash is not None:
+            raise GraphxformError(f"cannot copy to '{clash}': it already exists")
         with paused_gc():
-            for name in names:
-                self._copy_node(name, mapping, prefix, pick(name), created_by)
-            for name in names:
-                self._copy_edges(name, mapping)
-        self._unverified.update(mapping.values())
+            copied = set(names)
+            plans = [self._copy_plan(name, copied) for name in names]
+            for prefix, device, mapping in zip(prefixes, devices, mappings):
+                pick = device if callable(device) else (lambda name, fixed=device: fixed)
+                for name, plan in zip(names, plans):
+                    self._copy_node(name, plan, mapping, prefix, pick(name), created_by)
+                for name, plan in zip(names, plans):
+                    self._copy_edges(name, plan, mapping)
+                self._unverified.update(mapping.values())
         if hasattr(nx, "_clear_cache"):
             nx._clear_cache(self.g)
-        return mapping
+        return mappings
 
-    def _copy_node(self, name, mapping, prefix, device, created_by) -> None:
+    def _copy_plan(self, name: str, copied: set) -> tuple:
+        """What every copy of ``name`` needs: (NodeDef, input names or None when the copy is
+        dirty, colocation targets, are all inputs copied, are all consumers copied)."""
+        proto = self._protos[name]
+        texts = None if name in self._dirty else list(proto.input)
+        targets = _colocation_targets(proto.attr["_class"]) if "_class" in proto.attr else None
+        return (proto, texts, targets, self.g._pred[name].keys() <= copied,
+                self.g._succ[name].keys() <= copied)
+
+    def _copy_node(self, name, plan, mapping, prefix, device, created_by) -> None:
         """The node and its NodeDef; its input list names the copies of copied inputs."""
+        proto, texts, targets, inputs_copied, _ = plan
         data = self.g._node[name]
         new = mapping[name]
-        proto = self._protos[name]
         copy = type(proto)()
         copy.CopyFrom(proto)
         copy.name = new
@@ -407,12 +430,13 @@ class GraphIR:
             device = data["device"]
         else:
             copy.device = device
-        if "_class" in copy.attr:
-            _remap_colocation(copy.attr["_class"], mapping)
-        if name in self._dirty:
+        if targets:
+            _relocate(copy.attr["_class"], targets, mapping)
+        if texts is None:
             self._dirty.add(new)
-        elif copy.input:
-            _rename_inputs(copy.input, self.g._pred[name], mapping, prefix)
+        elif texts:
+            del copy.input[:]  # (upb: delete + extend is several times faster than slice assignment)
+            copy.input.extend(_renamed_inputs(texts, inputs_copied, mapping, prefix))
         self._protos[new] = copy
         self.g._node[new] = {"op": data["op"], "device": device, "attr": copy.attr,
                              "origin": data["origin"],
@@ -420,19 +444,20 @@ class GraphIR:
         self.g._succ[new] = {}
         self.g._pred[new] = {}
 
-    def _copy_edges(self, name, mapping) -> None:
+    def _copy_edges(self, name, plan, mapping) -> None:
         """The copy's in-edges and its out-edges to other copies, straight into the adjacency
         dicts; copies share their originals' key dicts (they hold no node names)."""
+        *_, inputs_copied, users_copied = plan
         new = mapping[name]
         preds, users = self.g._pred[name], self.g._succ[name]
         succ = self.g._succ
         if preds:
             self.g._pred[new] = dict(zip(map(mapping.get, preds, preds), preds.values()))
-            if not preds.keys() <= mapping.keys():  # inputs from outside: they gain a consumer
+            if not inputs_copied:  # inputs from outside gain a consumer
                 for src, keys in preds.items():
                     if src not in mapping:
                         succ[src][new] = keys
-        if users.keys() <= mapping.keys():
+        if users_copied:
             succ[new] = dict(zip(map(mapping.__getitem__, users), users.values()))
         else:
             succ[new] = {mapping[dst]: keys for dst, keys in users.items() if dst in mapping}
@@ -466,28 +491,28 @@ class GraphIR:
         raise AssertionError  # unreachable
 
 
-def _remap_colocation(attr_value, mapping: dict[str, str]) -> None:
-    items = list(attr_value.list.s)
-    changed = False
-    for i, item in enumerate(items):
-        text = item.decode()
-        if text.startswith("loc:@") and text[5:] in mapping:
-            items[i] = ("loc:@" + mapping[text[5:]]).encode()
-            changed = True
-    if changed:
-        del attr_value.list.s[:]
-        attr_value.list.s.extend(items)
+def _colocation_targets(attr_value) -> list[tuple[bytes, str | None]]:
+    """Each ``_class`` item with the node it colocates with ('loc:@x' -> x; None otherwise)."""
+    return [(item, item[5:].decode() if item.startswith(b"loc:@") else None)
+            for item in attr_value.list.s]
 
 
-def _rename_inputs(texts, preds, mapping: dict[str, str], prefix: str) -> None:
-    """Rewrite a NodeDef input list in place so inputs that were copied name their copies."""
-    if preds.keys() <= mapping.keys():  # every input was copied: prefix them all
+def _relocate(attr_value, targets, mapping: dict[str, str]) -> None:
+    """Point colocation items at the copies of copied nodes."""
+    if any(node in mapping for _, node in targets):
+        items = attr_value.list.s
+        del items[:]
+        items.extend([item if node not in mapping else b"loc:@" + mapping[node].encode()
+                      for item, node in targets])
+
+
+def _renamed_inputs(texts: list[str], all_copied: bool, mapping: dict[str, str],
+                    prefix: str) -> list[str]:
+    """A NodeDef input list with copied inputs renamed to their copies."""
+    if all_copied:
         caret = "^" + prefix
-        renamed = [caret + t[1:] if t[0] == "^" else prefix + t for t in texts]
-    else:
-        renamed = [_renamed_input(t, mapping) for t in texts]
-    del texts[:]  # (upb: delete + extend is several times faster than slice assignment)
-    texts.extend(renamed)
+        return [caret + t[1:] if t[0] == "^" else prefix + t for t in texts]
+    return [_renamed_input(t, mapping) for t in texts]
 
 
 def _renamed_input(text: str, mapping: dict[str, str]) -> str:

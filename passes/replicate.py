@@ -54,12 +54,11 @@ class Replicate(Pass):
         sharing = ctx.state.get("share-variables")
         shared = shared_nodes(ir, tg) | (sharing["shared"] if sharing else set())
         copied = [n for n in ir.nodes() if n not in shared]
-        replicas = []
-        for i, device in enumerate(ctx.devices):
-            prefix = replica_prefix(i)
-            mapping = ir.copy_nodes(copied, prefix, device=device, created_by=self.name)
-            _rename_frames(ir, mapping.values(), prefix)
-            replicas.append(mapping)
+        prefixes = [replica_prefix(i) for i in range(len(ctx.devices))]
+        replicas = ir.copy_nodes_many(copied, prefixes, devices=ctx.devices, created_by=self.name)
+        enters = [n for n in copied if ir.op(n) in ("Enter", "RefEnter")]
+        for prefix, mapping in zip(prefixes, replicas):
+            _rename_frames(ir, [mapping[n] for n in enters], prefix)
         cross_edges = []
         for name in shared:  # shared ops that waited on a replicated op wait on all copies
             for src in list(ir.control_inputs(name)):
@@ -82,12 +81,11 @@ class Replicate(Pass):
                                                   "nodes_per_replica": len(copied)})
 
 
-def _rename_frames(ir, names, prefix) -> None:
+def _rename_frames(ir, enters, prefix) -> None:
     """Legacy while loops: each replica's loop needs its own frame name."""
-    for name in names:
-        if ir.op(name) in ("Enter", "RefEnter"):
-            frame = ir.node(name)["attr"]["frame_name"]
-            frame.s = (prefix + frame.s.decode()).encode()
+    for name in enters:
+        frame = ir.node(name)["attr"]["frame_name"]
+        frame.s = (prefix + frame.s.decode()).encode()
 
 
 def replica_names(value: str, shared: set, replicas: int) -> list[str]:

@@ -176,3 +176,17 @@ def test_edge_dicts_are_shared_so_networkx_cannot_change_them_in_place():
     with pytest.raises(TypeError, match="GraphIR's methods"):
         ir.g.edges["c", "n", -1]["control"] = False
     assert ir.control_inputs("n") == ["a", "c"]
+
+
+def test_copy_nodes_many_equals_copy_nodes_per_prefix():
+    one, many = loaded_ir(), loaded_ir()
+    for ir in (one, many):
+        ir.add_control_input("m", "c")
+    for i in range(2):
+        one.copy_nodes(["b", "c", "n", "m"], f"r{i}/", device=f"/cpu:{i}", created_by="t")
+    many.copy_nodes_many(["b", "c", "n", "m"], ["r0/", "r1/"], devices=["/cpu:0", "/cpu:1"],
+                         created_by="t")
+    assert metagraph.to_metagraph(one) == metagraph.to_metagraph(many)
+    with pytest.raises(GraphxformError, match="cannot copy to 'r0/n'"):
+        many.copy_nodes_many(["n"], ["r2/", "r0/"])
+    assert "r2/n" not in many
