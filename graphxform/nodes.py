@@ -3,6 +3,8 @@ OpDef, missing attrs get the OpDef's defaults, so emitted nodes look like TF's o
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 from tensorflow.core.framework import attr_value_pb2, tensor_shape_pb2
 
@@ -53,6 +55,40 @@ def attr_value(kind: str, value) -> attr_value_pb2.AttrValue:
     return av
 
 
+@functools.lru_cache(maxsize=None)
+def _op_attrs(op_type: str) -> tuple[dict, dict, list]:
+    """(attr name -> kind, attr name -> default AttrValue, attrs without default) of an op:
+    read from its OpDef once, not once per node a pass adds."""
+    op_def = opdefs.registered(op_type)
+    if op_def is None:
+        raise GraphxformError(f"unknown op type {op_type}")
+    kinds = {a.name: a.type for a in op_def.attr}
+    defaults = {a.name: a.default_value for a in op_def.attr if a.HasField("default_value")}
+    return kinds, defaults, [name for name in kinds if name not in defaults]
+
+
+_SCALAR_FIELDS = {"int32": "int_val", "int64": "int64_val", "float32": "float_val",
+                  "float64": "double_val", "bool": "bool_val"}
+
+
+def tensor_proto(array: np.ndarray):
+    """What tensor_util.make_tensor_proto makes of a numeric array (one value: the typed field;
+    otherwise the raw bytes), without its generic checks, which cost most of a Const."""
+    from tensorflow.core.framework import tensor_pb2
+    from tensorflow.python.framework import dtypes, tensor_util
+    field = _SCALAR_FIELDS.get(array.dtype.name)
+    if array.dtype.kind not in "biuf" or (array.size == 1 and field is None):
+        return tensor_util.make_tensor_proto(array)
+    proto = tensor_pb2.TensorProto(dtype=dtypes.as_dtype(array.dtype).as_datatype_enum)
+    proto.tensor_shape.dim.extend(tensor_shape_pb2.TensorShapeProto.Dim(size=d)
+                                  for d in array.shape)
+    if array.size == 1:
+        getattr(proto, field).append(array.item())
+    else:
+        proto.tensor_content = array.tobytes()
+    return proto
+
+
 class Builder:
     """Adds nodes to ``ir`` on behalf of one pass (recorded as their ``created_by``)."""
 
@@ -61,27 +97,23 @@ class Builder:
         self.created_by = created_by
 
     def op(self, name: str, op_type: str, inputs=(), *, device: str = "", **attrs) -> str:
-        op_def = opdefs.registered(op_type)
-        if op_def is None:
-            raise GraphxformError(f"unknown op type {op_type}")
-        kinds = {a.name: a.type for a in op_def.attr}
+        kinds, defaults, required = _op_attrs(op_type)
         built = {}
         for key, value in attrs.items():
             if key not in kinds:
                 raise GraphxformError(f"op {op_type} has no attr '{key}'")
             built[key] = attr_value(kinds[key], value)
-        for a in op_def.attr:
-            if a.name not in built:
-                if not a.HasField("default_value"):
-                    raise GraphxformError(f"node '{name}': op {op_type} needs attr '{a.name}'")
-                built[a.name] = a.default_value
+        for key in required:
+            if key not in built:
+                raise GraphxformError(f"node '{name}': op {op_type} needs attr '{key}'")
+        for key in kinds:  # in OpDef order, as before
+            if key not in built:
+                built[key] = defaults[key]
         return self.ir.add_node(name, op_type, inputs, device=device, attr=built,
                                 created_by=self.created_by)
 
     def const(self, name: str, value, dtype=None, *, device: str = "") -> str:
-        from tensorflow.python.framework import tensor_util
-        array = np.asarray(value, dtype=dtype)
-        proto = tensor_util.make_tensor_proto(array)
+        proto = tensor_proto(np.asarray(value, dtype=dtype))
         return self.op(name, "Const", device=device, dtype=proto.dtype, value=proto)
 
 

@@ -1,6 +1,7 @@
 """Each allreduce pass on its own: a case where it changes the graph, one where it has nothing
 to do (modified=False), one it must refuse."""
 
+import numpy as np
 import pytest
 from conftest import fixture_path, graph_without_train_op
 
@@ -102,3 +103,15 @@ def test_replicate_refuses_without_train_op_and_names_the_pass():
     with pytest.raises(PassError, match="pass replicate .*no train op"):
         run(ir, [StripSaver(), Replicate()])
     assert issubclass(PassError, GraphxformError)
+
+
+@pytest.mark.parametrize("value, dtype", [
+    (3, np.int32), ([-1], np.int32), ([2, 3, 4], np.int32), (0.5, np.float32), (2.0, np.float64),
+    (np.arange(5), np.int64), (7, np.int64), (True, None), ([[1, 2], [3, 4]], np.float16),
+    (np.arange(3), np.uint8), (1, np.uint8), ([], np.int32), (["a", "b"], np.object_)])
+def test_const_tensors_are_what_tensorflow_makes(value, dtype):
+    from tensorflow.python.framework import tensor_util
+
+    from graphxform.nodes import tensor_proto
+    array = np.asarray(value, dtype=dtype)
+    assert tensor_proto(array) == tensor_util.make_tensor_proto(array)
