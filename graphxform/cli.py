@@ -86,7 +86,8 @@ def _transform(model, options, no_verify=False, dump_dir=None):
         if options["devices"] or options["replicas"]:
             raise GraphxformError(f"--strategy {strategy} places replicas on the cluster's "
                                    "workers: use --replicas-per-worker, not --replicas/--devices")
-        device_list = found.worker_devices(options["replicas_per_worker"])
+        device_list = found.worker_devices(options["replicas_per_worker"],
+                                           options["worker_device"])
         kwargs = {"cluster": found, "staleness": options["staleness"],
                   "asynchronous": options["async_"]}
         if strategy == "partitioned-ps":
@@ -125,7 +126,9 @@ strategy_options = [
                  help="ClusterSpec JSON (jobs ps, worker, optionally chief) for ps strategies; "
                  "default: TF_CONFIG."),
     click.option("--replicas-per-worker", default=1, show_default=True,
-                 type=click.IntRange(min=1), help="Replicas (CPU devices) on each worker task."),
+                 type=click.IntRange(min=1), help="Replicas (devices) on each worker task."),
+    click.option("--worker-device", type=click.Choice(["CPU", "GPU"]), default="CPU",
+                 show_default=True, help="ps: the device type of the workers' replicas."),
     click.option("--staleness", default=0, show_default=True, type=click.IntRange(min=0),
                  help="ps: let a worker run up to K steps ahead of the slowest (gradients up to "
                  "K steps old still count)."),

@@ -231,3 +231,13 @@ def test_placement_on_a_graph_with_very_unequal_variables():
         load[ir.node(name)["device"]] = load.get(ir.node(name)["device"], 0) + size
     assert len(load) == ps_tasks
     assert max(load.values()) <= max(nbytes.values()) + sum(nbytes.values()) / ps_tasks
+
+
+def test_worker_gpus(run_cli, cluster_file, tmp_path):
+    out_path = tmp_path / "gpu.meta"
+    code, _, err = run_cli("apply", fixture_path("mlp_sgd"), "--strategy", "ps", "--cluster",
+                           cluster_file, "--replicas-per-worker", 2, "--worker-device", "GPU",
+                           "-o", out_path)
+    assert code == 0, err
+    ir = metagraph.load(str(out_path))
+    assert ir.node("replica_3/dense0/MatMul")["device"] == "/job:worker/task:1/device:GPU:1"
