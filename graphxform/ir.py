@@ -8,7 +8,9 @@ attribute dicts are never changed in place (rewiring replaces edges), so copies 
 
 Each node keeps a NodeDef (its attrs and rare fields). Its ``input`` list stays valid, so emitting
 the node is one copy, until a method changes the node's in-edges: that marks the node dirty and
-emit rebuilds its inputs from the edges. The same methods record which nodes changed since the
+emit rebuilds its inputs from the edges. A copy made by ``copy_nodes``/``copy_nodes_many`` borrows
+a frozen snapshot of its original's NodeDef (see ``BorrowedNode``) until something asks for its
+``attr`` or its NodeDef, so a node copied once per replica is copied as a proto only once, on emit. The same methods record which nodes changed since the
 last structural check, so the pipeline's verify only looks at those.
 """
 
@@ -122,6 +124,61 @@ def paused_gc():
         gc.enable()
 
 
+class BorrowedNode(dict):
+    """Node data of a copy that still borrows its original's NodeDef: a frozen snapshot, taken
+    when the copy was made and shared by every copy of that original, which nothing ever
+    changes. The copy's own NodeDef (snapshot + its name, device, renamed inputs and colocation)
+    is made only when first needed: on the first ``data["attr"]`` (copy-on-write: the map handed
+    out is the copy's own, so mutating it never reaches the original or another copy), on
+    ``GraphIR.proto(name)``, or directly into the output by emit. Reading ``op``, ``device`` and
+    the rest costs nothing extra."""
+
+    __slots__ = ("_plan", "_replica", "_proto")
+
+    def __missing__(self, key):
+        if key != "attr":
+            raise KeyError(key)
+        return self.materialise().attr
+
+    def get(self, key, default=None):
+        if key == "attr":
+            return self["attr"]
+        return dict.get(self, key, default)
+
+    def __contains__(self, key) -> bool:
+        return key == "attr" or dict.__contains__(self, key)
+
+    def copy(self) -> dict:
+        return {**self, "attr": self["attr"]}
+
+    def __reduce__(self):
+        return dict, (self.copy(),)
+
+    def materialise(self):
+        """This copy's own NodeDef (made once)."""
+        proto = self._proto
+        if proto is None:
+            proto = self._proto = self.fill(self._plan[1].__class__())
+            dict.__setitem__(self, "attr", proto.attr)
+        return proto
+
+    def fill(self, out):
+        """Write this copy's NodeDef into the empty NodeDef ``out``: the snapshot (which lacks
+        what every copy rewrites: a clean node's inputs, a renamed ``_class``) plus the copy's
+        name, device, inputs and colocation."""
+        name, snapshot, texts, colocation, inputs_copied, _ = self._plan
+        mapping, prefix, loc = self._replica
+        out.CopyFrom(snapshot)
+        out.name = mapping[name]
+        out.device = dict.__getitem__(self, "device")
+        if texts:
+            out.input.extend(_renamed_inputs(texts, inputs_copied, mapping, prefix))
+        if colocation:
+            out.attr["_class"].list.s.extend([item if node is None else loc + node
+                                              for item, node in colocation])
+        return out
+
+
 class GraphIR:
     """One graph plus the MetaGraph fields that travel with it.
 
@@ -197,8 +254,12 @@ class GraphIR:
 
     def proto(self, name: str):
         """The NodeDef that holds this node's attrs. Its name is the node's; its op and device
-        may lag the node data, and its input list is stale while the node is dirty."""
-        return self._protos[name]
+        may lag the node data, and its input list is stale while the node is dirty. (A copy that
+        still borrows its original's NodeDef gets its own here.)"""
+        proto = self._protos[name]
+        if type(proto) is BorrowedNode:
+            proto = proto.materialise()
+        return proto
 
     def is_dirty(self, name: str) -> bool:
         """Whether ``name``'s in-edges changed since its NodeDef input list was written; emit
@@ -400,8 +461,9 @@ class GraphIR:
             plans = [self._copy_plan(name, copied) for name in names]
             for prefix, device, mapping in zip(prefixes, devices, mappings):
                 pick = device if callable(device) else (lambda name, fixed=device: fixed)
+                replica = (mapping, prefix, b"loc:@" + prefix.encode())
                 for name, plan in zip(names, plans):
-                    self._copy_node(name, plan, mapping, prefix, pick(name), created_by)
+                    self._copy_node(name, plan, replica, pick(name), created_by)
                 for name, plan in zip(names, plans):
                     self._copy_edges(name, plan, mapping)
                 self._unverified.update(mapping.values())
@@ -410,37 +472,44 @@ class GraphIR:
         return mappings
 
     def _copy_plan(self, name: str, copied: set) -> tuple:
-        """What every copy of ``name`` needs: (NodeDef, input names or None when the copy is
-        dirty, colocation targets, are all inputs copied, are all consumers copied)."""
-        proto = self._protos[name]
-        texts = None if name in self._dirty else list(proto.input)
-        targets = _colocation_targets(proto.attr["_class"]) if "_class" in proto.attr else None
-        return (proto, texts, targets, self.g._pred[name].keys() <= copied,
+        """What every copy of ``name`` needs: (name, frozen snapshot of its NodeDef, input names
+        or None when the copy is dirty, colocation items or None, are all inputs copied, are all
+        consumers copied). The snapshot is taken now, so later changes to the original (through
+        an attr map handed out before the copy, say) never reach the copies. It leaves out what
+        each copy writes itself: a clean node's input list, and ``_class`` when that names a
+        copied node (colocation items are then (item, None) to keep, or (item, node name bytes)
+        to point at the copy)."""
+        proto = self.proto(name)
+        snapshot = type(proto)()
+        snapshot.CopyFrom(proto)
+        texts = None
+        if name not in self._dirty:
+            texts = list(proto.input)
+            if texts:
+                del snapshot.input[:]
+        colocation = None
+        if "_class" in proto.attr:
+            targets = _colocation_targets(proto.attr["_class"])
+            if any(node in copied for _, node in targets):
+                colocation = [(item, node.encode() if node in copied else None)
+                              for item, node in targets]
+                del snapshot.attr["_class"]
+        return (name, snapshot, texts, colocation, self.g._pred[name].keys() <= copied,
                 self.g._succ[name].keys() <= copied)
 
-    def _copy_node(self, name, plan, mapping, prefix, device, created_by) -> None:
-        """The node and its NodeDef; its input list names the copies of copied inputs."""
-        proto, texts, targets, inputs_copied, _ = plan
+    def _copy_node(self, name, plan, replica, device, created_by) -> None:
+        """The node, borrowing the snapshot of its original's NodeDef (see BorrowedNode)."""
         data = self.g._node[name]
-        new = mapping[name]
-        copy = type(proto)()
-        copy.CopyFrom(proto)
-        copy.name = new
+        new = replica[0][name]
         if device is None:
             device = data["device"]
-        else:
-            copy.device = device
-        if targets:
-            _relocate(copy.attr["_class"], targets, mapping)
-        if texts is None:
+        copy = BorrowedNode(op=data["op"], device=device, origin=data["origin"],
+                            created_by=created_by or data["created_by"])
+        copy._plan, copy._replica, copy._proto = plan, replica, None
+        if plan[2] is None:
             self._dirty.add(new)
-        elif texts:
-            del copy.input[:]  # (upb: delete + extend is several times faster than slice assignment)
-            copy.input.extend(_renamed_inputs(texts, inputs_copied, mapping, prefix))
         self._protos[new] = copy
-        self.g._node[new] = {"op": data["op"], "device": device, "attr": copy.attr,
-                             "origin": data["origin"],
-                             "created_by": created_by or data["created_by"]}
+        self.g._node[new] = copy
         self.g._succ[new] = {}
         self.g._pred[new] = {}
 
@@ -495,15 +564,6 @@ def _colocation_targets(attr_value) -> list[tuple[bytes, str | None]]:
     """Each ``_class`` item with the node it colocates with ('loc:@x' -> x; None otherwise)."""
     return [(item, item[5:].decode() if item.startswith(b"loc:@") else None)
             for item in attr_value.list.s]
-
-
-def _relocate(attr_value, targets, mapping: dict[str, str]) -> None:
-    """Point colocation items at the copies of copied nodes."""
-    if any(node in mapping for _, node in targets):
-        items = attr_value.list.s
-        del items[:]
-        items.extend([item if node not in mapping else b"loc:@" + mapping[node].encode()
-                      for item, node in targets])
 
 
 def _renamed_inputs(texts: list[str], all_copied: bool, mapping: dict[str, str],

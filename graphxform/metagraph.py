@@ -15,8 +15,8 @@ import networkx as nx
 from google.protobuf import message, text_format
 
 from graphxform.errors import GraphxformError
-from graphxform.ir import (CONTROL_EDGE, CONTROL_KEY, CONTROL_KEYS, GraphIR, data_keys,
-                           join_edge, parse_tensor, paused_gc)
+from graphxform.ir import (CONTROL_EDGE, CONTROL_KEY, CONTROL_KEYS, BorrowedNode, GraphIR,
+                           data_keys, join_edge, parse_tensor, paused_gc)
 
 TEXT_SUFFIXES = (".pbtxt", ".txt")
 # The pass that created a node travels in the file as an internal attr (TF ignores attrs that
@@ -237,7 +237,13 @@ def to_metagraph(ir: GraphIR):
     with paused_gc():
         for name, data in ir.g._node.items():
             nd = add()
-            nd.CopyFrom(protos[name])
+            proto = protos[name]
+            if type(proto) is not BorrowedNode:
+                nd.CopyFrom(proto)
+            elif proto._proto is not None:
+                nd.CopyFrom(proto._proto)
+            else:
+                proto.fill(nd)  # a copy that never needed its own NodeDef: the one proto copy
             if nd.op != data["op"]:
                 nd.op = data["op"]
             if nd.device != data["device"]:

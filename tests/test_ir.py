@@ -190,3 +190,54 @@ def test_copy_nodes_many_equals_copy_nodes_per_prefix():
     with pytest.raises(GraphxformError, match="cannot copy to 'r0/n'"):
         many.copy_nodes_many(["n"], ["r2/", "r0/"])
     assert "r2/n" not in many
+
+
+# ------------------------------------- copies borrow a frozen snapshot of the original NodeDef
+
+def colocated_ir():
+    """'v' and 'r' (colocated with v and with the uncopied 'w'), with an attr to mutate."""
+    from tensorflow.core.protobuf import meta_graph_pb2
+    meta = meta_graph_pb2.MetaGraphDef()
+    meta.graph_def.node.add(name="w", op="NoOp")
+    meta.graph_def.node.add(name="v", op="VarHandleOp").attr["dtype"].type = 1
+    r = meta.graph_def.node.add(name="r", op="ReadVariableOp", input=["v", "^w"])
+    r.attr["dtype"].type = 1
+    r.attr["_class"].list.s.extend([b"loc:@v", b"loc:@w"])
+    return metagraph.from_metagraph(meta)
+
+
+def test_copy_attr_is_copy_on_write():
+    from graphxform.ir import BorrowedNode
+    ir = colocated_ir()
+    before = ir.node("r")["attr"]  # handed out before the copy: still the original's own map
+    mappings = ir.copy_nodes_many(["v", "r"], ["r0/", "r1/"], devices=["/cpu:0", "/cpu:1"])
+    assert type(ir.node("r0/r")) is BorrowedNode
+    ir.node("r0/r")["attr"]["dtype"].type = 2  # the copy's own map now
+    before["dtype"].type = 3
+    ir.node("r")["attr"]["dtype"].type = 3
+    assert ir.node("r1/r")["attr"]["dtype"].type == 1
+    assert ir.node("r0/r")["attr"]["dtype"].type == 2
+    assert ir.node("r")["attr"]["dtype"].type == 3
+    out = {nd.name: nd for nd in metagraph.to_graphdef(ir).node}
+    assert [out[n].attr["dtype"].type for n in ("r", "r0/r", "r1/r")] == [3, 2, 1]
+    for i, mapping in enumerate(mappings):
+        nd = out[mapping["r"]]
+        assert list(nd.input) == [f"r{i}/v", "^w"] and nd.device == f"/cpu:{i}"
+        assert list(nd.attr["_class"].list.s) == [f"loc:@r{i}/v".encode(), b"loc:@w"]
+    assert list(out["r"].attr["_class"].list.s) == [b"loc:@v", b"loc:@w"]
+
+
+def test_borrowed_copy_emits_what_its_own_node_def_holds():
+    lazy, eager = colocated_ir(), colocated_ir()
+    for ir in (lazy, eager):
+        ir.copy_nodes_many(["v", "r"], ["r0/", "r1/"], devices=["/cpu:0", "/cpu:1"])
+    for name in ("r0/v", "r0/r", "r1/r"):
+        data = eager.node(name)
+        assert "attr" in data and data.get("attr") is data["attr"] is data.copy()["attr"]
+        proto = eager.proto(name)
+        assert proto.name == name and proto.attr is data["attr"]
+    eager.node("r1/r")["device"] = "/cpu:7"  # device changes after materialising still emit
+    lazy.node("r1/r")["device"] = "/cpu:7"
+    assert metagraph.to_metagraph(lazy) == metagraph.to_metagraph(eager)
+    again = metagraph.from_metagraph(metagraph.to_metagraph(lazy))
+    assert metagraph.to_metagraph(again) == metagraph.to_metagraph(eager)
