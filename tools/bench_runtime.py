@@ -1,8 +1,15 @@
 """Training throughput of the graph `apply --strategy allreduce` emits, against the original
 single-device graph and tf.distribute.MirroredStrategy, on the same model and CPU devices.
 
-The model is an MLP (784-H-H-10, ReLU, softmax cross-entropy, plain SGD at lr 0.01; H = 1024 by
-default) at one global batch for every contender:
+Two models (``--model``), each at one global batch for every contender, plain SGD at lr 0.01:
+
+- ``cnn`` (default), the tf_cnn_benchmarks case: 32x32x3 images, three 3x3 ReLU convolutions
+  (C, 2C, 4C filters, the last two with stride 2; C = 32 by default), global average pooling and a
+  10-way softmax; 0.1M parameters against about 60 MFLOP per example, so compute dominates.
+- ``mlp``: 784-H-H-10 (ReLU, softmax cross-entropy; H = 1024 by default), 1.9M parameters against
+  11 MFLOP per example: the all-reduce and the per-replica weight updates weigh far more here.
+
+The contenders:
 
 - original: the single-device TF1 training graph (exported MetaGraph), run in a tf.compat.v1
   Session, one ``session.run(train_op, feed_dict)`` per step, the whole batch on one device.
@@ -22,7 +29,7 @@ Each does ``--warmup`` untimed steps, then ``--repeats`` timed windows of ``--st
 figure is the best window (steps/s), the median is printed too. Budgets: emitted/original >=
 0.9 and emitted/mirrored > 1.0.
 
-Usage: python tools/bench_runtime.py [--devices 4] [--batch 256] [--steps 30] [--repeats 3]
+Usage: python tools/bench_runtime.py [--model cnn|mlp] [--devices 4] [--batch 256] [--steps 30]
 Always exits 0 (a failing contender or missed budget is reported, not raised).
 """
 
@@ -40,6 +47,7 @@ import traceback
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 FEATURES, CLASSES = 784, 10
+IMAGE = (32, 32, 3)
 ORIGINAL_BUDGET = 0.9   # emitted / original, at least
 MIRRORED_BUDGET = 1.0   # emitted / mirrored, more than
 RESULT_TAG = "BENCH_RUNTIME_RESULT "
@@ -47,10 +55,14 @@ RESULT_TAG = "BENCH_RUNTIME_RESULT "
 
 # ------------------------------------------------------------------ subprocess side
 
-def _data(batch: int, seed: int = 0):
+def _input_shape(model: str) -> tuple:
+    return IMAGE if model == "cnn" else (FEATURES,)
+
+
+def _data(model: str, batch: int, seed: int = 0):
     import numpy as np
     rng = np.random.default_rng(seed)
-    x = rng.standard_normal((batch, FEATURES)).astype(np.float32)
+    x = rng.standard_normal((batch, *_input_shape(model))).astype(np.float32)
     y = rng.integers(0, CLASSES, batch).astype(np.int64)
     return x, y
 
@@ -69,40 +81,71 @@ def _time_windows(step, warmup: int, steps: int, repeats: int, sync=lambda: None
     return rates
 
 
-def build_mlp(path: str, hidden: int, lr: float) -> None:
+def build_graph(path: str, opts: dict) -> None:
     """The single-device TF1 training graph, exported with devices cleared."""
     import tensorflow as tf
     v1 = tf.compat.v1
     g = tf.Graph()
     with g.as_default():
-        x = v1.placeholder(tf.float32, [None, FEATURES], name="x")
+        x = v1.placeholder(tf.float32, [None, *_input_shape(opts["model"])], name="x")
         y = v1.placeholder(tf.int64, [None], name="y")
-        h, n_in = x, FEATURES
-        for i, n_out in enumerate([hidden, hidden, CLASSES]):
-            with v1.variable_scope(f"dense{i}"):
-                kernel = v1.get_variable("kernel", [n_in, n_out], use_resource=True,
-                                         initializer=v1.glorot_uniform_initializer())
-                bias = v1.get_variable("bias", [n_out], use_resource=True,
-                                       initializer=v1.zeros_initializer())
-                h = tf.matmul(h, kernel) + bias
-                if i < 2:
-                    h = tf.nn.relu(h)
-            n_in = n_out
+        if opts["model"] == "cnn":
+            h = _cnn_layers(v1, tf, x, opts["width"])
+        else:
+            h = _mlp_layers(v1, tf, x, opts["hidden"])
         xent = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=h)
         loss = tf.identity(tf.reduce_mean(xent), name="loss")
         v1.add_to_collection(v1.GraphKeys.LOSSES, loss)
         global_step = v1.train.get_or_create_global_step()
-        train_op = v1.train.GradientDescentOptimizer(lr).minimize(loss, global_step=global_step)
+        optimizer = v1.train.GradientDescentOptimizer(opts["lr"])
+        train_op = optimizer.minimize(loss, global_step=global_step)
         if train_op not in v1.get_collection(v1.GraphKeys.TRAIN_OP):
             v1.add_to_collection(v1.GraphKeys.TRAIN_OP, train_op)
         v1.train.export_meta_graph(filename=path, graph=g, clear_devices=True)
+
+
+def _variable(v1, name, shape, initializer):
+    return v1.get_variable(name, shape, use_resource=True, initializer=initializer)
+
+
+def _mlp_layers(v1, tf, x, hidden):
+    h, n_in = x, FEATURES
+    for i, n_out in enumerate([hidden, hidden, CLASSES]):
+        with v1.variable_scope(f"dense{i}"):
+            kernel = _variable(v1, "kernel", [n_in, n_out], v1.glorot_uniform_initializer())
+            bias = _variable(v1, "bias", [n_out], v1.zeros_initializer())
+            h = tf.matmul(h, kernel) + bias
+            if i < 2:
+                h = tf.nn.relu(h)
+        n_in = n_out
+    return h
+
+
+def _cnn_layers(v1, tf, x, width):
+    """What tf_keras Conv2D(padding="same") x3, GlobalAveragePooling2D, Dense compute."""
+    h, n_in = x, IMAGE[2]
+    for i, (n_out, stride) in enumerate(_conv_plan(width)):
+        with v1.variable_scope(f"conv{i}"):
+            kernel = _variable(v1, "kernel", [3, 3, n_in, n_out], v1.glorot_uniform_initializer())
+            bias = _variable(v1, "bias", [n_out], v1.zeros_initializer())
+            h = tf.nn.relu(tf.nn.conv2d(h, kernel, [1, stride, stride, 1], "SAME") + bias)
+        n_in = n_out
+    h = tf.reduce_mean(h, axis=[1, 2])
+    with v1.variable_scope("dense"):
+        kernel = _variable(v1, "kernel", [n_in, CLASSES], v1.glorot_uniform_initializer())
+        bias = _variable(v1, "bias", [CLASSES], v1.zeros_initializer())
+        return tf.matmul(h, kernel) + bias
+
+
+def _conv_plan(width: int) -> list[tuple[int, int]]:
+    return [(width, 1), (2 * width, 2), (4 * width, 2)]
 
 
 def run_session(path: str, opts: dict) -> dict:
     """Drive a MetaGraph the way a user's TF1 script would: original names only."""
     import tensorflow as tf
     tf1 = tf.compat.v1
-    x, y = _data(opts["batch"])
+    x, y = _data(opts["model"], opts["batch"])
     graph = tf.Graph()
     with graph.as_default():
         tf1.train.import_meta_graph(path)
@@ -134,16 +177,9 @@ def run_mirrored(opts: dict) -> dict:
     logical = [d.name for d in tf.config.list_logical_devices("CPU")]
     strategy = tf.distribute.MirroredStrategy(devices=logical[:n])
     batch = opts["batch"]
-    x, y = _data(batch)
+    x, y = _data(opts["model"], batch)
     with strategy.scope():
-        model = tf_keras.Sequential([
-            tf_keras.Input((FEATURES,)),
-            tf_keras.layers.Dense(opts["hidden"], activation="relu",
-                                  kernel_initializer="glorot_uniform"),
-            tf_keras.layers.Dense(opts["hidden"], activation="relu",
-                                  kernel_initializer="glorot_uniform"),
-            tf_keras.layers.Dense(CLASSES, kernel_initializer="glorot_uniform"),
-        ])
+        model = tf_keras.Sequential(_keras_layers(tf_keras, opts))
         optimizer = tf_keras.optimizers.SGD(opts["lr"])
     # the same fixed global batch every step, like the feed_dict of the session contenders
     dataset = tf.data.Dataset.from_tensors((x, y)).repeat().unbatch().batch(
@@ -179,9 +215,20 @@ def run_mirrored(opts: dict) -> dict:
             "devices_used": strategy.num_replicas_in_sync, "cross_device_ops": cross}
 
 
+def _keras_layers(tf_keras, opts: dict) -> list:
+    layers = tf_keras.layers
+    if opts["model"] == "cnn":
+        convs = [layers.Conv2D(n, 3, strides=stride, padding="same", activation="relu")
+                 for n, stride in _conv_plan(opts["width"])]
+        return [tf_keras.Input(IMAGE), *convs, layers.GlobalAveragePooling2D(),
+                layers.Dense(CLASSES)]
+    hidden = [layers.Dense(opts["hidden"], activation="relu") for _ in range(2)]
+    return [tf_keras.Input((FEATURES,)), *hidden, layers.Dense(CLASSES)]
+
+
 def worker(kind: str, opts: dict) -> None:
     if kind == "build":
-        build_mlp(opts["path"], opts["hidden"], opts["lr"])
+        build_graph(opts["path"], opts)
         result = {"path": opts["path"]}
     elif kind in ("original", "emitted"):
         result = run_session(opts["path"], opts)
@@ -206,10 +253,14 @@ def spawn(kind: str, opts: dict, timeout: float) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=("cnn", "mlp"), default="cnn")
     parser.add_argument("--devices", type=int, default=4, help="CPU devices = replicas")
     parser.add_argument("--batch", type=int, default=256, help="global batch, all contenders")
     parser.add_argument("--hidden", type=int, default=1024, help="MLP hidden width")
+    parser.add_argument("--width", type=int, default=32, help="CNN filters in the first conv")
     parser.add_argument("--lr", type=float, default=0.01)
+    parser.add_argument("--bucket-bytes", type=int, default=None,
+                        help="all-reduce bucket size for the emitted graph (default: apply's)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps")
     parser.add_argument("--steps", type=int, default=30, help="steps per timed window")
     parser.add_argument("--repeats", type=int, default=3, help="timed windows (best is kept)")
@@ -229,12 +280,15 @@ def main(argv=None) -> int:
         print(f"--batch {args.batch} does not divide across {args.devices} devices")
         return 0
     start = time.perf_counter()
-    opts = {k: getattr(args, k) for k in ("devices", "batch", "hidden", "lr", "warmup", "steps",
-                                          "repeats", "inter_op", "intra_op")}
+    opts = {k: getattr(args, k) for k in ("model", "devices", "batch", "hidden", "width", "lr",
+                                          "warmup", "steps", "repeats", "inter_op", "intra_op")}
     os.makedirs(args.out_dir, exist_ok=True)
-    stem = os.path.join(args.out_dir, f"runtime-mlp{args.hidden}")
+    size = args.width if args.model == "cnn" else args.hidden
+    stem = os.path.join(args.out_dir, f"runtime-{args.model}{size}")
     original, emitted = stem + ".meta", stem + f".allreduce{args.devices}.meta"
-    print(f"bench_runtime: MLP {FEATURES}-{args.hidden}-{args.hidden}-{CLASSES}, SGD lr "
+    what = (f"CNN 32x32x3, convs {'-'.join(str(n) for n, _ in _conv_plan(args.width))}"
+            if args.model == "cnn" else f"MLP {FEATURES}-{args.hidden}-{args.hidden}-{CLASSES}")
+    print(f"bench_runtime: {what}, SGD lr "
           f"{args.lr}, global batch {args.batch}, {args.devices} CPU devices, threads inter_op "
           f"{args.inter_op} intra_op {args.intra_op}, {os.cpu_count()} CPU cores; "
           f"{args.warmup} warm-up steps, best of {args.repeats} windows of {args.steps} steps")
@@ -244,8 +298,9 @@ def main(argv=None) -> int:
         from graphxform import metagraph, strategies
         t0 = time.perf_counter()
         ir = metagraph.load(original)
+        options = {} if args.bucket_bytes is None else {"bucket_bytes": args.bucket_bytes}
         strategies.transform(ir, "allreduce",
-                             devices=[f"/device:CPU:{i}" for i in range(args.devices)])
+                             devices=[f"/device:CPU:{i}" for i in range(args.devices)], **options)
         metagraph.save(ir, emitted)
         print(f"original {original} ({len(metagraph.load(original))} nodes); emitted {emitted} "
               f"({len(ir)} nodes, transformed in {time.perf_counter() - t0:.2f} s)")
