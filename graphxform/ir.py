@@ -167,7 +167,7 @@ class BorrowedNode(dict):
         what every copy rewrites: a clean node's inputs, a renamed ``_class``) plus the copy's
         name, device, inputs and colocation."""
         name, snapshot, texts, colocation, inputs_copied, _ = self._plan
-        mapping, prefix, loc = self._replica
+        mapping, prefix, loc, _ = self._replica
         out.CopyFrom(snapshot)
         out.name = mapping[name]
         out.device = dict.__getitem__(self, "device")
@@ -459,17 +459,56 @@ class GraphIR:
         with paused_gc():
             copied = set(names)
             plans = [self._copy_plan(name, copied) for name in names]
+            shapes = [self._copy_shape(name, copied, created_by) for name in names]
             for prefix, device, mapping in zip(prefixes, devices, mappings):
                 pick = device if callable(device) else (lambda name, fixed=device: fixed)
-                replica = (mapping, prefix, b"loc:@" + prefix.encode())
-                for name, plan in zip(names, plans):
-                    self._copy_node(name, plan, replica, pick(name), created_by)
-                for name, plan in zip(names, plans):
-                    self._copy_edges(name, plan, mapping)
+                replica = (mapping, prefix, b"loc:@" + prefix.encode(), prefix.encode())
+                self._copy_replica(names, plans, shapes, replica, pick)
                 self._unverified.update(mapping.values())
         if hasattr(nx, "_clear_cache"):
             nx._clear_cache(self.g)
         return mappings
+
+    def _copy_shape(self, name: str, copied: set, created_by: str | None) -> tuple:
+        """What every copy of ``name`` takes from the original's node data and adjacency:
+        (node data to start from, input names, their key dicts, inputs from outside the copied
+        set with their key dicts, consumer names, their key dicts, are all consumers copied)."""
+        data = self.g._node[name]
+        base = {"op": data["op"], "device": data["device"], "origin": data["origin"],
+                "created_by": created_by or data["created_by"]}
+        preds, users = self.g._pred[name], self.g._succ[name]
+        outside = [(src, keys) for src, keys in preds.items() if src not in copied]
+        return (base, list(preds), list(preds.values()), outside, list(users),
+                list(users.values()), users.keys() <= copied)
+
+    def _copy_replica(self, names, plans, shapes, replica, pick) -> None:
+        """One copy of each node, borrowing the snapshot of its original's NodeDef (see
+        BorrowedNode), with its in-edges and its out-edges to other copies written straight
+        into networkx's adjacency dicts; copies share their originals' key dicts (they hold no
+        node names)."""
+        mapping = replica[0]
+        get = mapping.get
+        node_table, succ, pred = self.g._node, self.g._succ, self.g._pred
+        protos, dirty = self._protos, self._dirty
+        for name, plan, shape in zip(names, plans, shapes):
+            base, pred_names, pred_keys, outside, user_names, user_keys, users_copied = shape
+            new = mapping[name]
+            copy = BorrowedNode(base)
+            device = pick(name)
+            if device is not None:
+                copy["device"] = device
+            copy._plan, copy._replica, copy._proto = plan, replica, None
+            if plan[2] is None:
+                dirty.add(new)
+            protos[new] = node_table[new] = copy
+            pred[new] = dict(zip(map(get, pred_names, pred_names), pred_keys))
+            for src, keys in outside:  # inputs from outside gain a consumer
+                succ[src][new] = keys
+            if users_copied:
+                succ[new] = dict(zip(map(mapping.__getitem__, user_names), user_keys))
+            else:
+                succ[new] = {mapping[dst]: keys for dst, keys in zip(user_names, user_keys)
+                             if dst in mapping}
 
     def _copy_plan(self, name: str, copied: set) -> tuple:
         """What every copy of ``name`` needs: (name, frozen snapshot of its NodeDef, input names
@@ -496,40 +535,6 @@ class GraphIR:
                 del snapshot.attr["_class"]
         return (name, snapshot, texts, colocation, self.g._pred[name].keys() <= copied,
                 self.g._succ[name].keys() <= copied)
-
-    def _copy_node(self, name, plan, replica, device, created_by) -> None:
-        """The node, borrowing the snapshot of its original's NodeDef (see BorrowedNode)."""
-        data = self.g._node[name]
-        new = replica[0][name]
-        if device is None:
-            device = data["device"]
-        copy = BorrowedNode(op=data["op"], device=device, origin=data["origin"],
-                            created_by=created_by or data["created_by"])
-        copy._plan, copy._replica, copy._proto = plan, replica, None
-        if plan[2] is None:
-            self._dirty.add(new)
-        self._protos[new] = copy
-        self.g._node[new] = copy
-        self.g._succ[new] = {}
-        self.g._pred[new] = {}
-
-    def _copy_edges(self, name, plan, mapping) -> None:
-        """The copy's in-edges and its out-edges to other copies, straight into the adjacency
-        dicts; copies share their originals' key dicts (they hold no node names)."""
-        *_, inputs_copied, users_copied = plan
-        new = mapping[name]
-        preds, users = self.g._pred[name], self.g._succ[name]
-        succ = self.g._succ
-        if preds:
-            self.g._pred[new] = dict(zip(map(mapping.get, preds, preds), preds.values()))
-            if not inputs_copied:  # inputs from outside gain a consumer
-                for src, keys in preds.items():
-                    if src not in mapping:
-                        succ[src][new] = keys
-        if users_copied:
-            succ[new] = dict(zip(map(mapping.__getitem__, users), users.values()))
-        else:
-            succ[new] = {mapping[dst]: keys for dst, keys in users.items() if dst in mapping}
 
     # -------------------------------------------------------------- printing
     def node_line(self, name: str) -> str:

@@ -14,8 +14,9 @@ import networkx as nx
 
 from google.protobuf import message, text_format
 
+from graphxform import wire
 from graphxform.errors import GraphxformError
-from graphxform.ir import (CONTROL_EDGE, CONTROL_KEY, CONTROL_KEYS, BorrowedNode, GraphIR,
+from graphxform.ir import (CONTROL_EDGE, CONTROL_KEY, CONTROL_KEYS, GraphIR,
                            data_keys, join_edge, parse_tensor, paused_gc)
 
 TEXT_SUFFIXES = (".pbtxt", ".txt")
@@ -225,55 +226,46 @@ def _dangling(source, dst, text):
                           "the graph")
 
 
-def to_metagraph(ir: GraphIR):
-    """Emit a fresh MetaGraphDef (the IR is left untouched): one copy per node; only nodes
-    whose in-edges changed get their input list rebuilt from the edges."""
-    meta_graph_pb2, _ = _protos()
-    meta = meta_graph_pb2.MetaGraphDef()
-    meta.CopyFrom(ir.meta)
-    add = meta.graph_def.node.add
-    protos, dirty = ir._protos, ir._dirty
-    marks = {}  # created_by -> bytes
+def to_bytes(ir: GraphIR, graph_only: bool = False) -> bytes:
+    """The binary MetaGraphDef of ``ir`` (with ``graph_only``, its GraphDef), written straight
+    in protobuf's wire format (see graphxform/wire.py): the one pass over the output graph that
+    emitting costs. Fields come in canonical order: meta_info_def, graph_def (nodes first),
+    then the rest of the MetaGraphDef as loaded."""
     with paused_gc():
-        for name, data in ir.g._node.items():
-            nd = add()
-            proto = protos[name]
-            if type(proto) is not BorrowedNode:
-                nd.CopyFrom(proto)
-            elif proto._proto is not None:
-                nd.CopyFrom(proto._proto)
-            else:
-                proto.fill(nd)  # a copy that never needed its own NodeDef: the one proto copy
-            if nd.op != data["op"]:
-                nd.op = data["op"]
-            if nd.device != data["device"]:
-                nd.device = data["device"]
-            created_by = data["created_by"]
-            if created_by:
-                mark = marks.get(created_by)
-                if mark is None:
-                    mark = marks[created_by] = created_by.encode()
-                nd.attr[PROVENANCE_ATTR].s = mark
-            if name in dirty:
-                del nd.input[:]
-                nd.input.extend(ir.edge_inputs(name))
-    return meta
+        nodes = wire.NodeEncoder(ir, PROVENANCE_ATTR).nodes()
+    rest = type(ir.meta)()
+    rest.CopyFrom(ir.meta)
+    graph_rest = rest.graph_def.SerializeToString()
+    if graph_only:
+        return b"".join(nodes) + graph_rest
+    head = b""
+    if rest.HasField("meta_info_def"):
+        head = wire.field(b"\x0a", rest.meta_info_def.SerializeToString())
+    rest.ClearField("meta_info_def")
+    rest.ClearField("graph_def")
+    graph_bytes = sum(map(len, nodes)) + len(graph_rest)
+    return b"".join([head, b"\x12", wire.varint(graph_bytes), *nodes, graph_rest,
+                     rest.SerializeToString()])
+
+
+def to_metagraph(ir: GraphIR):
+    """A fresh MetaGraphDef of ``ir`` (parsed from ``to_bytes``)."""
+    meta_graph_pb2, _ = _protos()
+    return meta_graph_pb2.MetaGraphDef.FromString(to_bytes(ir))
 
 
 def to_graphdef(ir: GraphIR):
-    return to_metagraph(ir).graph_def
+    _, graph_pb2 = _protos()
+    return graph_pb2.GraphDef.FromString(to_bytes(ir, graph_only=True))
 
 
 def serialize(ir: GraphIR, path: str) -> bytes:
     """The bytes to write for ``path``'s format."""
-    meta = to_metagraph(ir)
     lower = path.lower()
     if lower.endswith(TEXT_SUFFIXES):
-        proto = meta.graph_def if ir.kind == "graph" else meta
+        proto = to_graphdef(ir) if ir.kind == "graph" else to_metagraph(ir)
         return text_format.MessageToString(proto).encode()
-    if lower.endswith(".pb"):
-        return meta.graph_def.SerializeToString()
-    return meta.SerializeToString()
+    return to_bytes(ir, graph_only=lower.endswith(".pb"))
 
 
 def save(ir: GraphIR, path: str) -> None:

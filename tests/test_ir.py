@@ -241,3 +241,25 @@ def test_borrowed_copy_emits_what_its_own_node_def_holds():
     assert metagraph.to_metagraph(lazy) == metagraph.to_metagraph(eager)
     again = metagraph.from_metagraph(metagraph.to_metagraph(lazy))
     assert metagraph.to_metagraph(again) == metagraph.to_metagraph(eager)
+
+
+def test_borrowed_copies_emit_alike_with_any_prefix_length_rewiring_and_op_change():
+    """Emit writes borrowed copies from per-original byte templates keyed by prefix length;
+    what it writes must equal each copy's own NodeDef, whatever happened to the copy."""
+    lazy, eager = colocated_ir(), colocated_ir()
+    prefixes = ["r9/", "r10/", "replica_100/"]
+    for ir in (lazy, eager):
+        ir.copy_nodes_many(["v", "r"], prefixes, devices=["/cpu:0", "", "/cpu:2"],
+                           created_by="t")
+        ir.set_input("r10/r", 0, "v")  # a copy rewired after it was made
+        ir.node("replica_100/r")["op"] = "Identity"  # and one whose op changed
+    for name in [p + n for p in prefixes for n in ("v", "r")]:
+        eager.proto(name)
+    emitted = metagraph.to_metagraph(lazy)
+    assert emitted == metagraph.to_metagraph(eager)
+    out = {nd.name: nd for nd in emitted.graph_def.node}
+    assert list(out["r10/r"].input) == ["v", "^w"]
+    assert list(out["r9/r"].input) == ["r9/v", "^w"] and out["r9/r"].device == "/cpu:0"
+    assert list(out["replica_100/r"].attr["_class"].list.s) == [b"loc:@replica_100/v", b"loc:@w"]
+    assert out["replica_100/r"].op == "Identity"
+    assert out["r9/v"].attr["_graphxform_pass"].s == b"t"
