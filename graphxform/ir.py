@@ -214,6 +214,15 @@ class GraphIR:
     def op(self, name: str) -> str:
         return self.g._node[name]["op"]
 
+    def attrs(self, name: str):
+        """The node's attr map, for reading only. A copy that still borrows its original's
+        NodeDef answers from the shared snapshot (which may lack the copy's ``_class``), so
+        reading attrs, as verify does for every output count, never makes it its own NodeDef."""
+        data = self.g._node[name]
+        if type(data) is BorrowedNode and data._proto is None:
+            return data._plan[1].attr
+        return data["attr"]
+
     def inputs(self, name: str) -> list[tuple[str, int]]:
         """Data inputs as (src, src_port), in dst_port order."""
         found = []

@@ -50,7 +50,8 @@ def num_outputs(ir, name: str) -> int | None:
     found = op_def(ir, data["op"])
     if found is None:
         return None
-    return sum(_arg_count(arg, data["attr"], found) for arg in found.output_arg)
+    attrs = ir.attrs(name)
+    return sum(_arg_count(arg, attrs, found) for arg in found.output_arg)
 
 
 def input_ports(ir, name: str) -> dict[str, list[int]]:
@@ -59,9 +60,9 @@ def input_ports(ir, name: str) -> dict[str, list[int]]:
     found = op_def(ir, data["op"])
     if found is None:
         raise GraphxformError(f"node '{name}': unknown op {data['op']}")
-    ports, start = {}, 0
+    ports, start, attrs = {}, 0, ir.attrs(name)
     for arg in found.input_arg:
-        count = _arg_count(arg, data["attr"], found)
+        count = _arg_count(arg, attrs, found)
         ports[arg.name] = list(range(start, start + count))
         start += count
     return ports
@@ -88,7 +89,7 @@ def output_dtype(ir, name: str, port: int) -> int | None:
     found = op_def(ir, data["op"])
     if found is None:
         return None
-    attrs = data["attr"]
+    attrs = ir.attrs(name)
     index = 0
     for arg in found.output_arg:
         count = _arg_count(arg, attrs, found)

@@ -66,7 +66,8 @@ class NodeEncoder:
         self.provenance_attr = provenance_attr
         self._marks = {"": b"", None: b""}  # created_by -> its provenance attr entry
         self._devices = {"": b""}  # device -> its field
-        self._templates = {}  # (id(plan), prefix length) -> Template
+        self._templates = {}  # (id(plan), prefix length) -> see _template
+        self._runs = {}  # (id(mapping), prefix length) -> {control-input run: its pieces}
 
     def nodes(self) -> list[bytes]:
         """The node fields in graph order, ready to join."""
@@ -87,7 +88,9 @@ class NodeEncoder:
                 key = (id(plan), len(prefix))
                 template = templates.get(key)
                 if template is None:
-                    template = templates[key] = _template(plan, replica[0], len(prefix))
+                    template = templates[key] = _template(
+                        plan, replica[0], len(prefix),
+                        self._runs.setdefault((id(replica[0]), len(prefix)), {}))
                 if name in dirty or template[0] is None or data["op"] != template[0]:
                     body = self._rewritten(name, proto, data)
                 else:
@@ -155,30 +158,41 @@ def _rest(snapshot) -> bytes:
 PREFIX = object()  # where a template takes the replica's name prefix
 
 
-def _template(plan, mapping: dict, prefix_length: int) -> tuple:
+def _template(plan, mapping: dict, prefix_length: int, runs: dict) -> tuple:
     """What every clean copy of one original shares, for prefixes of one length: (op, head,
     rest, colocation). ``head`` (name, op, inputs) and ``colocation`` (the ``_class`` entry,
     None when it names no copied node) are the pieces between the places where the copy's
     name prefix goes, so a copy's bytes are ``prefix.join(pieces)``: every length field depends
     only on the prefix length. ``rest`` is the original's other fields. op is None when the
-    copies have no input list of their own (the original was rewired before it was copied)."""
+    copies have no input list of their own (the original was rewired before it was copied).
+    ``runs`` caches the pieces of long runs of control inputs, which TF's control_dependencies
+    gives many ops alike (ResNet-50's gradient ops wait on the same 106 batch-norm updates)."""
     def length(pieces) -> bytes:
         return varint(sum(prefix_length if p is PREFIX else len(p) for p in pieces))
 
     original, snapshot, texts, colocation, _, _ = plan
     if texts is None:
         return (None, None, None, None)
-    name = [PREFIX, original.encode()]
-    head = [NAME, length(name), *name, field(OP, snapshot.op.encode())]
-    for text in texts:
-        caret = text[0] == "^"
-        source = text[1:] if caret else parse_tensor(text)[0]
-        encoded = text.encode()
-        if source in mapping:  # the input is a copy too: prefix + its name
-            value = [b"^", PREFIX, encoded[1:]] if caret else [PREFIX, encoded]
-            head += [INPUT, length(value), *value]
-        else:
-            head.append(field(INPUT, encoded))
+    name = original.encode()
+    head = _Holes()
+    head.add(NAME + varint(prefix_length + len(name)))
+    head.hole()
+    head.add(name + field(OP, snapshot.op.encode()))
+    controls = next((k for k, text in enumerate(texts) if text[0] == "^"), len(texts))
+    for text in texts[:controls]:
+        _add_input(head, text, mapping, prefix_length)
+    if len(texts) - controls >= _RUN:
+        key = tuple(texts[controls:])
+        run = runs.get(key)
+        if run is None:
+            run = _Holes()
+            for text in key:
+                _add_input(run, text, mapping, prefix_length)
+            run = runs[key] = run.segments()
+        head.extend(run)
+    else:
+        for text in texts[controls:]:
+            _add_input(head, text, mapping, prefix_length)
     class_pieces = None
     if colocation:
         items = []
@@ -188,7 +202,49 @@ def _template(plan, mapping: dict, prefix_length: int) -> tuple:
         listed = [b"\x0a", length(items), *items]
         entry = [field(b"\x0a", b"_class"), b"\x12", length(listed), *listed]
         class_pieces = _split_at_prefix([ATTR, length(entry), *entry])
-    return snapshot.op, _split_at_prefix(head), _rest(snapshot), class_pieces
+    return snapshot.op, head.segments(), _rest(snapshot), class_pieces
+
+
+_RUN = 8  # control-input runs at least this long are cached
+
+
+def _add_input(out: "_Holes", text: str, mapping: dict, prefix_length: int) -> None:
+    """One input field; an input that is a copy too is prefix + its name (after any caret)."""
+    caret = text[0] == "^"
+    source = text[1:] if caret else parse_tensor(text)[0]
+    encoded = text.encode()
+    if source not in mapping:
+        out.add(field(INPUT, encoded))
+        return
+    out.add(INPUT + varint(prefix_length + len(encoded)) + (b"^" if caret else b""))
+    out.hole()
+    out.add(encoded[1:] if caret else encoded)
+
+
+class _Holes:
+    """Bytes with holes where a prefix goes, built left to right: ``segments()`` are the bytes
+    between the holes."""
+
+    def __init__(self):
+        self.done, self.current = [], []
+
+    def add(self, data: bytes) -> None:
+        self.current.append(data)
+
+    def hole(self) -> None:
+        self.done.append(b"".join(self.current))
+        self.current = []
+
+    def extend(self, segments: list[bytes]) -> None:
+        """Append bytes given as their own segments (holes between them)."""
+        self.current.append(segments[0])
+        if len(segments) > 1:
+            self.hole()
+            self.done.extend(segments[1:-1])
+            self.current = [segments[-1]]
+
+    def segments(self) -> list[bytes]:
+        return [*self.done, b"".join(self.current)]
 
 
 def _split_at_prefix(pieces: list) -> list[bytes]:

@@ -263,3 +263,14 @@ def test_borrowed_copies_emit_alike_with_any_prefix_length_rewiring_and_op_chang
     assert list(out["replica_100/r"].attr["_class"].list.s) == [b"loc:@replica_100/v", b"loc:@w"]
     assert out["replica_100/r"].op == "Identity"
     assert out["r9/v"].attr["_graphxform_pass"].s == b"t"
+
+
+def test_reading_attrs_and_verifying_leave_copies_borrowing():
+    from graphxform import verify
+    ir = colocated_ir()
+    ir.copy_nodes_many(["v", "r"], ["r0/", "r1/"])
+    assert ir.attrs("r1/r")["dtype"].type == 1
+    verify.check_structure(ir)
+    assert all(ir.node(n)._proto is None for n in ("r0/v", "r0/r", "r1/v", "r1/r"))
+    ir.node("r0/r")["attr"]["dtype"].type = 2  # its own NodeDef from here on
+    assert ir.attrs("r0/r")["dtype"].type == 2 and ir.attrs("r1/r")["dtype"].type == 1
