@@ -202,6 +202,10 @@ class GraphIR:
     def __len__(self) -> int:
         return len(self.g)
 
+    def has_scope(self, prefix: str) -> bool:
+        """Whether any node name starts with ``prefix`` (one C-level sweep over the names)."""
+        return any(map(str.startswith, self.g._node, itertools.repeat(prefix)))
+
     def nodes(self) -> Iterator[str]:
         return iter(self.g)
 
@@ -361,15 +365,27 @@ class GraphIR:
         """Remove a set of nodes at once; with ``safe`` refuse while a node outside the set
         still consumes one of them."""
         names = set(names)
+        node_table, succ, pred = self.g._node, self.g._succ, self.g._pred
         for name in names:
-            outside = [dst for dst in self.g._succ[name] if dst not in names]
+            outside = [dst for dst in succ[name] if dst not in names]
             if outside and safe:
                 raise GraphxformError(f"cannot remove '{name}': still used by {outside[0]}")
             for dst in outside:
                 self._touch(dst)
-        self.g.remove_nodes_from(names)
+        # networkx's remove_nodes_from unlinks every edge from both ends; only the edges that
+        # leave the set need unlinking at the far end (replicate removes whole training steps)
         for name in names:
+            for dst in succ[name]:
+                if dst not in names:
+                    del pred[dst][name]
+            for src in pred[name]:
+                if src not in names:
+                    del succ[src][name]
+        for name in names:
+            del node_table[name], succ[name], pred[name]
             self._forget(name)
+        if hasattr(nx, "_clear_cache"):
+            nx._clear_cache(self.g)
 
     def _forget(self, name: str) -> None:
         del self._protos[name]
@@ -460,8 +476,10 @@ class GraphIR:
         devices = [None] * len(prefixes) if devices is None else list(devices)
         mappings = [{name: prefix + name for name in names} for prefix in prefixes]
         new_names = [new for mapping in mappings for new in mapping.values()]
-        clash = next((new for new in new_names if new in self.g._node), None)
-        if clash is None and len(set(new_names)) < len(new_names):
+        clash = None
+        if not self.g._node.keys().isdisjoint(new_names):
+            clash = next(new for new in new_names if new in self.g._node)
+        elif len(set(new_names)) < len(new_names):
             clash = next(new for new in new_names if new_names.count(new) > 1)
         if clash is not None:
             raise GraphxformError(f"cannot copy to '{clash}': it already exists")

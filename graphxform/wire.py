@@ -66,7 +66,8 @@ class NodeEncoder:
         self.provenance_attr = provenance_attr
         self._marks = {"": b"", None: b""}  # created_by -> its provenance attr entry
         self._devices = {"": b""}  # device -> its field
-        self._templates = {}  # (id(plan), prefix length) -> see _template
+        self._templates = {}  # id(plan) -> the template its copies used last
+        self._by_length = {}  # (id(plan), prefix length) -> (*_template(...), prefix length)
         self._runs = {}  # (id(mapping), prefix length) -> {control-input run: its pieces}
 
     def nodes(self) -> list[bytes]:
@@ -85,12 +86,9 @@ class NodeEncoder:
             else:
                 plan, replica = proto._plan, proto._replica
                 prefix = replica[3]
-                key = (id(plan), len(prefix))
-                template = templates.get(key)
-                if template is None:
-                    template = templates[key] = _template(
-                        plan, replica[0], len(prefix),
-                        self._runs.setdefault((id(replica[0]), len(prefix)), {}))
+                template = templates.get(id(plan))
+                if template is None or template[4] != len(prefix):
+                    template = templates[id(plan)] = self._template(plan, replica)
                 if name in dirty or template[0] is None or data["op"] != template[0]:
                     body = self._rewritten(name, proto, data)
                 else:
@@ -101,7 +99,7 @@ class NodeEncoder:
                     mark = marks.get(created_by)
                     if mark is None:
                         mark = self._mark(created_by)
-                    _, head, rest, colocation = template
+                    _, head, rest, colocation, _ = template
                     body = b"".join((prefix.join(head), device_field, rest,
                                      prefix.join(colocation) if colocation else b"", mark))
             size = len(body)
@@ -109,6 +107,17 @@ class NodeEncoder:
             append(small[size] if size < 128 else varint(size))
             append(body)
         return out
+
+    def _template(self, plan, replica) -> tuple:
+        """The template of ``plan``'s copies for ``replica``'s prefix length (see _template)."""
+        mapping, prefix_length = replica[0], len(replica[3])
+        key = (id(plan), prefix_length)
+        template = self._by_length.get(key)
+        if template is None:
+            runs = self._runs.setdefault((id(mapping), prefix_length), {})
+            template = self._by_length[key] = (*_template(plan, mapping, prefix_length, runs),
+                                               prefix_length)
+        return template
 
     def _own(self, name, proto, data, dirty) -> bytes:
         if proto.op != data["op"]:

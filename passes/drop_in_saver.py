@@ -33,8 +33,7 @@ class DropInSaver(Pass):
         parts = {shard for found in shards.values() for shard, _, _ in found}
         variables = sorted([v for v in tg.variables.values() if v.name not in parts] +
                            list(partitioned["originals"].values()), key=lambda v: v.name)
-        scope = SCOPE if not any(n.startswith(SCOPE) for n in ir.nodes()) else ir.unique_name(
-            "save") + "/"
+        scope = SCOPE if not ir.has_scope(SCOPE) else ir.unique_name("save") + "/"
         default = build.const(scope + "filename/input", "model", np.object_)
         filename = build.op(scope + "filename", "PlaceholderWithDefault", [default],
                             dtype=types_pb2.DT_STRING, shape=[])

@@ -48,7 +48,7 @@ class Replicate(Pass):
     def run(self, ir, ctx):
         tg = ctx.training
         tg.require_train_op(self.name)
-        if any(n.startswith("replica_0/") for n in ir.nodes()):
+        if ir.has_scope("replica_0/"):
             raise GraphxformError("the graph is already transformed (it has nodes under "
                                   "replica_0/); start from the single-device graph")
         sharing = ctx.state.get("share-variables")
