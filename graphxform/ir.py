@@ -7,11 +7,13 @@ edge carries ``control=True``. Passes change the graph only through the methods 
 attribute dicts are never changed in place (rewiring replaces edges), so copies share them.
 
 Each node keeps a NodeDef (its attrs and rare fields). Its ``input`` list stays valid, so emitting
-the node is one copy, until a method changes the node's in-edges: that marks the node dirty and
-emit rebuilds its inputs from the edges. A copy made by ``copy_nodes``/``copy_nodes_many`` borrows
+the node is serializing it, until a method changes the node's in-edges: that marks the node dirty
+and emit rebuilds its inputs from the edges. A copy made by ``copy_nodes``/``copy_nodes_many`` borrows
 a frozen snapshot of its original's NodeDef (see ``BorrowedNode``) until something asks for its
-``attr`` or its NodeDef, so a node copied once per replica is copied as a proto only once, on emit. The same methods record which nodes changed since the
-last structural check, so the pipeline's verify only looks at those.
+``attr`` or its NodeDef, so a node copied once per replica is never copied as a proto: emit
+writes its bytes from a template of its original (graphxform/wire.py). The same methods record
+which nodes changed since the last structural check, so the pipeline's verify only looks at
+those.
 """
 
 from __future__ import annotations
@@ -130,8 +132,9 @@ class BorrowedNode(dict):
     changes. The copy's own NodeDef (snapshot + its name, device, renamed inputs and colocation)
     is made only when first needed: on the first ``data["attr"]`` (copy-on-write: the map handed
     out is the copy's own, so mutating it never reaches the original or another copy), on
-    ``GraphIR.proto(name)``, or directly into the output by emit. Reading ``op``, ``device`` and
-    the rest costs nothing extra."""
+    ``GraphIR.proto(name)``. Emit never needs it (it writes the copy's bytes from a template),
+    and reading ``op``, ``device`` and the rest, or attrs through ``GraphIR.attrs``, costs
+    nothing extra."""
 
     __slots__ = ("_plan", "_replica", "_proto")
 

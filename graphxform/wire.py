@@ -4,8 +4,9 @@ Emitting is the one step every command pays on the full output graph, which afte
 is mostly copies. Building a NodeDef message per node and serializing the lot costs two passes
 over every field; here each copy is written as bytes in one go: its name, op, inputs and device,
 then the rest of its original (attrs, debug info) as bytes serialized once per original and
-shared by all its copies. Field order is the canonical one (name, op, input, device, attr, ...);
-only the order of attr map entries may differ from ``SerializeToString``, which fixes none.
+shared by all its copies. Fields come in canonical order (name, op, input, device, attr, ...),
+but for the provenance attr, which follows the rest; the order of attr map entries is free in
+protobuf (``SerializeToString`` fixes none either).
 
 Field numbers used: NodeDef name=1 op=2 input=3 device=4 attr=5 (a map: entries key=1 value=2);
 AttrValue list=1 s=2; AttrValue.ListValue s=2; GraphDef node=1.
