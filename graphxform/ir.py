@@ -169,7 +169,7 @@ class BorrowedNode(dict):
         """Write this copy's NodeDef into the empty NodeDef ``out``: the snapshot (which lacks
         what every copy rewrites: a clean node's inputs, a renamed ``_class``) plus the copy's
         name, device, inputs and colocation."""
-        name, snapshot, texts, colocation, inputs_copied, _ = self._plan
+        name, snapshot, texts, colocation, inputs_copied = self._plan
         mapping, prefix, loc, _ = self._replica
         out.CopyFrom(snapshot)
         out.name = mapping[name]
@@ -542,8 +542,8 @@ class GraphIR:
 
     def _copy_plan(self, name: str, copied: set) -> tuple:
         """What every copy of ``name`` needs: (name, frozen snapshot of its NodeDef, input names
-        or None when the copy is dirty, colocation items or None, are all inputs copied, are all
-        consumers copied). The snapshot is taken now, so later changes to the original (through
+        or None when the copy is dirty, colocation items or None, are all inputs copied). The
+        snapshot is taken now, so later changes to the original (through
         an attr map handed out before the copy, say) never reach the copies. It leaves out what
         each copy writes itself: a clean node's input list, and ``_class`` when that names a
         copied node (colocation items are then (item, None) to keep, or (item, node name bytes)
@@ -563,8 +563,7 @@ class GraphIR:
                 colocation = [(item, node.encode() if node in copied else None)
                               for item, node in targets]
                 del snapshot.attr["_class"]
-        return (name, snapshot, texts, colocation, self.g._pred[name].keys() <= copied,
-                self.g._succ[name].keys() <= copied)
+        return name, snapshot, texts, colocation, self.g._pred[name].keys() <= copied
 
     # -------------------------------------------------------------- printing
     def node_line(self, name: str) -> str:

@@ -39,17 +39,9 @@ NAME, OP, INPUT, DEVICE, ATTR = b"\x0a", b"\x12", b"\x1a", b"\x22", b"\x2a"
 GRAPH_NODE = b"\x0a"
 
 
-def attr_entry(key: str, value: bytes) -> bytes:
-    """A NodeDef ``attr`` map entry (field 5) for ``key`` -> the serialized AttrValue ``value``."""
-    return field(ATTR, field(b"\x0a", key.encode()) + field(b"\x12", value))
-
-
 def string_attr(key: str, value: bytes) -> bytes:
-    return attr_entry(key, field(b"\x12", value))
-
-
-def string_list_attr(key: str, items: list[bytes]) -> bytes:
-    return attr_entry(key, field(b"\x0a", b"".join(field(b"\x12", item) for item in items)))
+    """A NodeDef ``attr`` map entry (field 5): ``key`` -> AttrValue{s: value}."""
+    return field(ATTR, field(b"\x0a", key.encode()) + field(b"\x12", field(b"\x12", value)))
 
 
 class NodeEncoder:
@@ -58,17 +50,17 @@ class NodeEncoder:
     A loaded or created node is its NodeDef serialized, after bringing the NodeDef up to date
     with the node data (op, device, and the input list of a node whose in-edges changed): the
     NodeDef is the IR's cache of the node, so this changes nothing the IR means. A copy that
-    still borrows its original's NodeDef, and whose inputs and op are still its original's
-    (renamed), is the replica's name prefix joined into a template of its original (see
-    ``_template``), then its device and provenance."""
+    still borrows its original's NodeDef is written from a template of its original (see
+    ``_template``): the replica's name prefix joined into the template's name and inputs (or,
+    once the copy's inputs or op changed, those written from its edges), its device, the
+    original's other fields, its ``_class`` and its provenance."""
 
     def __init__(self, ir: GraphIR, provenance_attr: str):
         self.ir = ir
         self.provenance_attr = provenance_attr
         self._marks = {"": b"", None: b""}  # created_by -> its provenance attr entry
         self._devices = {"": b""}  # device -> its field
-        self._templates = {}  # id(plan) -> the template its copies used last
-        self._by_length = {}  # (id(plan), prefix length) -> (*_template(...), prefix length)
+        self._templates = {}  # (id(plan), prefix length) -> see _template
         self._runs = {}  # (id(mapping), prefix length) -> {control-input run: its pieces}
 
     def nodes(self) -> list[bytes]:
@@ -87,22 +79,23 @@ class NodeEncoder:
             else:
                 plan, replica = proto._plan, proto._replica
                 prefix = replica[3]
-                template = templates.get(id(plan))
-                if template is None or template[4] != len(prefix):
-                    template = templates[id(plan)] = self._template(plan, replica)
-                if name in dirty or template[0] is None or data["op"] != template[0]:
-                    body = self._rewritten(name, proto, data)
+                template = templates.get((id(plan), len(prefix)))
+                if template is None:
+                    template = self._template(plan, replica)
+                op, head, rest, colocation = template
+                if head is None or name in dirty or data["op"] != op:
+                    head = self._head_from_edges(name, data)
                 else:
-                    device, created_by = data["device"], data["created_by"]
-                    device_field = devices.get(device)
-                    if device_field is None:
-                        device_field = devices[device] = field(DEVICE, device.encode())
-                    mark = marks.get(created_by)
-                    if mark is None:
-                        mark = self._mark(created_by)
-                    _, head, rest, colocation, _ = template
-                    body = b"".join((prefix.join(head), device_field, rest,
-                                     prefix.join(colocation) if colocation else b"", mark))
+                    head = prefix.join(head)
+                device = data["device"]
+                device_field = devices.get(device)
+                if device_field is None:
+                    device_field = devices[device] = field(DEVICE, device.encode())
+                mark = marks.get(data["created_by"])
+                if mark is None:
+                    mark = self._mark(data["created_by"])
+                body = b"".join((head, device_field, rest,
+                                 prefix.join(colocation) if colocation else b"", mark))
             size = len(body)
             append(GRAPH_NODE)
             append(small[size] if size < 128 else varint(size))
@@ -110,14 +103,10 @@ class NodeEncoder:
         return out
 
     def _template(self, plan, replica) -> tuple:
-        """The template of ``plan``'s copies for ``replica``'s prefix length (see _template)."""
         mapping, prefix_length = replica[0], len(replica[3])
-        key = (id(plan), prefix_length)
-        template = self._by_length.get(key)
-        if template is None:
-            runs = self._runs.setdefault((id(mapping), prefix_length), {})
-            template = self._by_length[key] = (*_template(plan, mapping, prefix_length, runs),
-                                               prefix_length)
+        runs = self._runs.setdefault((id(mapping), prefix_length), {})
+        template = self._templates[(id(plan), prefix_length)] = _template(
+            plan, mapping, prefix_length, runs)
         return template
 
     def _own(self, name, proto, data, dirty) -> bytes:
@@ -131,20 +120,11 @@ class NodeEncoder:
             dirty.discard(name)
         return proto.SerializeToString() + self._mark(data["created_by"])
 
-    def _rewritten(self, name, copy, data) -> bytes:
-        """A borrowed copy whose inputs or op changed since it was made: its inputs come
-        from its edges."""
-        _, snapshot, _, colocation, _, _ = copy._plan
-        loc = copy._replica[2]
+    def _head_from_edges(self, name, data) -> bytes:
+        """Name, op and inputs of a borrowed copy whose inputs or op changed since it was
+        made: its inputs come from its edges."""
         parts = [field(NAME, name.encode()), field(OP, data["op"].encode())]
         parts.extend([field(INPUT, text.encode()) for text in self.ir.edge_inputs(name)])
-        if data["device"]:
-            parts.append(field(DEVICE, data["device"].encode()))
-        parts.append(_rest(snapshot))
-        if colocation:
-            items = [item if node is None else loc + node for item, node in colocation]
-            parts.append(string_list_attr("_class", items))
-        parts.append(self._mark(data["created_by"]))
         return b"".join(parts)
 
     def _mark(self, created_by) -> bytes:
@@ -169,20 +149,29 @@ PREFIX = object()  # where a template takes the replica's name prefix
 
 
 def _template(plan, mapping: dict, prefix_length: int, runs: dict) -> tuple:
-    """What every clean copy of one original shares, for prefixes of one length: (op, head,
-    rest, colocation). ``head`` (name, op, inputs) and ``colocation`` (the ``_class`` entry,
-    None when it names no copied node) are the pieces between the places where the copy's
-    name prefix goes, so a copy's bytes are ``prefix.join(pieces)``: every length field depends
-    only on the prefix length. ``rest`` is the original's other fields. op is None when the
+    """What every copy of one original shares, for prefixes of one length: (op, head, rest,
+    colocation). ``head`` (name, op, inputs) and ``colocation`` (the ``_class`` entry, None
+    when it names no copied node) are the pieces between the places where the copy's name
+    prefix goes, so a copy's bytes are ``prefix.join(pieces)``: every length field depends only
+    on the prefix length. ``rest`` is the original's other fields. ``head`` is None when the
     copies have no input list of their own (the original was rewired before it was copied).
     ``runs`` caches the pieces of long runs of control inputs, which TF's control_dependencies
     gives many ops alike (ResNet-50's gradient ops wait on the same 106 batch-norm updates)."""
     def length(pieces) -> bytes:
         return varint(sum(prefix_length if p is PREFIX else len(p) for p in pieces))
 
-    original, snapshot, texts, colocation, _, _ = plan
+    original, snapshot, texts, colocation, _ = plan
+    class_pieces = None
+    if colocation:
+        items = []
+        for item, node in colocation:
+            value = [item] if node is None else [b"loc:@", PREFIX, node]
+            items += [b"\x12", length(value), *value]
+        listed = [b"\x0a", length(items), *items]
+        entry = [field(b"\x0a", b"_class"), b"\x12", length(listed), *listed]
+        class_pieces = _Holes.split([ATTR, length(entry), *entry])
     if texts is None:
-        return (None, None, None, None)
+        return snapshot.op, None, _rest(snapshot), class_pieces
     name = original.encode()
     head = _Holes()
     head.add(NAME + varint(prefix_length + len(name)))
@@ -203,15 +192,6 @@ def _template(plan, mapping: dict, prefix_length: int, runs: dict) -> tuple:
     else:
         for text in texts[controls:]:
             _add_input(head, text, mapping, prefix_length)
-    class_pieces = None
-    if colocation:
-        items = []
-        for item, node in colocation:
-            value = [item] if node is None else [b"loc:@", PREFIX, node]
-            items += [b"\x12", length(value), *value]
-        listed = [b"\x0a", length(items), *items]
-        entry = [field(b"\x0a", b"_class"), b"\x12", length(listed), *listed]
-        class_pieces = _split_at_prefix([ATTR, length(entry), *entry])
     return snapshot.op, head.segments(), _rest(snapshot), class_pieces
 
 
@@ -256,15 +236,13 @@ class _Holes:
     def segments(self) -> list[bytes]:
         return [*self.done, b"".join(self.current)]
 
-
-def _split_at_prefix(pieces: list) -> list[bytes]:
-    """[a, b, PREFIX, c, PREFIX, d] -> [a+b, c, d]."""
-    out, current = [], []
-    for piece in pieces:
-        if piece is PREFIX:
-            out.append(b"".join(current))
-            current = []
-        else:
-            current.append(piece)
-    out.append(b"".join(current))
-    return out
+    @classmethod
+    def split(cls, pieces: list) -> list[bytes]:
+        """[a, b, PREFIX, c, PREFIX, d] -> [a+b, c, d]."""
+        holes = cls()
+        for piece in pieces:
+            if piece is PREFIX:
+                holes.hole()
+            else:
+                holes.add(piece)
+        return holes.segments()
