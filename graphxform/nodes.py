@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 
 import numpy as np
-from tensorflow.core.framework import attr_value_pb2, tensor_shape_pb2
+from tensorflow.core.framework import attr_value_pb2, node_def_pb2, tensor_shape_pb2
 
 from graphxform import opdefs
 from graphxform.errors import GraphxformError
@@ -90,31 +90,82 @@ def tensor_proto(array: np.ndarray):
 
 
 class Builder:
-    """Adds nodes to ``ir`` on behalf of one pass (recorded as their ``created_by``)."""
+    """Adds nodes to ``ir`` on behalf of one pass (recorded as their ``created_by``).
+
+    A pass adds thousands of nodes that differ only in name, inputs and device (a Reshape per
+    gradient per replica, an Assign per variable per replica), so the NodeDef of each distinct
+    (op type, attrs) and of each distinct Const value is built once, as a template, and every
+    node is one copy of it."""
 
     def __init__(self, ir: GraphIR, created_by: str):
         self.ir = ir
         self.created_by = created_by
+        self._templates = {}  # (op type, attrs made hashable) -> NodeDef with op and attrs
+        self._consts = {}  # (dtype, shape, bytes) of a numeric Const's value -> its NodeDef
 
     def op(self, name: str, op_type: str, inputs=(), *, device: str = "", **attrs) -> str:
+        try:
+            key = (op_type, tuple([(k, _hashable(v)) for k, v in attrs.items()]))
+            template = self._templates.get(key)
+        except TypeError:  # an unhashable value (a TensorProto, an array): no template
+            key = template = None
+        if template is None:
+            template = self._template(name, op_type, attrs)
+            if key is not None:
+                self._templates[key] = template
+        return self._add(name, template, inputs, device)
+
+    def const(self, name: str, value, dtype=None, *, device: str = "") -> str:
+        array = np.asarray(value, dtype=dtype)
+        if array.dtype.kind not in "biuf":  # strings: bytes of object arrays are pointers
+            return self._const(name, array, device)
+        key = (array.dtype.str, array.shape, array.tobytes())
+        template = self._consts.get(key)
+        if template is None:
+            proto = tensor_proto(array)
+            template = self._consts[key] = self._template(
+                name, "Const", {"dtype": proto.dtype, "value": proto})
+        return self._add(name, template, (), device)
+
+    def _const(self, name: str, array: np.ndarray, device: str) -> str:
+        proto = tensor_proto(array)
+        return self.op(name, "Const", device=device, dtype=proto.dtype, value=proto)
+
+    def _template(self, name: str, op_type: str, attrs: dict):
+        """A NodeDef holding ``op_type`` and its attrs: those given, typed from the OpDef, then
+        the OpDef's defaults for the rest."""
         kinds, defaults, required = _op_attrs(op_type)
-        built = {}
+        template = node_def_pb2.NodeDef(op=op_type)
         for key, value in attrs.items():
             if key not in kinds:
                 raise GraphxformError(f"op {op_type} has no attr '{key}'")
-            built[key] = attr_value(kinds[key], value)
+            template.attr[key].CopyFrom(attr_value(kinds[key], value))
         for key in required:
-            if key not in built:
+            if key not in attrs:
                 raise GraphxformError(f"node '{name}': op {op_type} needs attr '{key}'")
-        for key in kinds:  # in OpDef order, as before
-            if key not in built:
-                built[key] = defaults[key]
-        return self.ir.add_node(name, op_type, inputs, device=device, attr=built,
+        for key in kinds:  # in OpDef order
+            if key not in attrs:
+                template.attr[key].CopyFrom(defaults[key])
+        return template
+
+    def _add(self, name: str, template, inputs, device: str) -> str:
+        proto = node_def_pb2.NodeDef()
+        proto.CopyFrom(template)
+        return self.ir.add_node(name, template.op, inputs, device=device, proto=proto,
                                 created_by=self.created_by)
 
-    def const(self, name: str, value, dtype=None, *, device: str = "") -> str:
-        proto = tensor_proto(np.asarray(value, dtype=dtype))
-        return self.op(name, "Const", device=device, dtype=proto.dtype, value=proto)
+
+def _hashable(value):
+    """``value`` as a template key: lists become tuples; a float keeps its sign and NaN-ness
+    (0.0 == -0.0 would otherwise share a template)."""
+    kind = type(value)
+    if kind is int or kind is str:
+        return value
+    if isinstance(value, (list, tuple)):
+        return tuple([_hashable(v) for v in value])
+    if isinstance(value, (float, np.floating)):
+        return float, float(value).hex()
+    return value
 
 
 def numpy_dtype(enum_value: int):

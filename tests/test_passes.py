@@ -115,3 +115,33 @@ def test_const_tensors_are_what_tensorflow_makes(value, dtype):
     from graphxform.nodes import tensor_proto
     array = np.asarray(value, dtype=dtype)
     assert tensor_proto(array) == tensor_util.make_tensor_proto(array)
+
+
+def test_builder_nodes_from_one_template_are_independent_and_complete():
+    from tensorflow.core.protobuf import meta_graph_pb2
+
+    from graphxform.ir import GraphIR
+    from graphxform.nodes import Builder
+    ir = GraphIR(meta_graph_pb2.MetaGraphDef())
+    build = Builder(ir, "test")
+    x = build.const("x", [1.0, 2.0], np.float32)
+    again = build.const("again", [1.0, 2.0], np.float32, device="/cpu:0")
+    other = build.const("other", [1.0, 2.0], np.float64)  # same values, another dtype
+    a = build.op("a", "Identity", [x], T=1)
+    b = build.op("b", "Identity", [again], device="/cpu:0", T=1)
+    assert ir.proto(again).attr["value"] == ir.proto(x).attr["value"]
+    assert ir.node(again)["device"] == "/cpu:0" and ir.proto(again).device == "/cpu:0"
+    assert ir.proto(other).attr["dtype"].type == 2
+    assert ir.proto(b).name == "b" and ir.inputs(b) == [("again", 0)]
+    ir.node(a)["attr"]["T"].type = 2  # one node's attrs are its own
+    assert ir.proto(b).attr["T"].type == 1
+    assert build.op("c", "Identity", [x], T=1) and ir.proto("c").attr["T"].type == 1
+    assert list(ir.proto(b).attr) == list(ir.proto("c").attr)
+    zero = build.op("z", "LeakyRelu", [x], alpha=0.0, T=1)
+    minus = build.op("m", "LeakyRelu", [x], alpha=-0.0, T=1)  # 0.0 == -0.0: not one template
+    assert str(ir.proto(zero).attr["alpha"].f) == "0.0"
+    assert str(ir.proto(minus).attr["alpha"].f) == "-0.0"
+    with pytest.raises(GraphxformError, match="node 'd': op Identity needs attr 'T'"):
+        build.op("d", "Identity", [x])
+    with pytest.raises(GraphxformError, match="node 'e': op Identity needs attr 'T'"):
+        build.op("e", "Identity", [x])
