@@ -11,8 +11,6 @@ from __future__ import annotations
 import dataclasses
 import re
 
-import networkx as nx
-
 from graphxform import opdefs
 from graphxform.errors import GraphxformError
 from graphxform.ir import GraphIR, parse_tensor, tensor_name
@@ -135,13 +133,18 @@ def analyze(ir: GraphIR, train_op: str | None = None) -> TrainingGraph:
     train_op = train_op or _collection_node(ir, "train_op")
     if train_op is not None and train_op not in ir:
         raise GraphxformError(f"train op '{train_op}' is not a node of the graph")
-    closure = (nx.ancestors(ir.g, train_op) | {train_op}) if train_op else set()
+    closure = _closure(ir, train_op) if train_op else set()
     var_defs = _variable_defs(ir)
-    variables = {}
-    for name in ir.nodes():
+    variables, noops, placeholders = {}, [], []
+    for name in ir.nodes():  # the one sweep over all nodes
         data = ir.node(name)
-        if data["op"] in VARIABLE_OPS:
+        op = data["op"]
+        if op in VARIABLE_OPS:
             variables[name] = _variable(ir, name, data, var_defs)
+        elif op == "NoOp":
+            noops.append(name)
+        elif op in PLACEHOLDER_OPS:
+            placeholders.append(name)
     writers = _find_writers(ir, variables, closure, saver_scope)
     optimizer = _link_optimizer(ir, variables, writers)
     global_step = _global_step(ir, variables)
@@ -161,12 +164,26 @@ def analyze(ir: GraphIR, train_op: str | None = None) -> TrainingGraph:
         for var in variables.values():
             var.trainable = var.gradient is not None
     losses = _losses(ir)
-    sinks = [n for n in ir.nodes() if ir.op(n) == "NoOp" and not any(ir.successors(n))
+    sinks = [n for n in noops if not any(ir.successors(n))
              and not (saver_scope and n.startswith(saver_scope))]
-    return TrainingGraph(variables=variables, inputs=_inputs(ir, saver_scope), train_op=train_op,
+    inputs = _inputs(ir, placeholders, saver_scope)
+    return TrainingGraph(variables=variables, inputs=inputs, train_op=train_op,
                          loss=losses[0] if losses else None, losses=losses,
                          global_step=global_step, optimizer=optimizer, saver_scope=saver_scope,
                          train_closure=closure, extra_updates=extra, noop_sinks=sinks)
+
+
+def _closure(ir: GraphIR, node: str) -> set:
+    """``node`` and every node it depends on, through data and control inputs (what
+    networkx.ancestors finds, without its generic BFS: this walks the input graph once)."""
+    seen = {node}
+    stack = [node]
+    while stack:
+        for src in ir.predecessors(stack.pop()):
+            if src not in seen:
+                seen.add(src)
+                stack.append(src)
+    return seen
 
 
 def _saver_scope(ir: GraphIR) -> str | None:
@@ -348,12 +365,10 @@ def _global_step(ir, variables) -> str | None:
     return "global_step" if "global_step" in variables else None
 
 
-def _inputs(ir, saver_scope) -> list[Input]:
+def _inputs(ir, placeholders, saver_scope) -> list[Input]:
     found = []
-    for name in ir.nodes():
+    for name in placeholders:
         data = ir.node(name)
-        if data["op"] not in PLACEHOLDER_OPS:
-            continue
         if saver_scope and name.startswith(saver_scope):
             continue
         attr = data["attr"]
