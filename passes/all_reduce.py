@@ -119,6 +119,7 @@ class _Collectives:
 
     def reduce_bucket(self, b, bucket, previous):
         ir, build, out = self.ir, self.build, []
+        sizes = [int(np.prod(g.shape)) for g in bucket]  # the same on every replica
         for i in range(self.n):
             device = self.devices[i]
             scope = f"{SCOPE}bucket_{b}/{replica_prefix(i)}"
@@ -141,10 +142,9 @@ class _Collectives:
                                device=device, T=dtype, merge_op="Add", final_op="Div")
             out.append(reduced)
             if len(bucket) > 1:
-                sizes = build.const(scope + "sizes", [int(np.prod(g.shape)) for g in bucket],
-                                    np.int32, device=device)
+                split_sizes = build.const(scope + "sizes", sizes, np.int32, device=device)
                 axis0 = build.const(scope + "split_axis", 0, np.int32, device=device)
-                parts = build.op(scope + "split", "SplitV", [reduced, sizes, axis0],
+                parts = build.op(scope + "split", "SplitV", [reduced, split_sizes, axis0],
                                  device=device, num_split=len(bucket), T=dtype, Tlen=INT32)
                 pieces = [f"{parts}:{k}" for k in range(len(bucket))]
             else:
