@@ -20,21 +20,23 @@ class SyncInit(Pass):
     def run(self, ir, ctx):
         shared = ctx.state["replicate"]["shared"]
         first = replica_prefix(0)
-        synced, removed = 0, 0
+        synced = [var for var in ctx.training.variables.values()
+                  if var.name not in shared and var.initializer and var.initial_value]
+        removed = 0
         renamed = {}
-        for var in ctx.training.variables.values():
-            if var.name in shared or not var.initializer or not var.initial_value:
-                continue
-            for i in range(1, len(ctx.devices)):
-                prefix = replica_prefix(i)
+        for i in range(1, len(ctx.devices)):
+            prefix = replica_prefix(i)
+            old_values = []
+            for var in synced:
                 init = prefix + var.initializer
-                old_node, _ = ir.input(init, 1)
+                old_values.append(ir.input(init, 1)[0])
                 ir.set_input(init, 1, first + var.initial_value)
-                removed += ir.remove_dead([old_node], keep=lambda n, p=prefix: not n.startswith(p))
                 renamed[prefix + var.initial_value] = first + var.initial_value
-                synced += 1
+            # all of the replica's old initial values at once: one sweep removes what is dead
+            removed += ir.remove_dead(old_values, keep=lambda n, p=prefix: not n.startswith(p))
+        count = len(synced) * (len(ctx.devices) - 1)
         _point_variable_defs(ir, renamed)
-        return PassResult(modified=synced > 0, summary={"synced": synced, "removed": removed})
+        return PassResult(modified=count > 0, summary={"synced": count, "removed": removed})
 
 
 def _point_variable_defs(ir, renamed) -> None:

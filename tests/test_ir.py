@@ -274,3 +274,18 @@ def test_reading_attrs_and_verifying_leave_copies_borrowing():
     assert all(ir.node(n)._proto is None for n in ("r0/v", "r0/r", "r1/v", "r1/r"))
     ir.node("r0/r")["attr"]["dtype"].type = 2  # its own NodeDef from here on
     assert ir.attrs("r0/r")["dtype"].type == 2 and ir.attrs("r1/r")["dtype"].type == 1
+
+
+def test_remove_dead_removes_an_input_once_all_its_consumers_are_dead():
+    from tensorflow.core.protobuf import meta_graph_pb2
+    ir = GraphIR(meta_graph_pb2.MetaGraphDef())
+    ir.add_node("kept", "Const")
+    ir.add_node("shared", "Const")
+    ir.add_node("used", "Const")
+    ir.add_node("x", "AddV2", ["shared", "kept"])
+    ir.add_node("y", "AddV2", ["shared", "used"])
+    ir.add_node("z", "AddV2", ["x", "^y"])
+    ir.add_node("user", "Identity", ["used"])
+    assert ir.remove_dead(["x", "z", "y"], keep=lambda n: n == "kept") == 4
+    assert sorted(ir.nodes()) == ["kept", "used", "user"]
+    assert ir.consumers("used") == [("user", 0)]
