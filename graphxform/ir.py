@@ -157,29 +157,118 @@ class BorrowedNode(dict):
     def __reduce__(self):
         return dict, (self.copy(),)
 
+    # Every way of changing node data in place tells the replica first: emit writes the copies
+    # that nothing changed from one block of bytes, and the rest one by one.
+    def _touched(self) -> None:
+        self._replica.touched.add(self._plan[0])
+
+    def __setitem__(self, key, value):
+        self._touched()
+        dict.__setitem__(self, key, value)
+
+    def __delitem__(self, key):
+        self._touched()
+        dict.__delitem__(self, key)
+
+    def update(self, *args, **kwargs):
+        self._touched()
+        dict.update(self, *args, **kwargs)
+
+    def __ior__(self, other):
+        self.update(other)
+        return self
+
+    def setdefault(self, key, default=None):
+        self._touched()
+        return dict.setdefault(self, key, default)
+
+    def pop(self, key, *default):
+        self._touched()
+        return dict.pop(self, key, *default)
+
+    def popitem(self):
+        self._touched()
+        return dict.popitem(self)
+
+    def clear(self):
+        self._touched()
+        dict.clear(self)
+
     def materialise(self):
         """This copy's own NodeDef (made once)."""
         proto = self._proto
         if proto is None:
+            self._replica.touched.add(self._plan[0])
             proto = self._proto = self.fill(self._plan[1].__class__())
             dict.__setitem__(self, "attr", proto.attr)
         return proto
 
     def fill(self, out):
-        """Write this copy's NodeDef into the empty NodeDef ``out``: the snapshot (which lacks
-        what every copy rewrites: a clean node's inputs, a renamed ``_class``) plus the copy's
-        name, device, inputs and colocation."""
-        name, snapshot, texts, colocation, inputs_copied = self._plan
-        mapping, prefix, loc, _ = self._replica
-        out.CopyFrom(snapshot)
-        out.name = mapping[name]
-        out.device = dict.__getitem__(self, "device")
-        if texts:
-            out.input.extend(_renamed_inputs(texts, inputs_copied, mapping, prefix))
-        if colocation:
-            out.attr["_class"].list.s.extend([item if node is None else loc + node
-                                              for item, node in colocation])
-        return out
+        """Write this copy's NodeDef into the empty NodeDef ``out``."""
+        replica = self._replica
+        return copy_node_def(out, self._plan, replica.prefix, dict.__getitem__(self, "device"),
+                             replica.mapping)
+
+
+def copy_node_def(out, plan: tuple, prefix: str, device: str, copied):
+    """Write into the empty NodeDef ``out`` the NodeDef of the copy of ``plan``'s original
+    named ``prefix + name`` (see ``GraphIR._copy_plan``): the snapshot (which lacks what every
+    copy rewrites: a clean node's inputs, a ``_class`` naming copied nodes) plus the copy's
+    name, device, inputs and colocation, where inputs and colocation targets in ``copied``
+    (the originals copied with it) get the prefix too."""
+    name, snapshot, texts, colocation, inputs_copied = plan
+    out.CopyFrom(snapshot)
+    out.name = prefix + name
+    out.device = device
+    if texts:
+        out.input.extend(_renamed_inputs(texts, inputs_copied, copied, prefix))
+    if colocation:
+        loc = b"loc:@" + prefix.encode()
+        out.attr["_class"].list.s.extend([item if node is None else loc + node
+                                          for item, node in colocation])
+    return out
+
+
+class Replica:
+    """The copies one prefix of a ``copy_nodes_many`` call made, in order, and what they borrow:
+    emit writes the copies that nothing changed since as one block (graphxform/wire.py)."""
+
+    __slots__ = ("mapping", "prefix", "device", "plans", "bases", "names", "copies", "touched")
+
+    def __init__(self, mapping: dict, prefix: str, device, plans: list, bases: list):
+        self.mapping = mapping  # original -> copy name
+        self.prefix = prefix
+        self.device = device  # every copy's device; None: the original's, or per copy
+        self.plans = plans  # per original, shared by every prefix of the call: see _copy_plan
+        self.bases = bases  # per original: the node data each copy started from
+        self.names = list(mapping.values())
+        self.copies = []
+        # originals whose copy changed in place (node data, its own NodeDef) or went away;
+        # copies whose in-edges changed are in GraphIR._dirty instead
+        self.touched = set()
+
+
+class _CopyShape:
+    """What every copy of a set of originals takes from their node data and adjacency, read
+    once for all prefixes: node data to start from, input names with their key dicts, inputs
+    from outside the set (which gain a consumer per copy), consumers with their key dicts,
+    and which originals' copies start dirty."""
+
+    def __init__(self, ir: "GraphIR", names: list, copied: set, created_by: str | None):
+        node_table, pred, succ = ir.g._node, ir.g._pred, ir.g._succ
+        self.bases, self.preds, self.succs, self.outside = [], [], [], []
+        for k, name in enumerate(names):
+            data = node_table[name]
+            self.bases.append({"op": data["op"], "device": data["device"],
+                               "origin": data["origin"],
+                               "created_by": created_by or data["created_by"]})
+            srcs, users = pred[name], succ[name]
+            self.preds.append((list(srcs), list(srcs.values())))
+            if not srcs.keys() <= copied:
+                self.outside += [(src, keys, k) for src, keys in srcs.items()
+                                 if src not in copied]
+            self.succs.append((list(users), list(users.values()), users.keys() <= copied))
+        self.dirty = [name for name in names if name in ir._dirty]
 
 
 class GraphIR:
@@ -314,36 +403,53 @@ class GraphIR:
                  origin: str | None = None) -> str:
         """Add a node; ``inputs`` are TF input strings ('a', 'a:1', '^a'); ``attr`` maps names to
         AttrValue protos (copied). Returns the name."""
-        if name in self.g:
+        node_table = self.g._node
+        if name in node_table:
             raise GraphxformError(f"node '{name}' already exists")
         if proto is None:
             from tensorflow.core.framework import node_def_pb2
             proto = node_def_pb2.NodeDef()
         proto.name, proto.op, proto.device = name, op, device
-        for key, value in (attr or {}).items():
-            proto.attr[key].CopyFrom(value)
+        if attr:
+            for key, value in attr.items():
+                proto.attr[key].CopyFrom(value)
         self._protos[name] = proto
-        self.g._node[name] = {"op": op, "device": device, "attr": proto.attr, "origin": origin,
-                              "created_by": created_by}
+        node_table[name] = {"op": op, "device": device, "attr": proto.attr, "origin": origin,
+                            "created_by": created_by}
         self.g._succ[name] = {}
         self.g._pred[name] = {}
-        self._touch(name)  # its inputs are written out from the edges on emit
-        self._connect(name, inputs)
+        self._dirty.add(name)  # touched: its inputs are written out from the edges on emit
+        self._unverified.add(name)
+        if inputs:
+            self._connect(name, inputs)
         return name
 
     def _connect(self, name: str, inputs: Iterable[str]) -> None:
+        """The in-edges of the new node ``name``, written straight into the adjacency: an input
+        from a node not yet feeding ``name`` takes the shared key dict of its kind."""
+        node_table, succ, pred = self.g._node, self.g._succ, self.g._pred
+        preds = pred[name]
         port = 0
         for text in inputs:
             if text.startswith("^"):
-                self._add_edge(text[1:], name, CONTROL_KEY, CONTROL_EDGE)
-            else:
-                src, src_port = parse_tensor(text)
-                self._add_edge(src, name, port, {"src_port": src_port, "dst_port": port})
+                src, key, keys = text[1:], CONTROL_KEY, CONTROL_KEYS
+            else:  # parse_tensor and data_keys, inlined: this runs for every edge a pass adds
+                src, sep, tail = text.rpartition(":")
+                if sep and tail.isdigit():
+                    src_port = int(tail)
+                else:
+                    src, src_port = text, 0
+                key, keys = port, _DATA_KEYS.get((port, src_port)) or data_keys(port, src_port)
                 port += 1
+            if src not in node_table:
+                self._require(src, name)  # raises
+            if src in preds:  # a second edge from the same node
+                join_edge(succ, pred, src, name, key, keys[key])
+            else:
+                succ[src][name] = preds[src] = keys
 
     def _add_edge(self, src: str, dst: str, key: int, edge: dict) -> None:
-        """One edge; the caller marks ``dst`` touched."""
-        self._require(src, dst)
+        """One edge; the caller has checked that ``src`` exists and marks ``dst`` touched."""
         join_edge(self.g._succ, self.g._pred, src, dst, key, edge)
 
     def _remove_edge(self, src: str, dst: str, key: int) -> None:
@@ -391,23 +497,30 @@ class GraphIR:
             nx._clear_cache(self.g)
 
     def _forget(self, name: str) -> None:
-        del self._protos[name]
+        proto = self._protos.pop(name)
+        if type(proto) is BorrowedNode:
+            proto._touched()
         self._dirty.discard(name)
         self._unverified.discard(name)
 
     def remove_dead(self, roots: Iterable[str], keep: Callable[[str], bool]) -> int:
         """Remove ``roots`` and then their inputs, as long as nothing consumes them and
-        ``keep(name)`` is False. Returns how many nodes went."""
-        stack, removed = list(roots), 0
+        ``keep(name)`` is False. Returns how many nodes went.
+
+        The dead set is found first (a node is dead once all its consumers are) and removed in
+        one ``remove_nodes``: node by node, networkx unlinks every edge from both ends."""
+        node_table, succ, pred = self.g._node, self.g._succ, self.g._pred
+        dead, stack = set(), list(roots)
         while stack:
             name = stack.pop()
-            if name not in self.g or self.g._succ[name] or keep(name):
+            if (name in dead or name not in node_table or not dead.issuperset(succ[name])
+                    or keep(name)):
                 continue
-            inputs = list(self.g._pred[name])
-            self.remove_node(name)
-            removed += 1
-            stack.extend(inputs)
-        return removed
+            dead.add(name)
+            stack.extend(pred[name])
+        if dead:
+            self.remove_nodes(dead)
+        return len(dead)
 
     def set_input(self, dst: str, dst_port: int, tensor: str) -> None:
         """Point input ``dst_port`` of ``dst`` at ``tensor``."""
@@ -415,7 +528,7 @@ class GraphIR:
         new_src, new_port = parse_tensor(tensor)
         self._require(new_src, dst)
         self._remove_edge(src, dst, dst_port)
-        self._add_edge(new_src, dst, dst_port, {"src_port": new_port, "dst_port": dst_port})
+        self._add_edge(new_src, dst, dst_port, data_keys(dst_port, new_port)[dst_port])
         self._touch(dst)
 
     def replace_all_uses_with(self, old: str, new: str,
@@ -447,11 +560,12 @@ class GraphIR:
             if key == CONTROL_KEY:
                 self._add_edge(new_node, dst, CONTROL_KEY, CONTROL_EDGE)
             else:
-                self._add_edge(new_node, dst, key, {"src_port": port, "dst_port": key})
+                self._add_edge(new_node, dst, key, data_keys(key, port)[key])
             self._touch(dst)
         return len(moves)
 
     def add_control_input(self, node: str, src: str) -> None:
+        self._require(src, node)
         self._add_edge(src, node, CONTROL_KEY, CONTROL_EDGE)
         self._touch(node)
 
@@ -489,56 +603,52 @@ class GraphIR:
         with paused_gc():
             copied = set(names)
             plans = [self._copy_plan(name, copied) for name in names]
-            shapes = [self._copy_shape(name, copied, created_by) for name in names]
+            shape = _CopyShape(self, names, copied, created_by)
             for prefix, device, mapping in zip(prefixes, devices, mappings):
-                pick = device if callable(device) else (lambda name, fixed=device: fixed)
-                replica = (mapping, prefix, b"loc:@" + prefix.encode(), prefix.encode())
-                self._copy_replica(names, plans, shapes, replica, pick)
-                self._unverified.update(mapping.values())
+                replica = Replica(mapping, prefix, device, plans, shape.bases)
+                self._copy_replica(shape, replica)
+                self._unverified.update(replica.names)
         if hasattr(nx, "_clear_cache"):
             nx._clear_cache(self.g)
         return mappings
 
-    def _copy_shape(self, name: str, copied: set, created_by: str | None) -> tuple:
-        """What every copy of ``name`` takes from the original's node data and adjacency:
-        (node data to start from, input names, their key dicts, inputs from outside the copied
-        set with their key dicts, consumer names, their key dicts, are all consumers copied)."""
-        data = self.g._node[name]
-        base = {"op": data["op"], "device": data["device"], "origin": data["origin"],
-                "created_by": created_by or data["created_by"]}
-        preds, users = self.g._pred[name], self.g._succ[name]
-        outside = [(src, keys) for src, keys in preds.items() if src not in copied]
-        return (base, list(preds), list(preds.values()), outside, list(users),
-                list(users.values()), users.keys() <= copied)
-
-    def _copy_replica(self, names, plans, shapes, replica, pick) -> None:
+    def _copy_replica(self, shape: "_CopyShape", replica: "Replica") -> None:
         """One copy of each node, borrowing the snapshot of its original's NodeDef (see
         BorrowedNode), with its in-edges and its out-edges to other copies written straight
-        into networkx's adjacency dicts; copies share their originals' key dicts (they hold no
-        node names)."""
-        mapping = replica[0]
-        get = mapping.get
-        node_table, succ, pred = self.g._node, self.g._succ, self.g._pred
-        protos, dirty = self._protos, self._dirty
-        for name, plan, shape in zip(names, plans, shapes):
-            base, pred_names, pred_keys, outside, user_names, user_keys, users_copied = shape
-            new = mapping[name]
+        into networkx's adjacency dicts, a whole replica per dict update; copies share their
+        originals' key dicts (they hold no node names)."""
+        mapping, plans = replica.mapping, replica.plans
+        get, rename = mapping.get, mapping.__getitem__
+        news = replica.names
+        device = replica.device
+        fixed = None if callable(device) else device
+        copies = []
+        for base, plan in zip(shape.bases, plans):
             copy = BorrowedNode(base)
-            device = pick(name)
-            if device is not None:
-                copy["device"] = device
+            if fixed is not None:
+                dict.__setitem__(copy, "device", fixed)
             copy._plan, copy._replica, copy._proto = plan, replica, None
-            if plan[2] is None:
-                dirty.add(new)
-            protos[new] = node_table[new] = copy
-            pred[new] = dict(zip(map(get, pred_names, pred_names), pred_keys))
-            for src, keys in outside:  # inputs from outside gain a consumer
-                succ[src][new] = keys
-            if users_copied:
-                succ[new] = dict(zip(map(mapping.__getitem__, user_names), user_keys))
-            else:
-                succ[new] = {mapping[dst]: keys for dst, keys in zip(user_names, user_keys)
-                             if dst in mapping}
+            copies.append(copy)
+        if callable(device):
+            for copy, name in zip(copies, mapping):
+                found = device(name)
+                if found is not None:
+                    dict.__setitem__(copy, "device", found)
+            replica.device = None  # each copy has its own
+        replica.copies = copies
+        g = self.g
+        g._node.update(zip(news, copies))
+        self._protos.update(zip(news, copies))
+        self._dirty.update(map(rename, shape.dirty))
+        g._pred.update(zip(news, [dict(zip(map(get, srcs, srcs), keys))
+                                  for srcs, keys in shape.preds]))
+        succ = g._succ
+        for src, keys, k in shape.outside:  # inputs from outside gain a consumer
+            succ[src][news[k]] = keys
+        succ.update(zip(news, [dict(zip(map(rename, dsts), keys)) if whole else
+                               {mapping[dst]: keyed for dst, keyed in zip(dsts, keys)
+                                if dst in mapping}
+                               for dsts, keys, whole in shape.succs]))
 
     def _copy_plan(self, name: str, copied: set) -> tuple:
         """What every copy of ``name`` needs: (name, frozen snapshot of its NodeDef, input names
@@ -600,21 +710,13 @@ def _colocation_targets(attr_value) -> list[tuple[bytes, str | None]]:
             for item in attr_value.list.s]
 
 
-def _renamed_inputs(texts: list[str], all_copied: bool, mapping: dict[str, str],
-                    prefix: str) -> list[str]:
-    """A NodeDef input list with copied inputs renamed to their copies."""
+def _renamed_inputs(texts: list[str], all_copied: bool, copied, prefix: str) -> list[str]:
+    """A NodeDef input list with the inputs in ``copied`` renamed to their copies."""
+    caret = "^" + prefix
     if all_copied:
-        caret = "^" + prefix
         return [caret + t[1:] if t[0] == "^" else prefix + t for t in texts]
-    return [_renamed_input(t, mapping) for t in texts]
-
-
-def _renamed_input(text: str, mapping: dict[str, str]) -> str:
-    caret = "^" if text[0] == "^" else ""
-    body = text[len(caret):]
-    src = parse_tensor(body)[0] if not caret else body
-    new = mapping.get(src)
-    return text if new is None else caret + new + body[len(src):]
+    return [t if (t[1:] if t[0] == "^" else parse_tensor(t)[0]) not in copied
+            else caret + t[1:] if t[0] == "^" else prefix + t for t in texts]
 
 
 def format_attr(value) -> str:
