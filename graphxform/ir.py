@@ -249,26 +249,28 @@ class Replica:
 
 
 class _CopyShape:
-    """What every copy of a set of originals takes from their node data and adjacency, read
-    once for all prefixes: node data to start from, input names with their key dicts, inputs
-    from outside the set (which gain a consumer per copy), consumers with their key dicts,
-    and which originals' copies start dirty."""
+    """What every copy of a set of originals takes from them, read once for all prefixes:
+    per original its plan (see ``GraphIR._copy_plan``), the node data to start from, its input
+    names with their key dicts, its consumers with theirs and whether all are copied too; the
+    inputs from outside the set (which gain a consumer per copy); which copies start dirty."""
 
     def __init__(self, ir: "GraphIR", names: list, copied: set, created_by: str | None):
-        node_table, pred, succ = ir.g._node, ir.g._pred, ir.g._succ
-        self.bases, self.preds, self.succs, self.outside = [], [], [], []
+        node_table, pred, succ, dirty = ir.g._node, ir.g._pred, ir.g._succ, ir._dirty
+        self.plans, self.bases, self.preds, self.succs, self.outside = [], [], [], [], []
         for k, name in enumerate(names):
             data = node_table[name]
             self.bases.append({"op": data["op"], "device": data["device"],
                                "origin": data["origin"],
                                "created_by": created_by or data["created_by"]})
             srcs, users = pred[name], succ[name]
+            inputs_copied = srcs.keys() <= copied
+            self.plans.append(ir._copy_plan(name, copied, name in dirty, inputs_copied))
             self.preds.append((list(srcs), list(srcs.values())))
-            if not srcs.keys() <= copied:
+            if not inputs_copied:
                 self.outside += [(src, keys, k) for src, keys in srcs.items()
                                  if src not in copied]
             self.succs.append((list(users), list(users.values()), users.keys() <= copied))
-        self.dirty = [name for name in names if name in ir._dirty]
+        self.dirty = [name for name in names if name in dirty]
 
 
 class GraphIR:
@@ -474,25 +476,31 @@ class GraphIR:
         """Remove a set of nodes at once; with ``safe`` refuse while a node outside the set
         still consumes one of them."""
         names = set(names)
-        node_table, succ, pred = self.g._node, self.g._succ, self.g._pred
-        for name in names:
-            outside = [dst for dst in succ[name] if dst not in names]
-            if outside and safe:
-                raise GraphxformError(f"cannot remove '{name}': still used by {outside[0]}")
-            for dst in outside:
-                self._touch(dst)
+        node_table, succ, pred, protos = self.g._node, self.g._succ, self.g._pred, self._protos
+        if safe:
+            for name in names:
+                if not names.issuperset(succ[name]):
+                    outside = next(dst for dst in succ[name] if dst not in names)
+                    raise GraphxformError(f"cannot remove '{name}': still used by {outside}")
         # networkx's remove_nodes_from unlinks every edge from both ends; only the edges that
         # leave the set need unlinking at the far end (replicate removes whole training steps)
         for name in names:
-            for dst in succ[name]:
-                if dst not in names:
-                    del pred[dst][name]
-            for src in pred[name]:
-                if src not in names:
-                    del succ[src][name]
-        for name in names:
-            del node_table[name], succ[name], pred[name]
-            self._forget(name)
+            users, sources = succ.pop(name), pred.pop(name)
+            if not names.issuperset(users):
+                for dst in users:
+                    if dst not in names:
+                        del pred[dst][name]
+                        self._touch(dst)
+            if not names.issuperset(sources):
+                for src in sources:
+                    if src not in names:
+                        del succ[src][name]
+            del node_table[name]
+            proto = protos.pop(name)
+            if type(proto) is BorrowedNode:
+                proto._touched()
+        self._dirty.difference_update(names)
+        self._unverified.difference_update(names)
         if hasattr(nx, "_clear_cache"):
             nx._clear_cache(self.g)
 
@@ -507,20 +515,25 @@ class GraphIR:
         """Remove ``roots`` and then their inputs, as long as nothing consumes them and
         ``keep(name)`` is False. Returns how many nodes went.
 
-        The dead set is found first (a node is dead once all its consumers are) and removed in
-        one ``remove_nodes``: node by node, networkx unlinks every edge from both ends."""
+        A node goes when it has no consumers left, so only its in-edges need unlinking: done
+        here, while the node is at hand, rather than by networkx's remove_node (which unlinks
+        from both ends) or a later remove_nodes sweep (sync-init removes some 20k nodes)."""
         node_table, succ, pred = self.g._node, self.g._succ, self.g._pred
-        dead, stack = set(), list(roots)
+        stack, removed = list(roots), 0
         while stack:
             name = stack.pop()
-            if (name in dead or name not in node_table or not dead.issuperset(succ[name])
-                    or keep(name)):
+            if name not in node_table or succ[name] or keep(name):
                 continue
-            dead.add(name)
-            stack.extend(pred[name])
-        if dead:
-            self.remove_nodes(dead)
-        return len(dead)
+            inputs = pred.pop(name)
+            for src in inputs:
+                del succ[src][name]
+            del node_table[name], succ[name]
+            self._forget(name)
+            removed += 1
+            stack.extend(inputs)
+        if removed and hasattr(nx, "_clear_cache"):
+            nx._clear_cache(self.g)
+        return removed
 
     def set_input(self, dst: str, dst_port: int, tensor: str) -> None:
         """Point input ``dst_port`` of ``dst`` at ``tensor``."""
@@ -592,25 +605,35 @@ class GraphIR:
         names = list(names)
         devices = [None] * len(prefixes) if devices is None else list(devices)
         mappings = [{name: prefix + name for name in names} for prefix in prefixes]
-        new_names = [new for mapping in mappings for new in mapping.values()]
-        clash = None
-        if not self.g._node.keys().isdisjoint(new_names):
-            clash = next(new for new in new_names if new in self.g._node)
-        elif len(set(new_names)) < len(new_names):
-            clash = next(new for new in new_names if new_names.count(new) > 1)
+        clash = self._copy_clash(names, prefixes, mappings)
         if clash is not None:
             raise GraphxformError(f"cannot copy to '{clash}': it already exists")
         with paused_gc():
             copied = set(names)
-            plans = [self._copy_plan(name, copied) for name in names]
             shape = _CopyShape(self, names, copied, created_by)
             for prefix, device, mapping in zip(prefixes, devices, mappings):
-                replica = Replica(mapping, prefix, device, plans, shape.bases)
+                replica = Replica(mapping, prefix, device, shape.plans, shape.bases)
                 self._copy_replica(shape, replica)
                 self._unverified.update(replica.names)
         if hasattr(nx, "_clear_cache"):
             nx._clear_cache(self.g)
         return mappings
+
+    def _copy_clash(self, names: list, prefixes: list, mappings: list) -> str | None:
+        """The first copy name that is taken already or that two copies would share. When no
+        node name starts with a prefix and no prefix starts another, none can be: that is
+        one sweep over the names instead of a lookup per copy."""
+        starts = tuple(prefixes)
+        if (len(set(names)) == len(names) and len(set(prefixes)) == len(prefixes)
+                and not any(b.startswith(a) for a in prefixes for b in prefixes if a != b)
+                and not any(map(str.startswith, self.g._node, itertools.repeat(starts)))):
+            return None
+        new_names = [new for mapping in mappings for new in mapping.values()]
+        if not self.g._node.keys().isdisjoint(new_names):
+            return next(new for new in new_names if new in self.g._node)
+        if len(set(new_names)) < len(new_names):
+            return next(new for new in new_names if new_names.count(new) > 1)
+        return None
 
     def _copy_replica(self, shape: "_CopyShape", replica: "Replica") -> None:
         """One copy of each node, borrowing the snapshot of its original's NodeDef (see
@@ -650,30 +673,33 @@ class GraphIR:
                                 if dst in mapping}
                                for dsts, keys, whole in shape.succs]))
 
-    def _copy_plan(self, name: str, copied: set) -> tuple:
+    def _copy_plan(self, name: str, copied: set, dirty: bool, inputs_copied: bool) -> tuple:
         """What every copy of ``name`` needs: (name, frozen snapshot of its NodeDef, input names
-        or None when the copy is dirty, colocation items or None, are all inputs copied). The
-        snapshot is taken now, so later changes to the original (through
+        or None when ``name`` (and so the copy) is dirty, colocation items or None, are all
+        inputs copied). The snapshot is taken now, so later changes to the original (through
         an attr map handed out before the copy, say) never reach the copies. It leaves out what
         each copy writes itself: a clean node's input list, and ``_class`` when that names a
         copied node (colocation items are then (item, None) to keep, or (item, node name bytes)
         to point at the copy)."""
-        proto = self.proto(name)
+        proto = self._protos[name]
+        if type(proto) is BorrowedNode:
+            proto = proto.materialise()
         snapshot = type(proto)()
         snapshot.CopyFrom(proto)
         texts = None
-        if name not in self._dirty:
+        if not dirty:
             texts = list(proto.input)
             if texts:
                 del snapshot.input[:]
         colocation = None
-        if "_class" in proto.attr:
-            targets = _colocation_targets(proto.attr["_class"])
+        attr = proto.attr
+        if "_class" in attr:
+            targets = _colocation_targets(attr["_class"])
             if any(node in copied for _, node in targets):
                 colocation = [(item, node.encode() if node in copied else None)
                               for item, node in targets]
                 del snapshot.attr["_class"]
-        return name, snapshot, texts, colocation, self.g._pred[name].keys() <= copied
+        return name, snapshot, texts, colocation, inputs_copied
 
     # -------------------------------------------------------------- printing
     def node_line(self, name: str) -> str:

@@ -109,10 +109,7 @@ def _update_collections(ir, shared, replicas) -> None:
                     out.append(raw)
                     continue
                 for i in range(replicas):
-                    copy = variable_pb2.VariableDef()
-                    copy.CopyFrom(vd)
-                    _prefix_strings(copy, lambda s, i=i: replica_prefix(i) + s if s else s)
-                    out.append(copy.SerializeToString())
+                    out.append(_prefixed_variable_def(vd, replica_prefix(i)))
             del col.bytes_list.value[:]
             col.bytes_list.value.extend(out)
         elif key in CONTEXT_COLLECTIONS:
@@ -121,6 +118,24 @@ def _update_collections(ir, shared, replicas) -> None:
             names = [r for v in col.node_list.value for r in replica_names(v, shared, replicas)]
             del col.node_list.value[:]
             col.node_list.value.extend(names)
+
+
+def _prefixed_variable_def(vd, prefix: str) -> bytes:
+    """A VariableDef with every name in it prefixed. Its four node names are set directly (the
+    generic walk costs more than the rest of the collections together on large graphs);
+    anything else that holds a name (save_slice_info_def) goes through the generic walk."""
+    copy = type(vd)()
+    copy.CopyFrom(vd)
+    for field in _VARIABLE_DEF_NAMES:
+        value = getattr(vd, field)
+        if value:
+            setattr(copy, field, prefix + value)
+    if copy.HasField("save_slice_info_def"):
+        _prefix_strings(copy.save_slice_info_def, lambda s: prefix + s if s else s)
+    return copy.SerializeToString()
+
+
+_VARIABLE_DEF_NAMES = ("variable_name", "initial_value_name", "initializer_name", "snapshot_name")
 
 
 def _copy_contexts(col, key, shared, replicas) -> None:
