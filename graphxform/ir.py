@@ -271,6 +271,28 @@ class _CopyShape:
                                  if src not in copied]
             self.succs.append((list(users), list(users.values()), users.keys() <= copied))
         self.dirty = [name for name in names if name in dirty]
+        self.names, self.skip = names, frozenset()
+
+    def without(self, first_only: set) -> "_CopyShape":
+        """The shape of the copies that leave out ``first_only`` and read the first copies of
+        it instead: those inputs are from outside now (and the copies reading them dirty, as
+        their input lists name their own prefix), and consumers in it are not theirs."""
+        other = _CopyShape.__new__(_CopyShape)
+        other.__dict__.update(vars(self))
+        other.skip = frozenset(first_only)
+        other.outside = [(src, keys, k) for src, keys, k in self.outside
+                         if self.names[k] not in first_only]
+        other.dirty = [name for name in self.dirty if name not in first_only]
+        for k, (name, (srcs, keys)) in enumerate(zip(self.names, self.preds)):
+            if name not in first_only and not first_only.isdisjoint(srcs):
+                other.outside += [(src, keyed, k) for src, keyed in zip(srcs, keys)
+                                  if src in first_only]
+                other.dirty.append(name)
+        other.succs = [(dsts, keys, whole) if first_only.isdisjoint(dsts) else
+                       ([d for d in dsts if d not in first_only],
+                        [keyed for d, keyed in zip(dsts, keys) if d not in first_only], False)
+                       for dsts, keys, whole in self.succs]
+        return other
 
 
 class GraphIR:
@@ -598,23 +620,33 @@ class GraphIR:
         return self.copy_nodes_many(names, [prefix], devices=[device], created_by=created_by)[0]
 
     def copy_nodes_many(self, names: Iterable[str], prefixes: list[str], *, devices=None,
-                        created_by: str | None = None) -> list[dict[str, str]]:
+                        created_by: str | None = None,
+                        first_only: Iterable[str] = ()) -> list[dict[str, str]]:
         """``copy_nodes`` once per prefix (with ``devices[i]`` for ``prefixes[i]``), in that
         order, reading each original once: what every copy needs from it (input names,
-        colocation targets, which inputs and consumers are copied too) is worked out first."""
+        colocation targets, which inputs and consumers are copied too) is worked out first.
+
+        Nodes in ``first_only`` (a subset of ``names`` that nothing outside it reads but
+        other copied nodes, and that no copied node outside it colocates with) are copied for
+        the first prefix only: the other prefixes' copies read the first prefix's copies of
+        them, and their mappings name those."""
         names = list(names)
+        first_only = set(first_only)
         devices = [None] * len(prefixes) if devices is None else list(devices)
         mappings = [{name: prefix + name for name in names} for prefix in prefixes]
         clash = self._copy_clash(names, prefixes, mappings)
         if clash is not None:
             raise GraphxformError(f"cannot copy to '{clash}': it already exists")
         with paused_gc():
-            copied = set(names)
-            shape = _CopyShape(self, names, copied, created_by)
-            for prefix, device, mapping in zip(prefixes, devices, mappings):
+            shape = _CopyShape(self, names, set(names), created_by)
+            for k, (prefix, device, mapping) in enumerate(zip(prefixes, devices, mappings)):
                 replica = Replica(mapping, prefix, device, shape.plans, shape.bases)
+                if k == 1 and first_only:
+                    shape = shape.without(first_only)
+                if k >= 1 and first_only:
+                    mapping.update((name, mappings[0][name]) for name in first_only)
+                    replica.touched.update(first_only)  # never made: emit writes none
                 self._copy_replica(shape, replica)
-                self._unverified.update(replica.names)
         if hasattr(nx, "_clear_cache"):
             nx._clear_cache(self.g)
         return mappings
@@ -640,38 +672,46 @@ class GraphIR:
         BorrowedNode), with its in-edges and its out-edges to other copies written straight
         into networkx's adjacency dicts, a whole replica per dict update; copies share their
         originals' key dicts (they hold no node names)."""
-        mapping, plans = replica.mapping, replica.plans
+        mapping, plans, skip = replica.mapping, replica.plans, shape.skip
         get, rename = mapping.get, mapping.__getitem__
-        news = replica.names
         device = replica.device
         fixed = None if callable(device) else device
         copies = []
-        for base, plan in zip(shape.bases, plans):
+        for name, base, plan in zip(shape.names, shape.bases, plans):
+            if skip and name in skip:
+                copies.append(None)
+                continue
             copy = BorrowedNode(base)
             if fixed is not None:
                 dict.__setitem__(copy, "device", fixed)
             copy._plan, copy._replica, copy._proto = plan, replica, None
             copies.append(copy)
         if callable(device):
-            for copy, name in zip(copies, mapping):
-                found = device(name)
-                if found is not None:
+            for copy, name in zip(copies, shape.names):
+                found = copy is not None and device(name)
+                if found:
                     dict.__setitem__(copy, "device", found)
             replica.device = None  # each copy has its own
         replica.copies = copies
+        news = replica.names if not skip else [new for new, copy in zip(replica.names, copies)
+                                               if copy is not None]
+        made = copies if not skip else [copy for copy in copies if copy is not None]
         g = self.g
-        g._node.update(zip(news, copies))
-        self._protos.update(zip(news, copies))
+        g._node.update(zip(news, made))
+        self._protos.update(zip(news, made))
         self._dirty.update(map(rename, shape.dirty))
+        self._unverified.update(news)
         g._pred.update(zip(news, [dict(zip(map(get, srcs, srcs), keys))
-                                  for srcs, keys in shape.preds]))
+                                  for (srcs, keys), copy in zip(shape.preds, copies)
+                                  if copy is not None]))
         succ = g._succ
         for src, keys, k in shape.outside:  # inputs from outside gain a consumer
-            succ[src][news[k]] = keys
+            succ[get(src, src)][replica.names[k]] = keys
         succ.update(zip(news, [dict(zip(map(rename, dsts), keys)) if whole else
                                {mapping[dst]: keyed for dst, keyed in zip(dsts, keys)
                                 if dst in mapping}
-                               for dsts, keys, whole in shape.succs]))
+                               for (dsts, keys, whole), copy in zip(shape.succs, copies)
+                               if copy is not None]))
 
     def _copy_plan(self, name: str, copied: set, dirty: bool, inputs_copied: bool) -> tuple:
         """What every copy of ``name`` needs: (name, frozen snapshot of its NodeDef, input names

@@ -24,11 +24,11 @@ def allreduce(bucket_bytes: int = DEFAULT_BUCKET_BYTES, sparse_as_dense: bool = 
     """In-graph replication with collective all-reduce (devices come from the PassContext)."""
     return Pipeline([
         StripSaver(),
+        SyncInit(),
         Replicate(),
         SplitInputs(),
         AllReduce(bucket_bytes=bucket_bytes, sparse_as_dense=sparse_as_dense),
         RewireConsumers(),
-        SyncInit(),
         MergeFetches(mean=tuple(fetch_mean), concat=tuple(fetch_concat)),
         DropInSaver(),
     ], verify=verify, dump_dir=dump_dir)

@@ -113,7 +113,7 @@ class NodeEncoder:
         block = self._block(replica)
         if block is None:
             for name, copy in zip(names, copies):
-                if node_table.get(name) is copy:
+                if copy is not None and node_table.get(name) is copy:
                     out.append(node_field(self._copy(name, copy)))
             return
         segments, starts, device_stand_in, index = block
@@ -124,7 +124,7 @@ class NodeEncoder:
         for k in sorted(map(index.__getitem__, replica.touched)):
             if starts[k] > starts[start]:
                 out.append(view[starts[start]:starts[k]])
-            if node_table.get(names[k]) is copies[k]:
+            if copies[k] is not None and node_table.get(names[k]) is copies[k]:
                 out.append(node_field(self._copy(names[k], copies[k])))
             start = k + 1
         if starts[-1] > starts[start]:

@@ -53,9 +53,15 @@ class Replicate(Pass):
                                   "replica_0/); start from the single-device graph")
         sharing = ctx.state.get("share-variables")
         shared = shared_nodes(ir, tg) | (sharing["shared"] if sharing else set())
+        sync = ctx.state.get("sync-init", {"first_only": set(), "redirect": [],
+                                           "initial_values": set()})
         copied = [n for n in ir.nodes() if n not in shared]
         prefixes = [replica_prefix(i) for i in range(len(ctx.devices))]
-        replicas = ir.copy_nodes_many(copied, prefixes, devices=ctx.devices, created_by=self.name)
+        replicas = ir.copy_nodes_many(copied, prefixes, devices=ctx.devices, created_by=self.name,
+                                      first_only=sync["first_only"])
+        for initializer, initial_value in sync["redirect"]:
+            for prefix in prefixes[1:]:
+                ir.set_input(prefix + initializer, 1, prefixes[0] + initial_value)
         enters = [n for n in copied if ir.op(n) in ("Enter", "RefEnter")]
         for prefix, mapping in zip(prefixes, replicas):
             _rename_frames(ir, [mapping[n] for n in enters], prefix)
@@ -75,7 +81,8 @@ class Replicate(Pass):
                 ir.set_input(name, port, tensor_name(replicas[0][src], src_port))
                 cross_edges.append((name, port, tensor_name(src, src_port)))
         ir.remove_nodes(copied)
-        _update_collections(ir, shared, len(ctx.devices))
+        _update_collections(ir, shared, len(ctx.devices), sync["first_only"],
+                            sync["initial_values"])
         ctx.state[self.name] = {"shared": shared, "cross_edges": cross_edges}
         return PassResult(modified=True, summary={"replicas": len(ctx.devices),
                                                   "nodes_per_replica": len(copied)})
@@ -88,17 +95,22 @@ def _rename_frames(ir, enters, prefix) -> None:
         frame.s = (prefix + frame.s.decode()).encode()
 
 
-def replica_names(value: str, shared: set, replicas: int) -> list[str]:
-    """A node or tensor name (maybe '^name') as it is called in each replica."""
+def replica_names(value: str, shared: set, replicas: int, first_only=()) -> list[str]:
+    """A node or tensor name (maybe '^name') as it is called in each replica (replica 0's
+    alone for what only replica 0 has: see sync-init)."""
     bare = value.lstrip("^")
     node = bare.split(":", 1)[0]
     if node in shared:
         return [value]
     caret = "^" if value.startswith("^") else ""
+    if node in first_only:
+        return [caret + replica_prefix(0) + bare]
     return [caret + replica_prefix(i) + bare for i in range(replicas)]
 
 
-def _update_collections(ir, shared, replicas) -> None:
+def _update_collections(ir, shared, replicas, first_only, initial_values) -> None:
+    """Collections name every replica's copies; VariableDefs of replicas > 0 name replica 0's
+    initial value when sync-init chose it (``initial_values``: their nodes)."""
     from tensorflow.core.framework import variable_pb2
     for key, col in ir.meta.collection_def.items():
         if key in VARIABLE_DEF_COLLECTIONS:
@@ -108,28 +120,33 @@ def _update_collections(ir, shared, replicas) -> None:
                 if vd.variable_name.split(":")[0] in shared:
                     out.append(raw)
                     continue
+                synced = vd.initial_value_name.split(":")[0] in initial_values
                 for i in range(replicas):
-                    out.append(_prefixed_variable_def(vd, replica_prefix(i)))
+                    out.append(_prefixed_variable_def(
+                        vd, replica_prefix(i), replica_prefix(0) if synced else None))
             del col.bytes_list.value[:]
             col.bytes_list.value.extend(out)
         elif key in CONTEXT_COLLECTIONS:
             _copy_contexts(col, key, shared, replicas)
         elif col.HasField("node_list"):
-            names = [r for v in col.node_list.value for r in replica_names(v, shared, replicas)]
+            names = [r for v in col.node_list.value
+                     for r in replica_names(v, shared, replicas, first_only)]
             del col.node_list.value[:]
             col.node_list.value.extend(names)
 
 
-def _prefixed_variable_def(vd, prefix: str) -> bytes:
-    """A VariableDef with every name in it prefixed. Its four node names are set directly (the
-    generic walk costs more than the rest of the collections together on large graphs);
-    anything else that holds a name (save_slice_info_def) goes through the generic walk."""
+def _prefixed_variable_def(vd, prefix: str, initial_value_prefix: str | None) -> bytes:
+    """A VariableDef with every name in it prefixed (its initial value's with
+    ``initial_value_prefix`` if given). Its four node names are set directly (the generic walk
+    costs more than the rest of the collections together on large graphs); anything else that
+    holds a name (save_slice_info_def) goes through the generic walk."""
     copy = type(vd)()
     copy.CopyFrom(vd)
     for field in _VARIABLE_DEF_NAMES:
         value = getattr(vd, field)
         if value:
-            setattr(copy, field, prefix + value)
+            own = initial_value_prefix if field == "initial_value_name" else None
+            setattr(copy, field, (own or prefix) + value)
     if copy.HasField("save_slice_info_def"):
         _prefix_strings(copy.save_slice_info_def, lambda s: prefix + s if s else s)
     return copy.SerializeToString()

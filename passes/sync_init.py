@@ -1,16 +1,23 @@
 """sync-init: replicas > 0 start from replica 0's initial values.
 
-Each replica's initializer assigns replica 0's initial-value tensor, which TF computes once per
-run, so random initializers give every replica the same start. Replica i's own initial-value
-subgraph becomes dead and is removed."""
+Runs before `replicate` and tells it what replicas > 0 read from replica 0. Each replica's
+initializer assigns replica 0's initial-value tensor, which TF computes once per run, so random
+initializers give every replica the same start. What only computes initial values (the
+initial-value subgraphs) is therefore needed in replica 0 alone: `replicate` copies it for
+replica 0 only, rather than copying it for every replica and leaving the copies dead."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from graphxform.nodes import replica_prefix
+from graphxform.errors import GraphxformError
+from graphxform.ir import parse_tensor
+from graphxform.passes.replicate import shared_nodes
 from graphxform.pipeline import Pass, PassResult
-from graphxform.passes.replicate import VARIABLE_DEF_COLLECTIONS
+
+# ops of legacy while loops and conds: copies of these belong to their replica's frame
+CONTROL_FLOW_OPS = {"Enter", "RefEnter", "Exit", "RefExit", "NextIteration", "RefNextIteration",
+                    "Merge", "RefMerge", "Switch", "RefSwitch", "LoopCond", "ControlTrigger"}
 
 
 @dataclasses.dataclass
@@ -18,42 +25,54 @@ class SyncInit(Pass):
     name = "sync-init"
 
     def run(self, ir, ctx):
-        shared = ctx.state["replicate"]["shared"]
-        first = replica_prefix(0)
-        synced = [var for var in ctx.training.variables.values()
-                  if var.name not in shared and var.initializer and var.initial_value]
-        removed = 0
-        renamed = {}
-        for i in range(1, len(ctx.devices)):
-            prefix = replica_prefix(i)
-            old_values = []
-            for var in synced:
-                init = prefix + var.initializer
-                old_values.append(ir.input(init, 1)[0])
-                ir.set_input(init, 1, first + var.initial_value)
-                renamed[prefix + var.initial_value] = first + var.initial_value
-            # all of the replica's old initial values at once: one sweep removes what is dead
-            removed += ir.remove_dead(old_values, keep=lambda n, p=prefix: not n.startswith(p))
-        count = len(synced) * (len(ctx.devices) - 1)
-        _point_variable_defs(ir, renamed)
-        return PassResult(modified=count > 0, summary={"synced": count, "removed": removed})
+        if "replicate" in ctx.state:
+            raise GraphxformError("sync-init must run before replicate (it tells replicate "
+                                  "what replicas > 0 take from replica 0)")
+        tg = ctx.training
+        sharing = ctx.state.get("share-variables")
+        shared = shared_nodes(ir, tg) | (sharing["shared"] if sharing else set())
+        synced = [var for var in tg.variables.values()
+                  if var.name not in shared and var.initializer and var.initial_value
+                  and var.initializer in ir]
+        if len(ctx.devices) < 2 or not synced:
+            return PassResult(modified=False)
+        reads = {var.initializer: ir.input(var.initializer, 1) for var in synced}
+        first_only = _initial_value_subgraphs(ir, reads, shared)
+        # replicate makes replicas > 0 read replica 0's copies of first_only; an initializer
+        # that reads anything else, or not its VariableDef's initial value, is pointed there
+        redirect = [(var.initializer, var.initial_value) for var in synced
+                    if reads[var.initializer][0] not in first_only
+                    or parse_tensor(var.initial_value) != reads[var.initializer]]
+        ctx.state[self.name] = {
+            "first_only": first_only, "redirect": redirect,
+            "initial_values": {parse_tensor(var.initial_value)[0] for var in synced}}
+        others = len(ctx.devices) - 1
+        return PassResult(modified=False, summary={"synced": len(synced) * others,
+                                                   "not_copied": len(first_only) * others})
 
 
-def _point_variable_defs(ir, renamed) -> None:
-    """VariableDefs of replicas > 0 name replica 0's initial value."""
-    from tensorflow.core.framework import variable_pb2
-    for key in VARIABLE_DEF_COLLECTIONS:
-        if key not in ir.meta.collection_def:
+def _initial_value_subgraphs(ir, reads: dict, shared: set) -> set:
+    """The nodes that only compute what initializers read at input 1 (``reads``): every
+    consumer is one of them or reads them only through such an input. Shared nodes, legacy
+    control flow and colocation targets stay out (their copies are each replica's own)."""
+    pinned = set(shared)
+    for name in ir.nodes():
+        if ir.op(name) in CONTROL_FLOW_OPS:
+            pinned.add(name)
+        attrs = ir.attrs(name)
+        if "_class" in attrs:
+            pinned.update(item[5:].decode() for item in attrs["_class"].list.s
+                          if item.startswith(b"loc:@"))
+    allowed = {(init, src) for init, (src, _) in reads.items()}
+    succ, pred = ir.g._succ, ir.g._pred
+    found, stack = set(), [src for src, _ in reads.values()]
+    while stack:
+        name = stack.pop()
+        if name in found or name in pinned:
             continue
-        col = ir.meta.collection_def[key]
-        values = list(col.bytes_list.value)
-        changed = False
-        for k, raw in enumerate(values):
-            vd = variable_pb2.VariableDef.FromString(raw)
-            if vd.initial_value_name in renamed:
-                vd.initial_value_name = renamed[vd.initial_value_name]
-                values[k] = vd.SerializeToString()
-                changed = True
-        if changed:
-            del col.bytes_list.value[:]
-            col.bytes_list.value.extend(values)
+        if all(dst in found or ((dst, name) in allowed and set(keys) == {1})
+               for dst, keys in succ[name].items()):
+            found.add(name)
+            stack.extend(pred[name])
+    return found
+

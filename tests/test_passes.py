@@ -89,13 +89,39 @@ def test_all_reduce_and_rewire():
 
 
 def test_sync_init():
-    ir, t = run("mlp_sgd", [Replicate(), SyncInit()])
+    ir, t = run("mlp_sgd", [SyncInit(), Replicate()])
     assert t["sync-init"].summary["synced"] == 4
     assert ir.inputs("replica_1/dense0/kernel/Assign")[1] == (
         "replica_0/dense0/kernel/Initializer/random_uniform", 0)
-    assert "replica_1/dense0/kernel/Initializer/random_uniform" not in ir
-    _, t = run("mlp_sgd", [Replicate(), SyncInit()], devices=["/device:CPU:0"])
-    assert not t["sync-init"].modified
+    assert ("replica_1/dense0/kernel/Assign", 1) in ir.consumers(
+        "replica_0/dense0/kernel/Initializer/random_uniform")
+    assert not ir.has_scope("replica_1/dense0/kernel/Initializer/")  # never copied
+    assert ir.has_scope("replica_1/dense0/kernel/")
+    _, t = run("mlp_sgd", [SyncInit(), Replicate()], devices=["/device:CPU:0"])
+    assert not t["sync-init"].modified and "synced" not in t["sync-init"].summary
+    with pytest.raises(PassError, match="sync-init must run before replicate"):
+        run("mlp_sgd", [Replicate(), SyncInit()])
+
+
+def test_sync_init_points_at_an_initial_value_that_is_used_elsewhere_too():
+    """An initial value the training step reads as well stays in every replica; replicas > 0
+    still initialise from replica 0's."""
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [None, 3], name="x")
+        start = tf1.random_uniform([3, 1], name="start")
+        w = tf1.Variable(start, name="w")
+        loss = tf.reduce_mean(tf.matmul(x, w) + tf.reduce_sum(start), name="loss")
+        step = tf1.train.get_or_create_global_step()
+        tf1.add_to_collection("train_op", tf1.train.GradientDescentOptimizer(0.1).minimize(
+            loss, global_step=step))
+        ir = metagraph.from_metagraph(tf1.train.export_meta_graph())
+    ir, t = run(ir, [SyncInit(), Replicate()])
+    assert t["sync-init"].summary["synced"] == 1
+    assert ir.inputs("replica_1/w/Assign")[1] == ("replica_0/start/RandomUniform", 0)
+    assert "replica_1/start/RandomUniform" in ir  # the step of replica 1 reads its own
 
 
 def test_replicate_refuses_without_train_op_and_names_the_pass():
