@@ -254,8 +254,10 @@ class _CopyShape:
     names with their key dicts, its consumers with theirs and whether all are copied too; the
     inputs from outside the set (which gain a consumer per copy); which copies start dirty."""
 
-    def __init__(self, ir: "GraphIR", names: list, copied: set, created_by: str | None):
+    def __init__(self, ir: "GraphIR", names: list, copied: set, created_by: str | None,
+                 take_over: bool = False):
         node_table, pred, succ, dirty = ir.g._node, ir.g._pred, ir.g._succ, ir._dirty
+        self.dirty = [name for name in names if name in dirty]  # before take_over adds them
         self.plans, self.bases, self.preds, self.succs, self.outside = [], [], [], [], []
         for k, name in enumerate(names):
             data = node_table[name]
@@ -264,22 +266,23 @@ class _CopyShape:
                                "created_by": created_by or data["created_by"]})
             srcs, users = pred[name], succ[name]
             inputs_copied = srcs.keys() <= copied
-            self.plans.append(ir._copy_plan(name, copied, name in dirty, inputs_copied))
+            self.plans.append(ir._copy_plan(name, copied, name in dirty, inputs_copied,
+                                            take_over))
             self.preds.append((list(srcs), list(srcs.values())))
             if not inputs_copied:
                 self.outside += [(src, keys, k) for src, keys in srcs.items()
                                  if src not in copied]
             self.succs.append((list(users), list(users.values()), users.keys() <= copied))
-        self.dirty = [name for name in names if name in dirty]
         self.names, self.skip = names, frozenset()
 
-    def without(self, first_only: set) -> "_CopyShape":
-        """The shape of the copies that leave out ``first_only`` and read the first copies of
-        it instead: those inputs are from outside now (and the copies reading them dirty, as
-        their input lists name their own prefix), and consumers in it are not theirs."""
+    def without(self, first_only: set, first_prefix: str) -> "_CopyShape":
+        """The shape of the copies that leave out ``first_only`` and read the copies named
+        ``first_prefix`` of it instead: those inputs are from outside now (the plans of the
+        copies reading them name those copies outright), and consumers in it are not theirs."""
         other = _CopyShape.__new__(_CopyShape)
         other.__dict__.update(vars(self))
         other.skip = frozenset(first_only)
+        other.plans = list(self.plans)
         other.outside = [(src, keys, k) for src, keys, k in self.outside
                          if self.names[k] not in first_only]
         other.dirty = [name for name in self.dirty if name not in first_only]
@@ -287,7 +290,10 @@ class _CopyShape:
             if name not in first_only and not first_only.isdisjoint(srcs):
                 other.outside += [(src, keyed, k) for src, keyed in zip(srcs, keys)
                                   if src in first_only]
-                other.dirty.append(name)
+                original, snapshot, texts, colocation, _ = self.plans[k]
+                if texts is not None:
+                    texts = [_renamed_input(text, first_only, first_prefix) for text in texts]
+                other.plans[k] = (original, snapshot, texts, colocation, False)
         other.succs = [(dsts, keys, whole) if first_only.isdisjoint(dsts) else
                        ([d for d in dsts if d not in first_only],
                         [keyed for d, keyed in zip(dsts, keys) if d not in first_only], False)
@@ -442,21 +448,27 @@ class GraphIR:
                             "created_by": created_by}
         self.g._succ[name] = {}
         self.g._pred[name] = {}
-        self._dirty.add(name)  # touched: its inputs are written out from the edges on emit
         self._unverified.add(name)
-        if inputs:
-            self._connect(name, inputs)
+        written = self._connect(name, inputs) if inputs else []
+        if written is None:
+            self._dirty.add(name)  # its inputs are written out from the edges on emit
+        elif written or proto.input:
+            proto.input[:] = written
         return name
 
-    def _connect(self, name: str, inputs: Iterable[str]) -> None:
+    def _connect(self, name: str, inputs: Iterable[str]) -> list[str] | None:
         """The in-edges of the new node ``name``, written straight into the adjacency: an input
-        from a node not yet feeding ``name`` takes the shared key dict of its kind."""
+        from a node not yet feeding ``name`` takes the shared key dict of its kind. Returns the
+        input list ``edge_inputs`` would write (so the node's NodeDef can hold it), or None when
+        that takes the edges (a node feeding ``name`` twice, a control input before data)."""
         node_table, succ, pred = self.g._node, self.g._succ, self.g._pred
         preds = pred[name]
-        port = 0
+        port, written = 0, []
         for text in inputs:
             if text.startswith("^"):
                 src, key, keys = text[1:], CONTROL_KEY, CONTROL_KEYS
+                if written is not None:
+                    written.append(text)
             else:  # parse_tensor and data_keys, inlined: this runs for every edge a pass adds
                 src, sep, tail = text.rpartition(":")
                 if sep and tail.isdigit():
@@ -465,12 +477,19 @@ class GraphIR:
                     src, src_port = text, 0
                 key, keys = port, _DATA_KEYS.get((port, src_port)) or data_keys(port, src_port)
                 port += 1
+                if written is not None:
+                    if len(written) >= port:  # a control input came first
+                        written = None
+                    else:
+                        written.append(src if src_port == 0 else f"{src}:{src_port}")
             if src not in node_table:
                 self._require(src, name)  # raises
             if src in preds:  # a second edge from the same node
                 join_edge(succ, pred, src, name, key, keys[key])
+                written = None
             else:
                 succ[src][name] = preds[src] = keys
+        return written
 
     def _add_edge(self, src: str, dst: str, key: int, edge: dict) -> None:
         """One edge; the caller has checked that ``src`` exists and marks ``dst`` touched."""
@@ -620,8 +639,8 @@ class GraphIR:
         return self.copy_nodes_many(names, [prefix], devices=[device], created_by=created_by)[0]
 
     def copy_nodes_many(self, names: Iterable[str], prefixes: list[str], *, devices=None,
-                        created_by: str | None = None,
-                        first_only: Iterable[str] = ()) -> list[dict[str, str]]:
+                        created_by: str | None = None, first_only: Iterable[str] = (),
+                        originals_go: bool = False) -> list[dict[str, str]]:
         """``copy_nodes`` once per prefix (with ``devices[i]`` for ``prefixes[i]``), in that
         order, reading each original once: what every copy needs from it (input names,
         colocation targets, which inputs and consumers are copied too) is worked out first.
@@ -629,7 +648,11 @@ class GraphIR:
         Nodes in ``first_only`` (a subset of ``names`` that nothing outside it reads but
         other copied nodes, and that no copied node outside it colocates with) are copied for
         the first prefix only: the other prefixes' copies read the first prefix's copies of
-        them, and their mappings name those."""
+        them, and their mappings name those.
+
+        ``originals_go`` promises that the caller removes the originals next, changing nothing
+        of theirs before: the copies then take the originals' NodeDefs as their snapshots
+        instead of copying them."""
         names = list(names)
         first_only = set(first_only)
         devices = [None] * len(prefixes) if devices is None else list(devices)
@@ -638,11 +661,11 @@ class GraphIR:
         if clash is not None:
             raise GraphxformError(f"cannot copy to '{clash}': it already exists")
         with paused_gc():
-            shape = _CopyShape(self, names, set(names), created_by)
+            shape = _CopyShape(self, names, set(names), created_by, originals_go)
             for k, (prefix, device, mapping) in enumerate(zip(prefixes, devices, mappings)):
-                replica = Replica(mapping, prefix, device, shape.plans, shape.bases)
                 if k == 1 and first_only:
-                    shape = shape.without(first_only)
+                    shape = shape.without(first_only, prefixes[0])
+                replica = Replica(mapping, prefix, device, shape.plans, shape.bases)
                 if k >= 1 and first_only:
                     mapping.update((name, mappings[0][name]) for name in first_only)
                     replica.touched.update(first_only)  # never made: emit writes none
@@ -713,19 +736,26 @@ class GraphIR:
                                for (dsts, keys, whole), copy in zip(shape.succs, copies)
                                if copy is not None]))
 
-    def _copy_plan(self, name: str, copied: set, dirty: bool, inputs_copied: bool) -> tuple:
+    def _copy_plan(self, name: str, copied: set, dirty: bool, inputs_copied: bool,
+                   take_over: bool = False) -> tuple:
         """What every copy of ``name`` needs: (name, frozen snapshot of its NodeDef, input names
         or None when ``name`` (and so the copy) is dirty, colocation items or None, are all
         inputs copied). The snapshot is taken now, so later changes to the original (through
-        an attr map handed out before the copy, say) never reach the copies. It leaves out what
+        an attr map handed out before the copy, say) never reach the copies; with
+        ``take_over`` (the original goes next) it is the original's NodeDef itself, which then
+        no longer holds the original's inputs (so the original is dirty). It leaves out what
         each copy writes itself: a clean node's input list, and ``_class`` when that names a
         copied node (colocation items are then (item, None) to keep, or (item, node name bytes)
         to point at the copy)."""
         proto = self._protos[name]
         if type(proto) is BorrowedNode:
             proto = proto.materialise()
-        snapshot = type(proto)()
-        snapshot.CopyFrom(proto)
+        if take_over:
+            snapshot = proto
+            self._dirty.add(name)
+        else:
+            snapshot = type(proto)()
+            snapshot.CopyFrom(proto)
         texts = None
         if not dirty:
             texts = list(proto.input)
@@ -778,11 +808,17 @@ def _colocation_targets(attr_value) -> list[tuple[bytes, str | None]]:
 
 def _renamed_inputs(texts: list[str], all_copied: bool, copied, prefix: str) -> list[str]:
     """A NodeDef input list with the inputs in ``copied`` renamed to their copies."""
-    caret = "^" + prefix
     if all_copied:
+        caret = "^" + prefix
         return [caret + t[1:] if t[0] == "^" else prefix + t for t in texts]
-    return [t if (t[1:] if t[0] == "^" else parse_tensor(t)[0]) not in copied
-            else caret + t[1:] if t[0] == "^" else prefix + t for t in texts]
+    return [_renamed_input(t, copied, prefix) for t in texts]
+
+
+def _renamed_input(text: str, copied, prefix: str) -> str:
+    """One NodeDef input, renamed to its copy if its node is in ``copied``."""
+    if text[0] == "^":
+        return "^" + prefix + text[1:] if text[1:] in copied else text
+    return prefix + text if parse_tensor(text)[0] in copied else text
 
 
 def format_attr(value) -> str:

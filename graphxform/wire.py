@@ -79,6 +79,7 @@ class NodeEncoder:
         self.provenance_attr = provenance_attr
         self._marks = {"": b"", None: b""}  # created_by -> its provenance attr entry
         self._blocks = {}  # (id(plans), prefix length, device length) -> see _block
+        self._parts = {}  # see _part
 
     def nodes(self) -> list:
         """The node fields in graph order (bytes-like), ready to join."""
@@ -149,17 +150,13 @@ class NodeEncoder:
             return self._blocks[key]
         prefix_stand_in = _stand_in(_PREFIX_FIRST, _PREFIX_REST, len(prefix))
         device_stand_in = _stand_in(_DEVICE_FIRST, _DEVICE_REST, len(device))
-        node_def = type(replica.plans[0][1]) if replica.plans else None
         parts, starts, offset, holes = [], [], 0, 0
         for plan, base in zip(replica.plans, replica.bases):
+            part, part_holes = self._part(plan, base, replica, prefix_stand_in, device_stand_in)
             starts.append(offset)
-            copy = copy_node_def(node_def(), plan, prefix_stand_in,
-                                 base["device"] if fixed is None else device_stand_in,
-                                 replica.mapping)
-            holes += _holes(plan, replica.mapping)
-            part = node_field(copy.SerializeToString() + self._mark(base["created_by"]))
             parts.append(part)
             offset += len(part)
+            holes += part_holes
         starts.append(offset)
         template = b"".join(parts)
         segments = template.split(prefix_stand_in.encode())
@@ -169,6 +166,22 @@ class NodeEncoder:
         block = self._blocks[key] = ((segments, starts, device_stand_in.encode(), index)
                                      if exact else None)
         return block
+
+    def _part(self, plan, base, replica, prefix_stand_in: str, device_stand_in: str) -> tuple:
+        """One original's copy in a block, with the stand-ins, and how many prefix stand-ins
+        it holds; made once per original for all blocks that hold it (replicas that leave out
+        sync-init's first_only nodes have blocks of their own, mostly of the same parts)."""
+        fixed = replica.device
+        key = (id(plan), id(base), len(prefix_stand_in), len(device_stand_in), fixed is None)
+        found = self._parts.get(key)
+        if found is None:
+            copy = copy_node_def(type(plan[1])(), plan, prefix_stand_in,
+                                 base["device"] if fixed is None else device_stand_in,
+                                 replica.mapping)
+            found = self._parts[key] = (
+                node_field(copy.SerializeToString() + self._mark(base["created_by"])),
+                _holes(plan, replica.mapping))
+        return found
 
     def _copy(self, name, copy) -> bytes:
         """One copy's NodeDef bytes, written on its own: its own NodeDef once it has one;

@@ -58,7 +58,7 @@ class Replicate(Pass):
         copied = [n for n in ir.nodes() if n not in shared]
         prefixes = [replica_prefix(i) for i in range(len(ctx.devices))]
         replicas = ir.copy_nodes_many(copied, prefixes, devices=ctx.devices, created_by=self.name,
-                                      first_only=sync["first_only"])
+                                      first_only=sync["first_only"], originals_go=True)
         for initializer, initial_value in sync["redirect"]:
             for prefix in prefixes[1:]:
                 ir.set_input(prefix + initializer, 1, prefixes[0] + initial_value)

@@ -137,7 +137,11 @@ MUTATIONS = {
     "remove_nodes": (lambda ir: ir.remove_nodes(["c", "d"], safe=False), ["n", "m"]),
     "remove_dead": (lambda ir: (ir.remove_node("m"), ir.remove_dead(["n"], keep=lambda n: n == "a")),
                     []),
-    "add_node": (lambda ir: ir.add_node("new", "Foo", ["a", "^b"]), ["new"]),
+    # a new node's NodeDef holds its inputs as given, unless the edges must say (a node
+    # feeding it twice): either way it is new, so unverified
+    "add_node": (lambda ir: ir.add_node("new", "Foo", ["a", "b:0", "d:1", "^c"]), [], ["new"]),
+    "add_node twice from one node": (lambda ir: ir.add_node("new", "Foo", ["a", "a:1", "^a"]),
+                                     ["new"]),
 }
 
 
@@ -145,10 +149,10 @@ MUTATIONS = {
 def test_every_mutation_marks_what_it_changed(method):
     ir = loaded_ir()
     ir.take_unverified()
-    change, touched = MUTATIONS[method]
+    change, touched, *new = MUTATIONS[method]
     change(ir)
     assert {n for n in ir.nodes() if ir.is_dirty(n)} == set(touched)
-    assert ir.take_unverified() == set(touched)
+    assert ir.take_unverified() == set(new[0] if new else touched)
     assert ir.take_unverified() == set()
     for name, inputs in emitted_inputs(ir).items():  # every emitted list matches the edges
         if name != "n" or ir.is_dirty("n"):
