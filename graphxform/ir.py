@@ -313,7 +313,9 @@ class GraphIR:
         self.meta = meta
         self.kind = kind
         self.source = source
-        self._protos = {}  # name -> NodeDef: attrs, rare fields, inputs (valid unless dirty)
+        # name -> NodeDef: attrs, rare fields, inputs (valid unless dirty); copies that borrow
+        # their original's NodeDef are not in it (their node data is a BorrowedNode)
+        self._protos = {}
         self._dirty = set()  # nodes whose NodeDef input list no longer matches their in-edges
         self._unverified = set()  # nodes added or rewired since the last take_unverified()
 
@@ -391,9 +393,9 @@ class GraphIR:
         """The NodeDef that holds this node's attrs. Its name is the node's; its op and device
         may lag the node data, and its input list is stale while the node is dirty. (A copy that
         still borrows its original's NodeDef gets its own here.)"""
-        proto = self._protos[name]
-        if type(proto) is BorrowedNode:
-            proto = proto.materialise()
+        proto = self._protos.get(name)
+        if proto is None:
+            return self.g._node[name].materialise()
         return proto
 
     def is_dirty(self, name: str) -> bool:
@@ -510,8 +512,9 @@ class GraphIR:
             raise GraphxformError(f"cannot remove '{name}': still used by {first}")
         for dst in users:
             self._touch(dst)
+        data = self.g._node[name]
         self.g.remove_node(name)
-        self._forget(name)
+        self._forget(name, data)
 
     def remove_nodes(self, names: Iterable[str], safe: bool = True) -> None:
         """Remove a set of nodes at once; with ``safe`` refuse while a node outside the set
@@ -536,19 +539,21 @@ class GraphIR:
                 for src in sources:
                     if src not in names:
                         del succ[src][name]
-            del node_table[name]
-            proto = protos.pop(name)
-            if type(proto) is BorrowedNode:
-                proto._touched()
+            data = node_table.pop(name)
+            protos.pop(name, None)
+            if type(data) is BorrowedNode:
+                data._touched()
         self._dirty.difference_update(names)
         self._unverified.difference_update(names)
         if hasattr(nx, "_clear_cache"):
             nx._clear_cache(self.g)
 
-    def _forget(self, name: str) -> None:
-        proto = self._protos.pop(name)
-        if type(proto) is BorrowedNode:
-            proto._touched()
+    def _forget(self, name: str, data: dict) -> None:
+        """What the IR keeps beside the graph about the removed node ``name`` (its node data
+        was ``data``) goes too."""
+        self._protos.pop(name, None)
+        if type(data) is BorrowedNode:
+            data._touched()
         self._dirty.discard(name)
         self._unverified.discard(name)
 
@@ -568,8 +573,8 @@ class GraphIR:
             inputs = pred.pop(name)
             for src in inputs:
                 del succ[src][name]
-            del node_table[name], succ[name]
-            self._forget(name)
+            del succ[name]
+            self._forget(name, node_table.pop(name))
             removed += 1
             stack.extend(inputs)
         if removed and hasattr(nx, "_clear_cache"):
@@ -721,16 +726,19 @@ class GraphIR:
         made = copies if not skip else [copy for copy in copies if copy is not None]
         g = self.g
         g._node.update(zip(news, made))
-        self._protos.update(zip(news, made))
         self._dirty.update(map(rename, shape.dirty))
         self._unverified.update(news)
-        g._pred.update(zip(news, [dict(zip(map(get, srcs, srcs), keys))
+        # one dict per copy each way is most of the cost of copying: the commonest sizes
+        # (none, one) are built as displays, which cost about half of dict(zip(map(...)))
+        g._pred.update(zip(news, [{get(srcs[0], srcs[0]): keys[0]} if len(srcs) == 1 else
+                                  dict(zip(map(get, srcs, srcs), keys)) if srcs else {}
                                   for (srcs, keys), copy in zip(shape.preds, copies)
                                   if copy is not None]))
         succ = g._succ
         for src, keys, k in shape.outside:  # inputs from outside gain a consumer
             succ[get(src, src)][replica.names[k]] = keys
-        succ.update(zip(news, [dict(zip(map(rename, dsts), keys)) if whole else
+        succ.update(zip(news, [({rename(dsts[0]): keys[0]} if len(dsts) == 1 else
+                                dict(zip(map(rename, dsts), keys)) if dsts else {}) if whole else
                                {mapping[dst]: keyed for dst, keyed in zip(dsts, keys)
                                 if dst in mapping}
                                for (dsts, keys, whole), copy in zip(shape.succs, copies)
@@ -747,9 +755,9 @@ class GraphIR:
         each copy writes itself: a clean node's input list, and ``_class`` when that names a
         copied node (colocation items are then (item, None) to keep, or (item, node name bytes)
         to point at the copy)."""
-        proto = self._protos[name]
-        if type(proto) is BorrowedNode:
-            proto = proto.materialise()
+        proto = self._protos.get(name)
+        if proto is None:
+            proto = self.g._node[name].materialise()
         if take_over:
             snapshot = proto
             self._dirty.add(name)

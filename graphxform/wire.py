@@ -84,22 +84,21 @@ class NodeEncoder:
     def nodes(self) -> list:
         """The node fields in graph order (bytes-like), ready to join."""
         ir, out = self.ir, []
-        protos, dirty = ir._protos, ir._dirty
+        node_table, protos, dirty = ir.g._node, ir._protos, ir._dirty
         for name in dirty:  # copies whose in-edges changed are written on their own
-            proto = protos.get(name)
-            if type(proto) is BorrowedNode:
-                proto._touched()
+            data = node_table.get(name)
+            if type(data) is BorrowedNode:
+                data._touched()
         small = _VARINTS
         append = out.append
         written = None  # the replica whose copies were all written already
-        for name, data in ir.g._node.items():
-            proto = protos[name]
-            if type(proto) is BorrowedNode:
-                if proto._replica is not written:
-                    written = proto._replica
+        for name, data in node_table.items():
+            if type(data) is BorrowedNode:
+                if data._replica is not written:
+                    written = data._replica
                     self._replica(written, out)
                 continue
-            body = self._own(name, proto, data, dirty)
+            body = self._own(name, protos[name], data, dirty)
             size = len(body)
             append(GRAPH_NODE)
             append(small[size] if size < 128 else varint(size))
