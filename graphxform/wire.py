@@ -15,6 +15,8 @@ GraphDef node=1.
 
 from __future__ import annotations
 
+import itertools
+
 from graphxform.ir import BorrowedNode, GraphIR, copy_node_def, parse_tensor
 
 _VARINTS = [bytes([n]) for n in range(128)]
@@ -79,7 +81,7 @@ class NodeEncoder:
         self.provenance_attr = provenance_attr
         self._marks = {"": b"", None: b""}  # created_by -> its provenance attr entry
         self._blocks = {}  # (id(plans), prefix length, device length) -> see _block
-        self._parts = {}  # see _part
+        self._made = {}  # (id(bases), prefix and device lengths, ...) -> see _parts
 
     def nodes(self) -> list:
         """The node fields in graph order (bytes-like), ready to join."""
@@ -149,38 +151,45 @@ class NodeEncoder:
             return self._blocks[key]
         prefix_stand_in = _stand_in(_PREFIX_FIRST, _PREFIX_REST, len(prefix))
         device_stand_in = _stand_in(_DEVICE_FIRST, _DEVICE_REST, len(device))
-        parts, starts, offset, holes = [], [], 0, 0
-        for plan, base in zip(replica.plans, replica.bases):
-            part, part_holes = self._part(plan, base, replica, prefix_stand_in, device_stand_in)
-            starts.append(offset)
-            parts.append(part)
-            offset += len(part)
-            holes += part_holes
-        starts.append(offset)
+        parts, holes = self._parts(replica, prefix_stand_in, device_stand_in)
+        starts = [0, *itertools.accumulate(map(len, parts))]
         template = b"".join(parts)
         segments = template.split(prefix_stand_in.encode())
-        exact = len(segments) - 1 == holes and (
+        exact = len(segments) - 1 == sum(holes) and (
             not device or template.count(device_stand_in.encode()) == len(parts))
         index = {plan[0]: k for k, plan in enumerate(replica.plans)}
         block = self._blocks[key] = ((segments, starts, device_stand_in.encode(), index)
                                      if exact else None)
         return block
 
-    def _part(self, plan, base, replica, prefix_stand_in: str, device_stand_in: str) -> tuple:
-        """One original's copy in a block, with the stand-ins, and how many prefix stand-ins
-        it holds; made once per original for all blocks that hold it (replicas that leave out
-        sync-init's first_only nodes have blocks of their own, mostly of the same parts)."""
-        fixed = replica.device
-        key = (id(plan), id(base), len(prefix_stand_in), len(device_stand_in), fixed is None)
-        found = self._parts.get(key)
-        if found is None:
-            copy = copy_node_def(type(plan[1])(), plan, prefix_stand_in,
+    def _parts(self, replica, prefix_stand_in: str, device_stand_in: str) -> tuple:
+        """Each original's copy in a block, with the stand-ins, and how many prefix stand-ins
+        each holds. The replicas of one call that leave out sync-init's first_only nodes have
+        plans of their own for the few originals that read those, and share the rest: their
+        parts are the first block's, remade where the plans differ."""
+        key = (id(replica.bases), len(prefix_stand_in), len(device_stand_in),
+               replica.device is None)
+        made = self._made.get(key)
+        if made is None:
+            redo = range(len(replica.plans))
+            parts, holes = [None] * len(redo), [0] * len(redo)
+        else:
+            plans, parts, holes = made
+            redo = [k for k, (mine, theirs) in enumerate(zip(replica.plans, plans))
+                    if mine is not theirs]
+            parts, holes = list(parts), list(holes)
+        fixed, node_def = replica.device, None
+        for k in redo:
+            plan, base = replica.plans[k], replica.bases[k]
+            node_def = node_def or type(plan[1])
+            copy = copy_node_def(node_def(), plan, prefix_stand_in,
                                  base["device"] if fixed is None else device_stand_in,
                                  replica.mapping)
-            found = self._parts[key] = (
-                node_field(copy.SerializeToString() + self._mark(base["created_by"])),
-                _holes(plan, replica.mapping))
-        return found
+            parts[k] = node_field(copy.SerializeToString() + self._mark(base["created_by"]))
+            holes[k] = _holes(plan, replica.mapping)
+        if made is None:
+            self._made[key] = (replica.plans, parts, holes)
+        return parts, holes
 
     def _copy(self, name, copy) -> bytes:
         """One copy's NodeDef bytes, written on its own: its own NodeDef once it has one;

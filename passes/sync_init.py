@@ -54,25 +54,36 @@ class SyncInit(Pass):
 def _initial_value_subgraphs(ir, reads: dict, shared: set) -> set:
     """The nodes that only compute what initializers read at input 1 (``reads``): every
     consumer is one of them or reads them only through such an input. Shared nodes, legacy
-    control flow and colocation targets stay out (their copies are each replica's own)."""
-    pinned = set(shared)
+    control flow and what other nodes colocate with stay out (their copies are each
+    replica's own)."""
+    allowed = {(init, src) for init, (src, _) in reads.items()}
+    node_table, succ, pred = ir.g._node, ir.g._succ, ir.g._pred
+    excluded = set(shared)
+    while True:
+        found, stack = set(), [src for src, _ in reads.values()]
+        while stack:
+            name = stack.pop()
+            if (name in found or name in excluded
+                    or node_table[name]["op"] in CONTROL_FLOW_OPS):
+                continue
+            if all(dst in found or ((dst, name) in allowed and set(keys) == {1})
+                   for dst, keys in succ[name].items()):
+                found.add(name)
+                stack.extend(pred[name])
+        colocated = found & _colocation_targets(ir, skip=found)
+        if not colocated:
+            return found
+        excluded |= colocated
+
+
+def _colocation_targets(ir, skip: set) -> set:
+    """The nodes that a node not in ``skip`` colocates with (``_class: loc:@name``)."""
+    targets = set()
     for name in ir.nodes():
-        if ir.op(name) in CONTROL_FLOW_OPS:
-            pinned.add(name)
+        if name in skip:
+            continue
         attrs = ir.attrs(name)
         if "_class" in attrs:
-            pinned.update(item[5:].decode() for item in attrs["_class"].list.s
-                          if item.startswith(b"loc:@"))
-    allowed = {(init, src) for init, (src, _) in reads.items()}
-    succ, pred = ir.g._succ, ir.g._pred
-    found, stack = set(), [src for src, _ in reads.values()]
-    while stack:
-        name = stack.pop()
-        if name in found or name in pinned:
-            continue
-        if all(dst in found or ((dst, name) in allowed and set(keys) == {1})
-               for dst, keys in succ[name].items()):
-            found.add(name)
-            stack.extend(pred[name])
-    return found
-
+            targets.update(item[5:].decode() for item in attrs["_class"].list.s
+                           if item.startswith(b"loc:@"))
+    return targets

@@ -103,6 +103,16 @@ def test_sync_init():
         run("mlp_sgd", [Replicate(), SyncInit()])
 
 
+def test_sync_init_copies_what_a_training_op_colocates_with():
+    ir = metagraph.load(fixture_path("mlp_sgd"))
+    value = "dense0/kernel/Initializer/random_uniform"
+    ir.proto("dense0/MatMul").attr["_class"].list.s.append(b"loc:@" + value.encode())
+    ir, _ = run(ir, [SyncInit(), Replicate()])
+    assert "replica_1/" + value in ir  # colocation needs it in every replica
+    assert ir.inputs("replica_1/dense0/kernel/Assign")[1] == ("replica_0/" + value, 0)
+    assert not ir.has_scope("replica_1/dense0/bias/Initializer/")
+
+
 def test_sync_init_points_at_an_initial_value_that_is_used_elsewhere_too():
     """An initial value the training step reads as well stays in every replica; replicas > 0
     still initialise from replica 0's."""
