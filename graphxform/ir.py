@@ -212,7 +212,7 @@ class BorrowedNode(dict):
 
 def copy_node_def(out, plan: tuple, prefix: str, device: str, copied):
     """Write into the empty NodeDef ``out`` the NodeDef of the copy of ``plan``'s original
-    named ``prefix + name`` (see ``GraphIR._copy_plan``): the snapshot (which lacks what every
+    named ``prefix + name`` (see ``_copy_plan``): the snapshot (which lacks what every
     copy rewrites: a clean node's inputs, a ``_class`` naming copied nodes) plus the copy's
     name, device, inputs and colocation, where inputs and colocation targets in ``copied``
     (the originals copied with it) get the prefix too."""
@@ -250,29 +250,33 @@ class Replica:
 
 class _CopyShape:
     """What every copy of a set of originals takes from them, read once for all prefixes:
-    per original its plan (see ``GraphIR._copy_plan``), the node data to start from, its input
+    per original its plan (see ``_copy_plan``), the node data to start from, its input
     names with their key dicts, its consumers with theirs and whether all are copied too; the
     inputs from outside the set (which gain a consumer per copy); which copies start dirty."""
 
     def __init__(self, ir: "GraphIR", names: list, copied: set, created_by: str | None,
                  take_over: bool = False):
         node_table, pred, succ, dirty = ir.g._node, ir.g._pred, ir.g._succ, ir._dirty
-        self.dirty = [name for name in names if name in dirty]  # before take_over adds them
+        protos = ir._protos
+        self.dirty = [name for name in names if name in dirty]
         self.plans, self.bases, self.preds, self.succs, self.outside = [], [], [], [], []
+        plans, bases, preds, succs = (self.plans.append, self.bases.append, self.preds.append,
+                                      self.succs.append)
         for k, name in enumerate(names):
             data = node_table[name]
-            self.bases.append({"op": data["op"], "device": data["device"],
-                               "origin": data["origin"],
-                               "created_by": created_by or data["created_by"]})
+            bases({"op": data["op"], "device": data["device"], "origin": data["origin"],
+                   "created_by": created_by or data["created_by"]})
             srcs, users = pred[name], succ[name]
             inputs_copied = srcs.keys() <= copied
-            self.plans.append(ir._copy_plan(name, copied, name in dirty, inputs_copied,
-                                            take_over))
-            self.preds.append((list(srcs), list(srcs.values())))
+            proto = protos.get(name) or data.materialise()
+            plans(_copy_plan(proto, name, copied, name in dirty, inputs_copied, take_over))
+            preds((list(srcs), list(srcs.values())))
             if not inputs_copied:
                 self.outside += [(src, keys, k) for src, keys in srcs.items()
                                  if src not in copied]
-            self.succs.append((list(users), list(users.values()), users.keys() <= copied))
+            succs((list(users), list(users.values()), users.keys() <= copied))
+        if take_over:  # their NodeDefs no longer hold their inputs
+            dirty.update(names)
         self.names, self.skip = names, frozenset()
 
     def without(self, first_only: set, first_prefix: str) -> "_CopyShape":
@@ -318,6 +322,7 @@ class GraphIR:
         self._protos = {}
         self._dirty = set()  # nodes whose NodeDef input list no longer matches their in-edges
         self._unverified = set()  # nodes added or rewired since the last take_unverified()
+        self._unverified_copies = []  # Replicas made since then: all their copies are new
 
     # ---------------------------------------------------------------- reading
     def __contains__(self, name: str) -> bool:
@@ -422,6 +427,11 @@ class GraphIR:
         """Nodes added or rewired since the last call (every node of a freshly built IR), for
         an incremental structural check; the record starts empty again. Removed nodes drop out."""
         found, self._unverified = self._unverified, set()
+        node_table = self.g._node
+        for replica in self._unverified_copies:
+            found.update(name for name, copy in zip(replica.names, replica.copies)
+                         if copy is not None and node_table.get(name) is copy)
+        self._unverified_copies = []
         return found
 
     def _touch(self, name: str) -> None:
@@ -661,7 +671,7 @@ class GraphIR:
         names = list(names)
         first_only = set(first_only)
         devices = [None] * len(prefixes) if devices is None else list(devices)
-        mappings = [{name: prefix + name for name in names} for prefix in prefixes]
+        mappings = [dict(zip(names, map(prefix.__add__, names))) for prefix in prefixes]
         clash = self._copy_clash(names, prefixes, mappings)
         if clash is not None:
             raise GraphxformError(f"cannot copy to '{clash}': it already exists")
@@ -727,7 +737,7 @@ class GraphIR:
         g = self.g
         g._node.update(zip(news, made))
         self._dirty.update(map(rename, shape.dirty))
-        self._unverified.update(news)
+        self._unverified_copies.append(replica)
         # one dict per copy each way is most of the cost of copying: the commonest sizes
         # (none, one) are built as displays, which cost about half of dict(zip(map(...)))
         g._pred.update(zip(news, [{get(srcs[0], srcs[0]): keys[0]} if len(srcs) == 1 else
@@ -743,41 +753,6 @@ class GraphIR:
                                 if dst in mapping}
                                for (dsts, keys, whole), copy in zip(shape.succs, copies)
                                if copy is not None]))
-
-    def _copy_plan(self, name: str, copied: set, dirty: bool, inputs_copied: bool,
-                   take_over: bool = False) -> tuple:
-        """What every copy of ``name`` needs: (name, frozen snapshot of its NodeDef, input names
-        or None when ``name`` (and so the copy) is dirty, colocation items or None, are all
-        inputs copied). The snapshot is taken now, so later changes to the original (through
-        an attr map handed out before the copy, say) never reach the copies; with
-        ``take_over`` (the original goes next) it is the original's NodeDef itself, which then
-        no longer holds the original's inputs (so the original is dirty). It leaves out what
-        each copy writes itself: a clean node's input list, and ``_class`` when that names a
-        copied node (colocation items are then (item, None) to keep, or (item, node name bytes)
-        to point at the copy)."""
-        proto = self._protos.get(name)
-        if proto is None:
-            proto = self.g._node[name].materialise()
-        if take_over:
-            snapshot = proto
-            self._dirty.add(name)
-        else:
-            snapshot = type(proto)()
-            snapshot.CopyFrom(proto)
-        texts = None
-        if not dirty:
-            texts = list(proto.input)
-            if texts:
-                del snapshot.input[:]
-        colocation = None
-        attr = proto.attr
-        if "_class" in attr:
-            targets = _colocation_targets(attr["_class"])
-            if any(node in copied for _, node in targets):
-                colocation = [(item, node.encode() if node in copied else None)
-                              for item, node in targets]
-                del snapshot.attr["_class"]
-        return name, snapshot, texts, colocation, inputs_copied
 
     # -------------------------------------------------------------- printing
     def node_line(self, name: str) -> str:
@@ -806,6 +781,37 @@ class GraphIR:
             if f"{base}_{i}" not in self.g:
                 return f"{base}_{i}"
         raise AssertionError  # unreachable
+
+
+def _copy_plan(proto, name: str, copied: set, dirty: bool, inputs_copied: bool,
+               take_over: bool) -> tuple:
+    """What every copy of ``name`` (whose NodeDef is ``proto``) needs: (name, frozen snapshot
+    of its NodeDef, input names or None when ``name`` (and so the copy) is dirty, colocation
+    items or None, are all inputs copied). The snapshot is taken now, so later changes to the
+    original (through an attr map handed out before the copy, say) never reach the copies;
+    with ``take_over`` (the original goes next) it is the original's NodeDef itself, which
+    then no longer holds the original's inputs. It leaves out what each copy writes itself: a
+    clean node's input list, and ``_class`` when that names a copied node (colocation items
+    are then (item, None) to keep, or (item, node name bytes) to point at the copy)."""
+    if take_over:
+        snapshot = proto
+    else:
+        snapshot = type(proto)()
+        snapshot.CopyFrom(proto)
+    texts = None
+    if not dirty:
+        texts = list(proto.input)
+        if texts:
+            del snapshot.input[:]
+    colocation = None
+    attr = proto.attr
+    if "_class" in attr:
+        targets = _colocation_targets(attr["_class"])
+        if any(node in copied for _, node in targets):
+            colocation = [(item, node.encode() if node in copied else None)
+                          for item, node in targets]
+            del snapshot.attr["_class"]
+    return name, snapshot, texts, colocation, inputs_copied
 
 
 def _colocation_targets(attr_value) -> list[tuple[bytes, str | None]]:
