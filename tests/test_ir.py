@@ -293,3 +293,37 @@ def test_remove_dead_removes_an_input_once_all_its_consumers_are_dead():
     assert ir.remove_dead(["x", "z", "y"], keep=lambda n: n == "kept") == 4
     assert sorted(ir.nodes()) == ["kept", "used", "user"]
     assert ir.consumers("used") == [("user", 0)]
+
+
+@pytest.mark.parametrize("content, prefixes", [
+    (b"\x7f\x1c\x1c", ["r0/", "r1/"]),  # holds the prefix stand-in of a 3-character prefix
+    (b"\x1f\x1e\x1e\x1e\x1e\x1e", ["r0/", "r1/"]),  # holds the device stand-in of "/cpu:0"
+    (b"plain", ["r\x7f/", "r1/"]),  # a prefix holding a stand-in's character
+])
+def test_copies_emit_alike_when_their_bytes_hold_the_block_stand_ins(content, prefixes):
+    """Emit writes unchanged copies from a block with stand-ins where prefix and device go;
+    where a tensor happens to hold a stand-in (or a prefix does), it must notice and write
+    each copy on its own."""
+    from tensorflow.core.framework import types_pb2
+    from tensorflow.core.protobuf import meta_graph_pb2
+    irs = []
+    for _ in range(2):
+        meta = meta_graph_pb2.MetaGraphDef()
+        c = meta.graph_def.node.add(name="c", op="Const")
+        c.attr["dtype"].type = types_pb2.DT_UINT8
+        c.attr["value"].tensor.dtype = types_pb2.DT_UINT8
+        c.attr["value"].tensor.tensor_shape.dim.add(size=len(content))
+        c.attr["value"].tensor.tensor_content = content
+        meta.graph_def.node.add(name="i", op="Identity", input=["c"]).attr["T"].type = 4
+        ir = metagraph.from_metagraph(meta)
+        ir.copy_nodes_many(["c", "i"], prefixes, devices=["/cpu:0", "/cpu:1"])
+        irs.append(ir)
+    lazy, eager = irs
+    for name in [p + n for p in prefixes for n in ("c", "i")]:
+        eager.proto(name)
+    emitted = metagraph.to_metagraph(lazy)
+    assert emitted == metagraph.to_metagraph(eager)
+    out = {nd.name: nd for nd in emitted.graph_def.node}
+    assert out[prefixes[1] + "c"].attr["value"].tensor.tensor_content == content
+    assert list(out[prefixes[0] + "i"].input) == [prefixes[0] + "c"]
+    assert out[prefixes[1] + "i"].device == "/cpu:1"
