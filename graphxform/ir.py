@@ -11,9 +11,9 @@ the node is serializing it, until a method changes the node's in-edges: that mar
 and emit rebuilds its inputs from the edges. A copy made by ``copy_nodes``/``copy_nodes_many`` borrows
 a frozen snapshot of its original's NodeDef (see ``BorrowedNode``) until something asks for its
 ``attr`` or its NodeDef, so a node copied once per replica is never copied as a proto: emit
-writes its bytes from a template of its original (graphxform/wire.py). The same methods record
-which nodes changed since the last structural check, so the pipeline's verify only looks at
-those.
+writes the copies of one prefix that nothing changed as one block of bytes (graphxform/wire.py),
+which is why a copy tells its ``Replica`` when it changes. The same methods record which nodes
+changed since the last structural check, so the pipeline's verify only looks at those.
 """
 
 from __future__ import annotations
@@ -132,8 +132,8 @@ class BorrowedNode(dict):
     changes. The copy's own NodeDef (snapshot + its name, device, renamed inputs and colocation)
     is made only when first needed: on the first ``data["attr"]`` (copy-on-write: the map handed
     out is the copy's own, so mutating it never reaches the original or another copy), on
-    ``GraphIR.proto(name)``. Emit never needs it (it writes the copy's bytes from a template),
-    and reading ``op``, ``device`` and the rest, or attrs through ``GraphIR.attrs``, costs
+    ``GraphIR.proto(name)``. Emit never needs it (it writes the copy's bytes from its replica's
+    block, graphxform/wire.py), and reading ``op``, ``device`` and the rest, or attrs through ``GraphIR.attrs``, costs
     nothing extra."""
 
     __slots__ = ("_plan", "_replica", "_proto")
@@ -198,7 +198,7 @@ class BorrowedNode(dict):
         """This copy's own NodeDef (made once)."""
         proto = self._proto
         if proto is None:
-            self._replica.touched.add(self._plan[0])
+            self._touched()
             proto = self._proto = self.fill(self._plan[1].__class__())
             dict.__setitem__(self, "attr", proto.attr)
         return proto
@@ -236,13 +236,13 @@ class Replica:
     __slots__ = ("mapping", "prefix", "device", "plans", "bases", "names", "copies", "touched")
 
     def __init__(self, mapping: dict, prefix: str, device, plans: list, bases: list):
-        self.mapping = mapping  # original -> copy name
+        self.mapping = mapping  # original -> copy name (of replica 0's copy for first_only ones)
         self.prefix = prefix
         self.device = device  # every copy's device; None: the original's, or per copy
-        self.plans = plans  # per original, shared by every prefix of the call: see _copy_plan
+        self.plans = plans  # per original (see _copy_plan), most shared by every prefix
         self.bases = bases  # per original: the node data each copy started from
-        self.names = list(mapping.values())
-        self.copies = []
+        self.names = list(mapping.values())  # per original: its copy's name, made or not
+        self.copies = []  # per original: its copy's node data, None where not made
         # originals whose copy changed in place (node data, its own NodeDef) or went away;
         # copies whose in-edges changed are in GraphIR._dirty instead
         self.touched = set()
@@ -724,12 +724,13 @@ class GraphIR:
                 dict.__setitem__(copy, "device", fixed)
             copy._plan, copy._replica, copy._proto = plan, replica, None
             copies.append(copy)
-        if callable(device):
+        if callable(device):  # each copy has its own: those not the original's are written alone
+            replica.device = None
             for copy, name in zip(copies, shape.names):
                 found = copy is not None and device(name)
-                if found:
+                if found and found != copy["device"]:
                     dict.__setitem__(copy, "device", found)
-            replica.device = None  # each copy has its own
+                    replica.touched.add(name)
         replica.copies = copies
         news = replica.names if not skip else [new for new, copy in zip(replica.names, copies)
                                                if copy is not None]

@@ -327,3 +327,11 @@ def test_copies_emit_alike_when_their_bytes_hold_the_block_stand_ins(content, pr
     assert out[prefixes[1] + "c"].attr["value"].tensor.tensor_content == content
     assert list(out[prefixes[0] + "i"].input) == [prefixes[0] + "c"]
     assert out[prefixes[1] + "i"].device == "/cpu:1"
+
+
+def test_copies_with_a_device_per_node_emit_their_own():
+    ir = colocated_ir()
+    ir.node("v")["device"] = "/cpu:5"
+    ir.copy_nodes(["v", "r"], "r0/", device=lambda name: "/cpu:1" if name == "r" else None)
+    out = {nd.name: nd for nd in metagraph.to_graphdef(ir).node}
+    assert out["r0/r"].device == "/cpu:1" and out["r0/v"].device == "/cpu:5"
