@@ -1,10 +1,11 @@
 """all-reduce: average each gradient across replicas with TF collective ops.
 
-Dense gradients are flattened and fused into buckets of at most `bucket_bytes` (one
-CollectiveReduceV2 per bucket per replica, then split back), so a model needs few collectives;
-buckets run in a fixed order on every replica (each waits on the previous one) so launches
-never interleave differently across devices. Sparse gradients (IndexedSlices) are gathered
-with CollectiveGatherV2 and scaled by 1/N, never densified, unless `sparse_as_dense`.
+Dense gradients are flattened (vectors are flat already) and fused into buckets of at most
+`bucket_bytes` (one CollectiveReduceV2 per bucket per replica, then split back), so a model
+needs few collectives; buckets run in a fixed order on every replica (each waits on the
+previous one) so launches never interleave differently across devices. Sparse gradients
+(IndexedSlices) are gathered with CollectiveGatherV2 and scaled by 1/N, never densified,
+unless `sparse_as_dense`.
 
 The reduced tensors are recorded for `rewire-consumers`, which points the optimizer at them."""
 
@@ -123,10 +124,16 @@ class _Collectives:
         for i in range(self.n):
             device = self.devices[i]
             scope = f"{SCOPE}bucket_{b}/{replica_prefix(i)}"
-            flat_shape = build.const(scope + "flat_shape", [-1], np.int32, device=device)
-            flats = [build.op(scope + f"flat_{k}", "Reshape",
-                              [self._replica_grad(ir, i, g, scope), flat_shape], device=device,
-                              T=g.dtype) for k, g in enumerate(bucket)]
+            flat_shape = None
+            flats = []
+            for k, g in enumerate(bucket):
+                grad = self._replica_grad(ir, i, g, scope)
+                if len(g.shape) != 1:  # a vector is flat already
+                    flat_shape = flat_shape or build.const(scope + "flat_shape", [-1], np.int32,
+                                                           device=device)
+                    grad = build.op(scope + f"flat_{k}", "Reshape", [grad, flat_shape],
+                                    device=device, T=g.dtype)
+                flats.append(grad)
             dtype = bucket[0].dtype
             if len(flats) > 1:
                 axis = build.const(scope + "axis", 0, np.int32, device=device)
@@ -148,8 +155,11 @@ class _Collectives:
                                  device=device, num_split=len(bucket), T=dtype, Tlen=INT32)
                 pieces = [f"{parts}:{k}" for k in range(len(bucket))]
             else:
-                pieces = [reduced]
+                pieces = [f"{reduced}:0"]
             for k, g in enumerate(bucket):
+                if len(g.shape) == 1:  # its piece has its shape
+                    self._record(i, g, pieces[k], scope)
+                    continue
                 shape = build.const(scope + f"shape_{k}", list(g.shape), np.int32, device=device)
                 grad = build.op(scope + f"grad_{k}", "Reshape", [pieces[k], shape],
                                 device=device, T=g.dtype)

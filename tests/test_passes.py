@@ -83,6 +83,8 @@ def test_all_reduce_and_rewire():
     apply = "replica_1/GradientDescent/update_dense0/kernel/ResourceApplyGradientDescent"
     src, _ = ir.inputs(apply)[2]
     assert src.startswith("allreduce/bucket_0/replica_1/")
+    bias = "replica_1/GradientDescent/update_dense0/bias/ResourceApplyGradientDescent"
+    assert ir.inputs(bias)[2][0] == "allreduce/bucket_0/replica_1/split"  # a vector: no reshapes
     assert t["rewire-consumers"].summary["edges"] == 8
     ir, t = run(counter_graph(), [Replicate(), AllReduce(), RewireConsumers()])
     assert not t["all-reduce"].modified and not t["rewire-consumers"].modified
