@@ -28,6 +28,7 @@ import networkx as nx
 from graphxform.errors import GraphxformError
 
 CONTROL_KEY = -1  # edge key of a control edge; data edges are keyed by their dst_port
+_RUN = 16  # a new node waiting on at least this many others, and reading none, is linked in bulk
 
 
 class FrozenDict(dict):
@@ -476,6 +477,9 @@ class GraphIR:
         node_table, succ, pred = self.g._node, self.g._succ, self.g._pred
         preds = pred[name]
         port, written = 0, []
+        inputs = list(inputs)
+        if len(inputs) >= _RUN and all(text[0] == "^" for text in inputs):
+            return self._connect_controls(name, inputs)
         for text in inputs:
             if text.startswith("^"):
                 src, key, keys = text[1:], CONTROL_KEY, CONTROL_KEYS
@@ -502,6 +506,20 @@ class GraphIR:
             else:
                 succ[src][name] = preds[src] = keys
         return written
+
+    def _connect_controls(self, name: str, inputs: list[str]) -> list[str] | None:
+        """``_connect`` for a node that only waits on many others (a NoOp grouping a whole
+        replica's or saver's ops): its pred dict in one go."""
+        sources = [text[1:] for text in inputs]
+        preds = dict.fromkeys(sources, CONTROL_KEYS)
+        missing = next((src for src in preds if src not in self.g._node), None)
+        if missing is not None:
+            self._require(missing, name)  # raises
+        self.g._pred[name].update(preds)
+        succ = self.g._succ
+        for src in preds:
+            succ[src][name] = CONTROL_KEYS
+        return inputs if len(preds) == len(inputs) else None
 
     def _add_edge(self, src: str, dst: str, key: int, edge: dict) -> None:
         """One edge; the caller has checked that ``src`` exists and marks ``dst`` touched."""

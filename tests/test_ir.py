@@ -335,3 +335,20 @@ def test_copies_with_a_device_per_node_emit_their_own():
     ir.copy_nodes(["v", "r"], "r0/", device=lambda name: "/cpu:1" if name == "r" else None)
     out = {nd.name: nd for nd in metagraph.to_graphdef(ir).node}
     assert out["r0/r"].device == "/cpu:1" and out["r0/v"].device == "/cpu:5"
+
+
+def test_a_node_waiting_on_many_is_linked_in_bulk_like_any_other():
+    from tensorflow.core.protobuf import meta_graph_pb2
+    meta = meta_graph_pb2.MetaGraphDef()
+    for i in range(20):
+        meta.graph_def.node.add(name=f"op{i}", op="NoOp")
+    ir = metagraph.from_metagraph(meta)
+    waits = [f"^op{i}" for i in range(20)]
+    ir.add_node("all", "NoOp", waits)
+    ir.add_node("twice", "NoOp", waits + ["^op3"])
+    assert ir.control_inputs("all") == [f"op{i}" for i in range(20)]
+    assert not ir.is_dirty("all") and ir.is_dirty("twice")
+    assert ir.control_consumers("op7") == ["all", "twice"]
+    assert emitted_inputs(ir)["all"] == waits == emitted_inputs(ir)["twice"]
+    with pytest.raises(GraphxformError, match="'all2' has input 'nope'"):
+        ir.add_node("all2", "NoOp", waits + ["^nope"])
