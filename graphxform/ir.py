@@ -278,7 +278,17 @@ class _CopyShape:
             succs((list(users), list(users.values()), users.keys() <= copied))
         if take_over:  # their NodeDefs no longer hold their inputs
             dirty.update(names)
-        self.names, self.skip = names, frozenset()
+        self.names, self.skip, self._made_edges = names, frozenset(), None
+
+    def made_edges(self) -> tuple[list, list]:
+        """``preds`` and ``succs`` of the originals whose copies are made (not in ``skip``)."""
+        if not self.skip:
+            return self.preds, self.succs
+        if self._made_edges is None:
+            made = [name not in self.skip for name in self.names]
+            self._made_edges = ([edges for edges, ok in zip(self.preds, made) if ok],
+                                [edges for edges, ok in zip(self.succs, made) if ok])
+        return self._made_edges
 
     def without(self, first_only: set, first_prefix: str) -> "_CopyShape":
         """The shape of the copies that leave out ``first_only`` and read the copies named
@@ -732,16 +742,16 @@ class GraphIR:
         get, rename = mapping.get, mapping.__getitem__
         device = replica.device
         fixed = None if callable(device) else device
-        copies = []
-        for name, base, plan in zip(shape.names, shape.bases, plans):
-            if skip and name in skip:
-                copies.append(None)
-                continue
-            copy = BorrowedNode(base)
+        copies = list(map(BorrowedNode, shape.bases))
+        setitem = dict.__setitem__
+        for copy, plan in zip(copies, plans):
             if fixed is not None:
-                dict.__setitem__(copy, "device", fixed)
-            copy._plan, copy._replica, copy._proto = plan, replica, None
-            copies.append(copy)
+                setitem(copy, "device", fixed)
+            copy._plan = plan
+            copy._replica = replica
+            copy._proto = None
+        if skip:  # never made: emit and the graph see None
+            copies = [None if name in skip else copy for name, copy in zip(shape.names, copies)]
         if callable(device):  # each copy has its own: those not the original's are written alone
             replica.device = None
             for copy, name in zip(copies, shape.names):
@@ -759,10 +769,10 @@ class GraphIR:
         self._unverified_copies.append(replica)
         # one dict per copy each way is most of the cost of copying: the commonest sizes
         # (none, one) are built as displays, which cost about half of dict(zip(map(...)))
+        preds, succs = shape.made_edges()
         g._pred.update(zip(news, [{get(srcs[0], srcs[0]): keys[0]} if len(srcs) == 1 else
                                   dict(zip(map(get, srcs, srcs), keys)) if srcs else {}
-                                  for (srcs, keys), copy in zip(shape.preds, copies)
-                                  if copy is not None]))
+                                  for srcs, keys in preds]))
         succ = g._succ
         for src, keys, k in shape.outside:  # inputs from outside gain a consumer
             succ[get(src, src)][replica.names[k]] = keys
@@ -770,8 +780,7 @@ class GraphIR:
                                 dict(zip(map(rename, dsts), keys)) if dsts else {}) if whole else
                                {mapping[dst]: keyed for dst, keyed in zip(dsts, keys)
                                 if dst in mapping}
-                               for (dsts, keys, whole), copy in zip(shape.succs, copies)
-                               if copy is not None]))
+                               for dsts, keys, whole in succs]))
 
     # -------------------------------------------------------------- printing
     def node_line(self, name: str) -> str:
