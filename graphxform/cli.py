@@ -181,8 +181,9 @@ def apply(model, output, no_verify, dump_dir, debug, **options):
         click.echo(f"  {summary['workers']} workers, {summary.get('ps_tasks')} ps tasks, "
                    f"{summary.get('aggregated', 0)} variables aggregated in accumulators")
     for t in pipeline.timings:
-        click.echo(f"  {t.name:18} {t.seconds * 1000:8.1f} ms" + ("" if t.modified else
-                                                                  "  (nothing to do)"))
+        idle = not t.modified and not any(t.summary.values())  # sync-init plans, changes nothing
+        click.echo(f"  {t.name:18} {t.seconds * 1000:8.1f} ms" + ("  (nothing to do)" if idle
+                                                                  else ""))
 
 
 @cli.command()

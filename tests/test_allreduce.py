@@ -187,6 +187,8 @@ def test_apply_summary_and_default_output(tmp_path, run_cli):
     assert (tmp_path / "model.allreduce.meta").exists()
     assert "2 replicas" in out and "collectives per replica per step: 1" in out
     assert "replicate" in out and "ms" in out
+    lines = {line.split()[0]: line for line in out.splitlines() if " ms" in line}
+    assert "nothing to do" not in lines["sync-init"]  # it plans for replicate, changes nothing
 
 
 def test_run_batch_that_does_not_divide(tmp_path, run_cli):
