@@ -834,7 +834,7 @@ def _copy_plan(proto, name: str, copied: set, dirty: bool, inputs_copied: bool,
     colocation = None
     attr = proto.attr
     if "_class" in attr:
-        targets = _colocation_targets(attr["_class"])
+        targets = colocation_targets(attr["_class"])
         if any(node in copied for _, node in targets):
             colocation = [(item, node.encode() if node in copied else None)
                           for item, node in targets]
@@ -842,7 +842,7 @@ def _copy_plan(proto, name: str, copied: set, dirty: bool, inputs_copied: bool,
     return name, snapshot, texts, colocation, inputs_copied
 
 
-def _colocation_targets(attr_value) -> list[tuple[bytes, str | None]]:
+def colocation_targets(attr_value) -> list[tuple[bytes, str | None]]:
     """Each ``_class`` item with the node it colocates with ('loc:@x' -> x; None otherwise)."""
     return [(item, item[5:].decode() if item.startswith(b"loc:@") else None)
             for item in attr_value.list.s]

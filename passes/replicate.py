@@ -41,6 +41,12 @@ def shared_nodes(ir, tg) -> set:
     return shared
 
 
+def kept_single(ir, ctx) -> set:
+    """What replicate leaves single: ``shared_nodes`` and what share-variables chose."""
+    sharing = ctx.state.get("share-variables")
+    return shared_nodes(ir, ctx.training) | (sharing["shared"] if sharing else set())
+
+
 @dataclasses.dataclass
 class Replicate(Pass):
     name = "replicate"
@@ -51,8 +57,7 @@ class Replicate(Pass):
         if ir.has_scope("replica_0/"):
             raise GraphxformError("the graph is already transformed (it has nodes under "
                                   "replica_0/); start from the single-device graph")
-        sharing = ctx.state.get("share-variables")
-        shared = shared_nodes(ir, tg) | (sharing["shared"] if sharing else set())
+        shared = kept_single(ir, ctx)
         sync = ctx.state.get("sync-init", {"first_only": set(), "redirect": [],
                                            "initial_values": set()})
         copied = [n for n in ir.nodes() if n not in shared]
@@ -75,7 +80,7 @@ class Replicate(Pass):
             for port, (src, src_port) in enumerate(ir.inputs(name)):
                 if src in shared:
                     continue
-                if not sharing:
+                if "share-variables" not in ctx.state:
                     raise GraphxformError(f"'{name}' runs once per step but reads '{src}', which "
                                           "every replica computes")
                 ir.set_input(name, port, tensor_name(replicas[0][src], src_port))

@@ -11,8 +11,8 @@ from __future__ import annotations
 import dataclasses
 
 from graphxform.errors import GraphxformError
-from graphxform.ir import parse_tensor
-from graphxform.passes.replicate import shared_nodes
+from graphxform.ir import colocation_targets, parse_tensor
+from graphxform.passes.replicate import kept_single
 from graphxform.pipeline import Pass, PassResult
 
 # ops of legacy while loops and conds: copies of these belong to their replica's frame
@@ -29,8 +29,7 @@ class SyncInit(Pass):
             raise GraphxformError("sync-init must run before replicate (it tells replicate "
                                   "what replicas > 0 take from replica 0)")
         tg = ctx.training
-        sharing = ctx.state.get("share-variables")
-        shared = shared_nodes(ir, tg) | (sharing["shared"] if sharing else set())
+        shared = kept_single(ir, ctx)
         synced = [var for var in tg.variables.values()
                   if var.name not in shared and var.initializer and var.initial_value
                   and var.initializer in ir]
@@ -84,6 +83,5 @@ def _colocation_targets(ir, skip: set) -> set:
             continue
         attrs = ir.attrs(name)
         if "_class" in attrs:
-            targets.update(item[5:].decode() for item in attrs["_class"].list.s
-                           if item.startswith(b"loc:@"))
+            targets.update(node for _, node in colocation_targets(attrs["_class"]) if node)
     return targets
