@@ -18,6 +18,7 @@ changed since the last structural check, so the pipeline's verify only looks at 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import gc
 import itertools
@@ -558,27 +559,32 @@ class GraphIR:
         """Remove a set of nodes at once; with ``safe`` refuse while a node outside the set
         still consumes one of them."""
         names = set(names)
+        order = list(names)
         node_table, succ, pred, protos = self.g._node, self.g._succ, self.g._pred, self._protos
-        if safe:
-            for name in names:
-                if not names.issuperset(succ[name]):
-                    outside = next(dst for dst in succ[name] if dst not in names)
-                    raise GraphxformError(f"cannot remove '{name}': still used by {outside}")
+        users = list(map(succ.__getitem__, order))
+        leaving = [k for k, inside in enumerate(map(names.issuperset, users)) if not inside]
+        if safe and leaving:
+            name = order[leaving[0]]
+            outside = next(dst for dst in users[leaving[0]] if dst not in names)
+            raise GraphxformError(f"cannot remove '{name}': still used by {outside}")
         # networkx's remove_nodes_from unlinks every edge from both ends; only the edges that
-        # leave the set need unlinking at the far end (replicate removes whole training steps)
-        for name in names:
-            users, sources = succ.pop(name), pred.pop(name)
-            if not names.issuperset(users):
-                for dst in users:
-                    if dst not in names:
-                        del pred[dst][name]
-                        self._touch(dst)
-            if not names.issuperset(sources):
-                for src in sources:
+        # leave the set need unlinking at the far end (replicate removes whole training steps),
+        # so the rest is a few sweeps over the names at C speed
+        sources = list(map(pred.__getitem__, order))
+        for k in leaving:
+            for dst in users[k]:
+                if dst not in names:
+                    del pred[dst][order[k]]
+                    self._touch(dst)
+        for k, inside in enumerate(map(names.issuperset, sources)):
+            if not inside:
+                for src in sources[k]:
                     if src not in names:
-                        del succ[src][name]
-            data = node_table.pop(name)
-            protos.pop(name, None)
+                        del succ[src][order[k]]
+        for table in (succ, pred, node_table):
+            removed = list(map(table.pop, order))
+        collections.deque(map(protos.pop, order, itertools.repeat(None)), maxlen=0)
+        for data in removed:  # the node data
             if type(data) is BorrowedNode:
                 data._touched()
         self._dirty.difference_update(names)
@@ -818,14 +824,16 @@ def _copy_plan(proto, name: str, copied: set, dirty: bool, inputs_copied: bool,
     items or None, are all inputs copied). The snapshot is taken now, so later changes to the
     original (through an attr map handed out before the copy, say) never reach the copies;
     with ``take_over`` (the original goes next) it is the original's NodeDef itself, which
-    then no longer holds the original's inputs. It leaves out what each copy writes itself: a
-    clean node's input list, and ``_class`` when that names a copied node (colocation items
-    are then (item, None) to keep, or (item, node name bytes) to point at the copy)."""
+    then no longer holds the original's inputs. It leaves out what each copy writes itself: its
+    name and device, a clean node's input list, and ``_class`` when that names a copied node
+    (colocation items are then (item, None) to keep, or (item, node name bytes) to point at
+    the copy)."""
     if take_over:
         snapshot = proto
     else:
         snapshot = type(proto)()
         snapshot.CopyFrom(proto)
+    snapshot.name = snapshot.device = ""  # every copy has its own (emit writes the rest as is)
     texts = None
     if not dirty:
         texts = list(proto.input)

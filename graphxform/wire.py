@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import itertools
 
-from graphxform.ir import BorrowedNode, GraphIR, copy_node_def, parse_tensor
+from graphxform.ir import BorrowedNode, GraphIR, _renamed_inputs, parse_tensor
 
 _VARINTS = [bytes([n]) for n in range(128)]
 
@@ -47,9 +47,10 @@ def string_attr(key: str, value: bytes) -> bytes:
     return field(ATTR, field(b"\x0a", key.encode()) + field(b"\x12", field(b"\x12", value)))
 
 
-def node_field(body: bytes) -> bytes:
-    """A GraphDef ``node`` field holding the NodeDef bytes ``body``."""
-    return b"".join((GRAPH_NODE, varint(len(body)), body))
+def node_field(body: bytes, tail: bytes = b"") -> bytes:
+    """A GraphDef ``node`` field holding the NodeDef bytes ``body + tail``."""
+    size = len(body) + len(tail)
+    return b"".join((GRAPH_NODE, _VARINTS[size] if size < 128 else varint(size), body, tail))
 
 
 # Stand-ins for a replica's prefix and device in a block: UTF-8 strings (names and devices are
@@ -178,15 +179,13 @@ class NodeEncoder:
             redo = [k for k, (mine, theirs) in enumerate(zip(replica.plans, plans))
                     if mine is not theirs]
             parts, holes = list(parts), list(holes)
-        fixed, node_def = replica.device, None
+        fixed, mapping, mark = replica.device, replica.mapping, self._mark
         for k in redo:
             plan, base = replica.plans[k], replica.bases[k]
-            node_def = node_def or type(plan[1])
-            copy = copy_node_def(node_def(), plan, prefix_stand_in,
-                                 base["device"] if fixed is None else device_stand_in,
-                                 replica.mapping)
-            parts[k] = node_field(copy.SerializeToString() + self._mark(base["created_by"]))
-            holes[k] = _holes(plan, replica.mapping)
+            body = copy_bytes(plan, prefix_stand_in,
+                              base["device"] if fixed is None else device_stand_in, mapping)
+            parts[k] = node_field(body, mark(base["created_by"]))
+            holes[k] = _holes(plan, mapping)
         if made is None:
             self._made[key] = (replica.plans, parts, holes)
         return parts, holes
@@ -196,6 +195,12 @@ class NodeEncoder:
         otherwise one made for the moment, with its inputs from its edges once they changed."""
         if copy._proto is not None:
             return self._own(name, copy._proto, copy, self.ir._dirty)
+        plan, dirty = copy._plan, name in self.ir._dirty
+        if copy["op"] == plan[1].op and (plan[2] is not None or not dirty):
+            replica = copy._replica
+            inputs = self.ir.edge_inputs(name) if dirty else None
+            return copy_bytes(plan, replica.prefix, dict.__getitem__(copy, "device"),
+                              replica.mapping, inputs) + self._mark(copy["created_by"])
         proto = copy.fill(type(copy._plan[1])())
         proto.op = copy["op"]
         if name in self.ir._dirty:
@@ -220,6 +225,36 @@ class NodeEncoder:
             mark = self._marks[created_by] = string_attr(self.provenance_attr,
                                                          created_by.encode())
         return mark
+
+
+NAME, INPUT, DEVICE = b"\x0a", b"\x1a", b"\x22"
+
+
+def copy_bytes(plan: tuple, prefix: str, device: str, copied, inputs=None) -> bytes:
+    """The NodeDef bytes of the copy of ``plan``'s original named ``prefix + name`` on
+    ``device`` (what ``copy_node_def`` makes, serialized), written around the snapshot's own
+    bytes rather than by copying the snapshot into a new NodeDef: its name, the snapshot (op,
+    attrs and the rest; it holds no name, device or clean input list), its inputs (renamed
+    as ``copy_node_def`` does, or ``inputs`` as given), device and colocation. Protobuf takes
+    fields in any order."""
+    name, snapshot, texts, colocation, inputs_copied = plan
+    small = _VARINTS
+    head = (prefix + name).encode()
+    out = [NAME, small[len(head)] if len(head) < 128 else varint(len(head)), head,
+           snapshot.SerializeToString()]
+    if inputs is None and texts:
+        inputs = _renamed_inputs(texts, inputs_copied, copied, prefix)
+    if inputs:
+        for raw in map(str.encode, inputs):
+            out += (INPUT, small[len(raw)] if len(raw) < 128 else varint(len(raw)), raw)
+    if device:
+        out.append(field(DEVICE, device.encode()))
+    if colocation:
+        loc = b"loc:@" + prefix.encode()
+        items = b"".join([field(b"\x12", item if node is None else loc + node)
+                          for item, node in colocation])
+        out.append(field(ATTR, field(b"\x0a", b"_class") + field(b"\x12", field(b"\x0a", items))))
+    return b"".join(out)
 
 
 def _holes(plan: tuple, copied) -> int:
