@@ -480,6 +480,34 @@ class GraphIR:
             proto.input[:] = written
         return name
 
+    def add_nodes(self, template, rows: Iterable[tuple], *,
+                  created_by: str | None = None) -> list[str]:
+        """``add_node`` for many nodes that differ only in name, inputs and device, as a pass
+        adds them per variable per replica: each a copy of the NodeDef ``template`` (op and
+        attrs) with its (name, inputs, device) from ``rows``. Returns the names."""
+        node_table, succ, pred, protos = self.g._node, self.g._succ, self.g._pred, self._protos
+        op, new_proto, names = template.op, type(template), []
+        for name, inputs, device in rows:
+            if name in node_table:
+                raise GraphxformError(f"node '{name}' already exists")
+            proto = new_proto()
+            proto.CopyFrom(template)
+            proto.name = name
+            if device:
+                proto.device = device
+            protos[name] = proto
+            node_table[name] = {"op": op, "device": device, "attr": proto.attr, "origin": None,
+                                "created_by": created_by}
+            succ[name], pred[name] = {}, {}
+            names.append(name)
+            written = self._connect(name, inputs)
+            if written is None:
+                self._dirty.add(name)
+            elif written:
+                proto.input.extend(written)
+        self._unverified.update(names)
+        return names
+
     def _connect(self, name: str, inputs: Iterable[str]) -> list[str] | None:
         """The in-edges of the new node ``name``, written straight into the adjacency: an input
         from a node not yet feeding ``name`` takes the shared key dict of its kind. Returns the

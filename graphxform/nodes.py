@@ -104,6 +104,17 @@ class Builder:
         self._consts = {}  # (dtype, shape, bytes) of a numeric Const's value -> its NodeDef
 
     def op(self, name: str, op_type: str, inputs=(), *, device: str = "", **attrs) -> str:
+        return self._add(name, self._find(name, op_type, attrs), inputs, device)
+
+    def ops(self, op_type: str, rows: list[tuple], **attrs) -> list[str]:
+        """``op`` for many nodes of one op type and attrs: ``rows`` of (name, inputs, device)."""
+        if not rows:
+            return []
+        template = self._find(rows[0][0], op_type, attrs)
+        return self.ir.add_nodes(template, rows, created_by=self.created_by)
+
+    def _find(self, name: str, op_type: str, attrs: dict):
+        """The template NodeDef for ``op_type`` with ``attrs`` (made for node ``name``)."""
         try:
             key = (op_type, tuple([(k, _hashable(v)) for k, v in attrs.items()]))
             template = self._templates.get(key)
@@ -113,7 +124,7 @@ class Builder:
             template = self._template(name, op_type, attrs)
             if key is not None:
                 self._templates[key] = template
-        return self._add(name, template, inputs, device)
+        return template
 
     def const(self, name: str, value, dtype=None, *, device: str = "") -> str:
         array = np.asarray(value, dtype=dtype)

@@ -67,14 +67,12 @@ class DropInSaver(Pass):
             else:
                 targets = [(replica_prefix(i) + var.name, f"{restore}:{k}")
                            for i in range(len(ctx.devices))]
-            for i, (target, value) in enumerate(targets):
-                device = ir.node(target)["device"]
-                if var.kind == "resource":
-                    assigns.append(build.op(f"{scope}assign_{k}_{i}", "AssignVariableOp",
-                                            [target, value], device=device, dtype=var.dtype))
-                else:
-                    assigns.append(build.op(f"{scope}assign_{k}_{i}", "Assign",
-                                            [target, value], device=device, T=var.dtype))
+            rows = [(f"{scope}assign_{k}_{i}", [target, value], ir.node(target)["device"])
+                    for i, (target, value) in enumerate(targets)]
+            if var.kind == "resource":
+                assigns += build.ops("AssignVariableOp", rows, dtype=var.dtype)
+            else:
+                assigns += build.ops("Assign", rows, T=var.dtype)
         restore_all = build.op(scope + "restore_all", "NoOp", ["^" + a for a in assigns])
         saver_def = ir.meta.saver_def
         saver_def.CopyFrom(saver_pb2.SaverDef(

@@ -352,3 +352,26 @@ def test_a_node_waiting_on_many_is_linked_in_bulk_like_any_other():
     assert emitted_inputs(ir)["all"] == waits == emitted_inputs(ir)["twice"]
     with pytest.raises(GraphxformError, match="'all2' has input 'nope'"):
         ir.add_node("all2", "NoOp", waits + ["^nope"])
+
+
+def test_builder_ops_adds_nodes_like_one_op_call_each():
+    """Builder.ops (GraphIR.add_nodes underneath) is the bulk form of Builder.op: the same
+    nodes, edges, NodeDefs and provenance, and the same refusals."""
+    from tensorflow.core.framework import types_pb2
+    from graphxform.nodes import Builder
+    rows = [("a0", ["c", "use:0"], "/cpu:0"), ("a1", ["c:1", "^a", "b"], ""),
+            ("a2", ["b", "b"], "/cpu:1")]
+    one, bulk = small_ir(), small_ir()
+    for name, inputs, device in rows:
+        Builder(one, "p").op(name, "IdentityN", inputs, device=device,
+                             T=[types_pb2.DT_FLOAT, types_pb2.DT_FLOAT])
+    names = Builder(bulk, "p").ops("IdentityN", rows, T=[types_pb2.DT_FLOAT, types_pb2.DT_FLOAT])
+    assert names == ["a0", "a1", "a2"]
+    assert metagraph.to_metagraph(bulk) == metagraph.to_metagraph(one)
+    assert [bulk.node(n)["created_by"] for n in names] == ["p"] * 3
+    assert bulk.inputs("a2") == [("b", 0), ("b", 0)] and bulk.control_inputs("a1") == ["a"]
+    assert emitted_inputs(bulk)["a0"] == ["c", "use"]
+    with pytest.raises(GraphxformError, match="'a0' already exists"):
+        Builder(bulk, "p").ops("NoOp", [("a0", [], "")])
+    with pytest.raises(GraphxformError, match="'x' has input 'nope'"):
+        Builder(bulk, "p").ops("NoOp", [("x", ["^nope"], "")])
