@@ -279,7 +279,13 @@ class _CopyShape:
             succs((list(users), list(users.values()), users.keys() <= copied))
         if take_over:  # their NodeDefs no longer hold their inputs
             dirty.update(names)
-        self.names, self.skip, self._made_edges = names, frozenset(), None
+        self.names, self.skip, self._made_edges, self._skipped = names, frozenset(), None, []
+
+    def skipped(self) -> list[int]:
+        """The indices of the originals in ``skip``."""
+        if self._skipped is None:
+            self._skipped = [k for k, name in enumerate(self.names) if name in self.skip]
+        return self._skipped
 
     def made_edges(self) -> tuple[list, list]:
         """``preds`` and ``succs`` of the originals whose copies are made (not in ``skip``)."""
@@ -287,8 +293,8 @@ class _CopyShape:
             return self.preds, self.succs
         if self._made_edges is None:
             made = [name not in self.skip for name in self.names]
-            self._made_edges = ([edges for edges, ok in zip(self.preds, made) if ok],
-                                [edges for edges, ok in zip(self.succs, made) if ok])
+            self._made_edges = (list(itertools.compress(self.preds, made)),
+                                list(itertools.compress(self.succs, made)))
         return self._made_edges
 
     def without(self, first_only: set, first_prefix: str) -> "_CopyShape":
@@ -297,7 +303,7 @@ class _CopyShape:
         copies reading them name those copies outright), and consumers in it are not theirs."""
         other = _CopyShape.__new__(_CopyShape)
         other.__dict__.update(vars(self))
-        other.skip = frozenset(first_only)
+        other.skip, other._skipped = frozenset(first_only), None
         other.plans = list(self.plans)
         other.outside = [(src, keys, k) for src, keys, k in self.outside
                          if self.names[k] not in first_only]
@@ -777,15 +783,16 @@ class GraphIR:
         device = replica.device
         fixed = None if callable(device) else device
         copies = list(map(BorrowedNode, shape.bases))
-        setitem = dict.__setitem__
+        if fixed is not None:
+            setitem, key = dict.__setitem__, "device"
+            for copy in copies:
+                setitem(copy, key, fixed)
         for copy, plan in zip(copies, plans):
-            if fixed is not None:
-                setitem(copy, "device", fixed)
             copy._plan = plan
             copy._replica = replica
             copy._proto = None
-        if skip:  # never made: emit and the graph see None
-            copies = [None if name in skip else copy for name, copy in zip(shape.names, copies)]
+        for k in shape.skipped():  # never made: emit and the graph see None
+            copies[k] = None
         if callable(device):  # each copy has its own: those not the original's are written alone
             replica.device = None
             for copy, name in zip(copies, shape.names):
@@ -794,9 +801,8 @@ class GraphIR:
                     dict.__setitem__(copy, "device", found)
                     replica.touched.add(name)
         replica.copies = copies
-        news = replica.names if not skip else [new for new, copy in zip(replica.names, copies)
-                                               if copy is not None]
-        made = copies if not skip else [copy for copy in copies if copy is not None]
+        news = replica.names if not skip else list(itertools.compress(replica.names, copies))
+        made = copies if not skip else list(itertools.compress(copies, copies))
         g = self.g
         g._node.update(zip(news, made))
         self._dirty.update(map(rename, shape.dirty))
