@@ -751,7 +751,6 @@ class GraphIR:
                 replica = Replica(mapping, prefix, device, shape.plans, shape.bases)
                 if k >= 1 and first_only:
                     mapping.update((name, mappings[0][name]) for name in first_only)
-                    replica.touched.update(first_only)  # never made: emit writes none
                 self._copy_replica(shape, replica)
         if hasattr(nx, "_clear_cache"):
             nx._clear_cache(self.g)

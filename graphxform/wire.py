@@ -157,7 +157,7 @@ class NodeEncoder:
         template = b"".join(parts)
         segments = template.split(prefix_stand_in.encode())
         exact = len(segments) - 1 == sum(holes) and (
-            not device or template.count(device_stand_in.encode()) == len(parts))
+            not device or template.count(device_stand_in.encode()) == len(parts) - parts.count(b""))
         index = {plan[0]: k for k, plan in enumerate(replica.plans)}
         block = self._blocks[key] = ((segments, starts, device_stand_in.encode(), index)
                                      if exact else None)
@@ -167,7 +167,8 @@ class NodeEncoder:
         """Each original's copy in a block, with the stand-ins, and how many prefix stand-ins
         each holds. The replicas of one call that leave out sync-init's first_only nodes have
         plans of their own for the few originals that read those, and share the rest: their
-        parts are the first block's, remade where the plans differ."""
+        parts are the first block's, remade where the plans differ, and empty for the copies
+        they do not make."""
         key = (id(replica.bases), len(prefix_stand_in), len(device_stand_in),
                replica.device is None)
         made = self._made.get(key)
@@ -176,17 +177,22 @@ class NodeEncoder:
             parts, holes = [None] * len(redo), [0] * len(redo)
         else:
             plans, parts, holes = made
-            redo = [k for k, (mine, theirs) in enumerate(zip(replica.plans, plans))
-                    if mine is not theirs]
+            redo = [k for k, (mine, theirs, copy) in enumerate(zip(replica.plans, plans,
+                                                                    replica.copies))
+                    if mine is not theirs or copy is None]
             parts, holes = list(parts), list(holes)
         fixed, mapping, mark = replica.device, replica.mapping, self._mark
+        whole = True  # every copy made: the parts may serve other replicas of the call
         for k in redo:
+            if replica.copies[k] is None:  # not made for these replicas (see without)
+                parts[k], holes[k], whole = b"", 0, False
+                continue
             plan, base = replica.plans[k], replica.bases[k]
             body = copy_bytes(plan, prefix_stand_in,
                               base["device"] if fixed is None else device_stand_in, mapping)
             parts[k] = node_field(body, mark(base["created_by"]))
             holes[k] = _holes(plan, mapping)
-        if made is None:
+        if made is None and whole:
             self._made[key] = (replica.plans, parts, holes)
         return parts, holes
 
