@@ -86,12 +86,14 @@ def _parse_binary(path, data, expect_graph, meta_graph_pb2, graph_pb2):
     say what the file really holds."""
     def as_meta():
         meta = _try_parse(meta_graph_pb2.MetaGraphDef, data)
-        ok = meta is not None and len(meta.graph_def.node) > 0 and _nodes_ok(meta.graph_def)
+        ok = (meta is not None and len(meta.graph_def.node) > 0
+              and _nodes_ok(meta.graph_def, sample=True))
         return meta if ok else None
 
     def as_graph():
         graph = _try_parse(graph_pb2.GraphDef, data)
-        return graph if graph is not None and len(graph.node) > 0 and _nodes_ok(graph) else None
+        ok = graph is not None and len(graph.node) > 0 and _nodes_ok(graph, sample=True)
+        return graph if ok else None
 
     if expect_graph:
         graph = as_graph()
@@ -120,8 +122,14 @@ def _try_parse(cls, data):
         return None
 
 
-def _nodes_ok(graph_def) -> bool:
-    return all(node.name and node.op for node in graph_def.node)
+def _nodes_ok(graph_def, sample: bool = False) -> bool:
+    """Whether the nodes have names and ops; with ``sample``, the first few and the last
+    (enough to tell a GraphDef from a MetaGraphDef parsed as the other; from_metagraph checks
+    every node as it reads it)."""
+    nodes = graph_def.node
+    if sample and len(nodes) > 17:
+        nodes = [*nodes[:16], nodes[-1]]
+    return all(node.name and node.op for node in nodes)
 
 
 def _check_nodes(path, graph_def) -> None:
@@ -139,11 +147,12 @@ def from_metagraph(meta, kind: str = "meta", source: str | None = None) -> Graph
     nodes = list(meta.graph_def.node)
     ir = GraphIR(meta, kind=kind, source=source)
     with paused_gc():
-        names = [_add_loaded(ir, nd, source) for nd in nodes]
+        names = _add_loaded(ir, nodes, source)
         succ, pred = ir.g._succ, ir.g._pred
         for nd, dst in zip(nodes, names):
-            if nd.input:
-                _link_inputs(nd.input, dst, succ, pred, source)
+            texts = nd.input
+            if texts:
+                _link_inputs(texts, dst, succ, pred, source)
     if hasattr(nx, "_clear_cache"):
         nx._clear_cache(ir.g)
     ir._unverified = set(names)
@@ -151,20 +160,28 @@ def from_metagraph(meta, kind: str = "meta", source: str | None = None) -> Graph
     return ir
 
 
-def _add_loaded(ir: GraphIR, nd, source) -> str:
-    name = nd.name
-    if name in ir._protos:
-        raise GraphxformError(f"{source or 'graph'}: duplicate node name '{name}'")
-    ir._protos[name] = nd
-    created_by = None
-    if PROVENANCE_ATTR in nd.attr:  # written by an earlier graphxform run
-        created_by = nd.attr[PROVENANCE_ATTR].s.decode()
-        del nd.attr[PROVENANCE_ATTR]
-    ir.g._node[name] = {"op": nd.op, "device": nd.device, "attr": nd.attr, "origin": name,
-                        "created_by": created_by}
-    ir.g._succ[name] = {}
-    ir.g._pred[name] = {}
-    return name
+def _add_loaded(ir: GraphIR, nodes: list, source) -> list[str]:
+    """The loaded NodeDefs as nodes of ``ir`` (no edges yet); returns their names. Each field
+    is read once: reading one from a NodeDef makes a new Python object every time."""
+    protos, node_table, succ, pred = ir._protos, ir.g._node, ir.g._succ, ir.g._pred
+    names = []
+    for nd in nodes:
+        name, op = nd.name, nd.op
+        if not name or not op:
+            raise GraphxformError(f"{source or 'graph'}: a node has no name or op (corrupt file)")
+        if name in protos:
+            raise GraphxformError(f"{source or 'graph'}: duplicate node name '{name}'")
+        protos[name] = nd
+        attr = nd.attr
+        created_by = None
+        if PROVENANCE_ATTR in attr:  # written by an earlier graphxform run
+            created_by = attr[PROVENANCE_ATTR].s.decode()
+            del attr[PROVENANCE_ATTR]
+        node_table[name] = {"op": op, "device": nd.device, "attr": attr, "origin": name,
+                            "created_by": created_by}
+        succ[name], pred[name] = {}, {}
+        names.append(name)
+    return names
 
 
 def _link_inputs(texts, dst: str, succ: dict, pred: dict, source) -> None:

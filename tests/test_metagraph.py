@@ -48,8 +48,13 @@ def test_save_refuses_to_overwrite_input(tmp_path):
 def _bad_files(tmp_path):
     good = open(fixture_path("mlp_sgd"), "rb").read()
     graph_def = meta_graph_pb2.MetaGraphDef.FromString(good).graph_def.SerializeToString()
+    opless = meta_graph_pb2.MetaGraphDef.FromString(good)
+    for i in range(20):
+        opless.graph_def.node.add(name=f"pad{i}", op="NoOp")
+    opless.graph_def.node[-5].op = ""  # past the nodes the kind check samples
     files = {
         "missing.meta": None,
+        "opless.meta": opless.SerializeToString(),
         "empty.meta": b"",
         "random.meta": os.urandom(4096),
         "truncated.meta": good[: len(good) // 2],
