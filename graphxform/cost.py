@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import re
 
-import networkx as nx
 
 from graphxform import training
 from graphxform.errors import GraphxformError
@@ -184,9 +183,9 @@ def step_nodes(ir: GraphIR, tg) -> set:
     if not roots:
         raise GraphxformError("cannot cost a graph with no train op or loss to run "
                               "(name one with --train-op)")
-    found = set(roots)
+    found = set()
     for root in roots:
-        found |= nx.ancestors(ir.g, root)
+        found |= ir.ancestors(root)
     return found
 
 

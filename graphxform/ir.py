@@ -365,6 +365,10 @@ class GraphIR:
     def op(self, name: str) -> str:
         return self.g._node[name]["op"]
 
+    def nodes_of(self, ops) -> list[str]:
+        """The nodes whose op is one of ``ops``, in graph order."""
+        return [name for name, data in self.g._node.items() if data["op"] in ops]
+
     def attrs(self, name: str):
         """The node's attr map, for reading only. A copy that still borrows its original's
         NodeDef answers from the shared snapshot (which may lack the copy's ``_class``), so
@@ -411,6 +415,17 @@ class GraphIR:
 
     def predecessors(self, name: str) -> Iterable[str]:
         return self.g._pred[name].keys()
+
+    def ancestors(self, name: str) -> set[str]:
+        """``name`` and every node it depends on, through data and control inputs (what
+        networkx.ancestors finds, plus ``name``, without its generic BFS)."""
+        pred, seen, stack = self.g._pred, {name}, [name]
+        while stack:
+            for src in pred[stack.pop()]:
+                if src not in seen:
+                    seen.add(src)
+                    stack.append(src)
+        return seen
 
     def proto(self, name: str):
         """The NodeDef that holds this node's attrs. Its name is the node's; its op and device

@@ -133,7 +133,7 @@ def analyze(ir: GraphIR, train_op: str | None = None) -> TrainingGraph:
     train_op = train_op or _collection_node(ir, "train_op")
     if train_op is not None and train_op not in ir:
         raise GraphxformError(f"train op '{train_op}' is not a node of the graph")
-    closure = _closure(ir, train_op) if train_op else set()
+    closure = ir.ancestors(train_op) if train_op else set()
     var_defs = _variable_defs(ir)
     variables, noops, placeholders = {}, [], []
     for name in ir.nodes():  # the one sweep over all nodes
@@ -171,19 +171,6 @@ def analyze(ir: GraphIR, train_op: str | None = None) -> TrainingGraph:
                          loss=losses[0] if losses else None, losses=losses,
                          global_step=global_step, optimizer=optimizer, saver_scope=saver_scope,
                          train_closure=closure, extra_updates=extra, noop_sinks=sinks)
-
-
-def _closure(ir: GraphIR, node: str) -> set:
-    """``node`` and every node it depends on, through data and control inputs (what
-    networkx.ancestors finds, without its generic BFS: this walks the input graph once)."""
-    seen = {node}
-    stack = [node]
-    while stack:
-        for src in ir.predecessors(stack.pop()):
-            if src not in seen:
-                seen.add(src)
-                stack.append(src)
-    return seen
 
 
 def _saver_scope(ir: GraphIR) -> str | None:

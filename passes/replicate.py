@@ -26,7 +26,7 @@ CONTEXT_COLLECTIONS = ("while_context", "cond_context")
 
 def shared_nodes(ir, tg) -> set:
     """Nodes that stay single: placeholders, global_step and what only serves it."""
-    shared = {n for n in ir.nodes() if ir.op(n) in PLACEHOLDER_OPS}
+    shared = set(ir.nodes_of(PLACEHOLDER_OPS))
     if tg.global_step:
         shared.add(tg.global_step)
         shared.update(dst for dst, _ in ir.consumers(tg.global_step))
@@ -61,13 +61,13 @@ class Replicate(Pass):
         sync = ctx.state.get("sync-init", {"first_only": set(), "redirect": [],
                                            "initial_values": set()})
         copied = [n for n in ir.nodes() if n not in shared]
+        enters = [n for n in ir.nodes_of(("Enter", "RefEnter")) if n not in shared]
         prefixes = [replica_prefix(i) for i in range(len(ctx.devices))]
         replicas = ir.copy_nodes_many(copied, prefixes, devices=ctx.devices, created_by=self.name,
                                       first_only=sync["first_only"], originals_go=True)
         for initializer, initial_value in sync["redirect"]:
             for prefix in prefixes[1:]:
                 ir.set_input(prefix + initializer, 1, prefixes[0] + initial_value)
-        enters = [n for n in copied if ir.op(n) in ("Enter", "RefEnter")]
         for prefix, mapping in zip(prefixes, replicas):
             _rename_frames(ir, [mapping[n] for n in enters], prefix)
         cross_edges = []

@@ -77,11 +77,10 @@ def _initial_value_subgraphs(ir, reads: dict, shared: set) -> set:
 
 def _colocation_targets(ir, skip: set) -> set:
     """The nodes that a node not in ``skip`` colocates with (``_class: loc:@name``)."""
-    targets = set()
+    targets, attrs_of = set(), ir.attrs
     for name in ir.nodes():
-        if name in skip:
-            continue
-        attrs = ir.attrs(name)
-        if "_class" in attrs:
-            targets.update(node for _, node in colocation_targets(attrs["_class"]) if node)
+        if name not in skip:
+            attrs = attrs_of(name)
+            if "_class" in attrs:
+                targets.update(node for _, node in colocation_targets(attrs["_class"]) if node)
     return targets
