@@ -22,6 +22,7 @@ import collections
 import contextlib
 import gc
 import itertools
+import operator
 from typing import Callable, Iterable, Iterator
 
 import networkx as nx
@@ -259,24 +260,25 @@ class _CopyShape:
     def __init__(self, ir: "GraphIR", names: list, copied: set, created_by: str | None,
                  take_over: bool = False):
         node_table, pred, succ, dirty = ir.g._node, ir.g._pred, ir.g._succ, ir._dirty
-        protos = ir._protos
+        # what can be read for all originals at once is, at C speed (most of the originals
+        # of a training step are alike: all their inputs and consumers are copied too)
+        datas = list(map(node_table.__getitem__, names))
+        srcs, users = list(map(pred.__getitem__, names)), list(map(succ.__getitem__, names))
+        self.bases = [{"op": data["op"], "device": data["device"], "origin": data["origin"],
+                       "created_by": created_by or data["created_by"]} for data in datas]
+        self.preds = list(zip(map(list, srcs), map(list, map(dict.values, srcs))))
+        self.succs = list(zip(map(list, users), map(list, map(dict.values, users)),
+                              map(copied.issuperset, users)))
+        inside = list(map(copied.issuperset, srcs))
+        self.outside = []
+        for k in itertools.compress(range(len(names)), map(operator.not_, inside)):
+            self.outside += [(src, keys, k) for src, keys in srcs[k].items()
+                             if src not in copied]
         self.dirty = [name for name in names if name in dirty]
-        self.plans, self.bases, self.preds, self.succs, self.outside = [], [], [], [], []
-        plans, bases, preds, succs = (self.plans.append, self.bases.append, self.preds.append,
-                                      self.succs.append)
-        for k, name in enumerate(names):
-            data = node_table[name]
-            bases({"op": data["op"], "device": data["device"], "origin": data["origin"],
-                   "created_by": created_by or data["created_by"]})
-            srcs, users = pred[name], succ[name]
-            inputs_copied = srcs.keys() <= copied
-            proto = protos.get(name) or data.materialise()
-            plans(_copy_plan(proto, name, copied, name in dirty, inputs_copied, take_over))
-            preds((list(srcs), list(srcs.values())))
-            if not inputs_copied:
-                self.outside += [(src, keys, k) for src, keys in srcs.items()
-                                 if src not in copied]
-            succs((list(users), list(users.values()), users.keys() <= copied))
+        protos = map(ir._protos.get, names)
+        self.plans = [_copy_plan(proto or data.materialise(), name, copied, name in dirty,
+                                 whole, take_over)
+                      for proto, data, name, whole in zip(protos, datas, names, inside)]
         if take_over:  # their NodeDefs no longer hold their inputs
             dirty.update(names)
         self.names, self.skip, self._made_edges, self._skipped = names, frozenset(), None, []
