@@ -253,9 +253,10 @@ class Replica:
 
 class _CopyShape:
     """What every copy of a set of originals takes from them, read once for all prefixes:
-    per original its plan (see ``_copy_plan``), the node data to start from, its input
-    names with their key dicts, its consumers with theirs and whether all are copied too; the
-    inputs from outside the set (which gain a consumer per copy); which copies start dirty."""
+    per original its plan (see ``_copy_plan``), the node data to start from, its inputs with
+    their key dicts (by name in ``preds``, by index in ``ins``), its consumers that are copied
+    too with theirs (by index, ``outs``); the inputs from outside the set (which gain a
+    consumer per copy); which copies start dirty."""
 
     def __init__(self, ir: "GraphIR", names: list, copied: set, created_by: str | None,
                  take_over: bool = False):
@@ -267,13 +268,24 @@ class _CopyShape:
         self.bases = [{"op": data["op"], "device": data["device"], "origin": data["origin"],
                        "created_by": created_by or data["created_by"]} for data in datas]
         self.preds = list(zip(map(list, srcs), map(list, map(dict.values, srcs))))
-        self.succs = list(zip(map(list, users), map(list, map(dict.values, users)),
-                              map(copied.issuperset, users)))
         inside = list(map(copied.issuperset, srcs))
-        self.outside = []
+        # neighbours by index: an original's position in ``names``, an input from outside
+        # the set's in ``extra`` after them (a replica renames them all with one list)
+        position = dict(zip(names, range(len(names))))
+        self.outside, self.extra = [], []
         for k in itertools.compress(range(len(names)), map(operator.not_, inside)):
-            self.outside += [(src, keys, k) for src, keys in srcs[k].items()
-                             if src not in copied]
+            for src, keys in srcs[k].items():
+                if src not in copied:
+                    self.outside.append((src, keys, k))
+                    if src not in position:
+                        position[src] = len(names) + len(self.extra)
+                        self.extra.append(src)
+        at = position.__getitem__
+        self.ins = [(list(map(at, nodes)), keys) for nodes, (_, keys) in zip(srcs, self.preds)]
+        self.outs = [(list(map(at, dsts)), list(dsts.values())) if dsts.keys() <= copied else
+                     ([at(d) for d in dsts if d in copied],  # others keep reading the original
+                      [keys for d, keys in dsts.items() if d in copied])
+                     for dsts in users]
         self.dirty = [name for name in names if name in dirty]
         protos = map(ir._protos.get, names)
         self.plans = [_copy_plan(proto or data.materialise(), name, copied, name in dirty,
@@ -290,13 +302,13 @@ class _CopyShape:
         return self._skipped
 
     def made_edges(self) -> tuple[list, list]:
-        """``preds`` and ``succs`` of the originals whose copies are made (not in ``skip``)."""
+        """``ins`` and ``outs`` of the originals whose copies are made (not in ``skip``)."""
         if not self.skip:
-            return self.preds, self.succs
+            return self.ins, self.outs
         if self._made_edges is None:
             made = [name not in self.skip for name in self.names]
-            self._made_edges = (list(itertools.compress(self.preds, made)),
-                                list(itertools.compress(self.succs, made)))
+            self._made_edges = (list(itertools.compress(self.ins, made)),
+                                list(itertools.compress(self.outs, made)))
         return self._made_edges
 
     def without(self, first_only: set, first_prefix: str) -> "_CopyShape":
@@ -318,10 +330,11 @@ class _CopyShape:
                 if texts is not None:
                     texts = [_renamed_input(text, first_only, first_prefix) for text in texts]
                 other.plans[k] = (original, snapshot, texts, colocation, False)
-        other.succs = [(dsts, keys, whole) if first_only.isdisjoint(dsts) else
-                       ([d for d in dsts if d not in first_only],
-                        [keyed for d, keyed in zip(dsts, keys) if d not in first_only], False)
-                       for dsts, keys, whole in self.succs]
+        gone = {k for k, name in enumerate(self.names) if name in first_only}
+        other.outs = [(dsts, keys) if gone.isdisjoint(dsts) else
+                      ([d for d in dsts if d not in gone],
+                       [keyed for d, keyed in zip(dsts, keys) if d not in gone])
+                      for dsts, keys in self.outs]
         return other
 
 
@@ -823,20 +836,15 @@ class GraphIR:
         g._node.update(zip(news, made))
         self._dirty.update(map(rename, shape.dirty))
         self._unverified_copies.append(replica)
-        # one dict per copy each way is most of the cost of copying: the commonest sizes
-        # (none, one) are built as displays, which cost about half of dict(zip(map(...)))
-        preds, succs = shape.made_edges()
-        g._pred.update(zip(news, [{get(srcs[0], srcs[0]): keys[0]} if len(srcs) == 1 else
-                                  dict(zip(map(get, srcs, srcs), keys)) if srcs else {}
-                                  for srcs, keys in preds]))
+        # one dict per copy each way is most of the cost of copying (see _adjacency)
+        ins, outs = shape.made_edges()
+        table = list(mapping.values())  # by index: the copies (or replica 0's), then extra
+        table += shape.extra
+        g._pred.update(zip(news, _adjacency(ins, table)))
         succ = g._succ
         for src, keys, k in shape.outside:  # inputs from outside gain a consumer
             succ[get(src, src)][replica.names[k]] = keys
-        succ.update(zip(news, [({rename(dsts[0]): keys[0]} if len(dsts) == 1 else
-                                dict(zip(map(rename, dsts), keys)) if dsts else {}) if whole else
-                               {mapping[dst]: keyed for dst, keyed in zip(dsts, keys)
-                                if dst in mapping}
-                               for dsts, keys, whole in succs]))
+        succ.update(zip(news, _adjacency(outs, table)))
 
     # -------------------------------------------------------------- printing
     def node_line(self, name: str) -> str:
@@ -865,6 +873,16 @@ class GraphIR:
             if f"{base}_{i}" not in self.g:
                 return f"{base}_{i}"
         raise AssertionError  # unreachable
+
+
+def _adjacency(edges: list, names: list) -> list[dict]:
+    """One adjacency dict per (neighbour indices, key dicts) in ``edges``, each neighbour
+    named ``names[index]``. Most nodes have one or two neighbours each way: those dicts are
+    built as displays, several times cheaper than dict(zip(...))."""
+    return [{names[i[0]]: k[0]} if len(i) == 1 else
+            {names[i[0]]: k[0], names[i[1]]: k[1]} if len(i) == 2 else
+            dict(zip(map(names.__getitem__, i), k)) if i else {}
+            for i, k in edges]
 
 
 def _copy_plan(proto, name: str, copied: set, dirty: bool, inputs_copied: bool,
