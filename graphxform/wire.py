@@ -94,12 +94,14 @@ class NodeEncoder:
                 data._touched()
         small = _VARINTS
         append = out.append
-        written = None  # the replica whose copies were all written already
+        written = done = None  # the replica written last, and all written so far
         for name, data in node_table.items():
             if type(data) is BorrowedNode:
                 if data._replica is not written:
-                    written = data._replica
-                    self._replica(written, out)
+                    written, done = data._replica, done or set()
+                    if id(written) not in done:  # its copies are together unless moved
+                        done.add(id(written))
+                        self._replica(written, out)
                 continue
             body = self._own(name, protos[name], data, dirty)
             size = len(body)

@@ -375,3 +375,21 @@ def test_builder_ops_adds_nodes_like_one_op_call_each():
         Builder(bulk, "p").ops("NoOp", [("a0", [], "")])
     with pytest.raises(GraphxformError, match="'x' has input 'nope'"):
         Builder(bulk, "p").ops("NoOp", [("x", ["^nope"], "")])
+
+
+def test_copies_emit_once_even_when_a_replica_is_not_together():
+    """Emit writes a replica's copies as one run where its first copy is; if they were not
+    together in graph order (nothing in the IR does that), each is still written once."""
+    lazy, eager = colocated_ir(), colocated_ir()
+    for ir in (lazy, eager):
+        ir.copy_nodes_many(["v", "r"], ["r0/", "r1/"], devices=["/cpu:0", "/cpu:1"])
+        ir.add_node("after", "NoOp", ["^r0/r"])
+        moved = ir.g._node.pop("r0/v")  # r0/v now sits after r1's copies and "after"
+        ir.g._node["r0/v"] = moved
+    for name in ("r0/v", "r0/r", "r1/v", "r1/r"):
+        eager.proto(name)
+    emitted = metagraph.to_metagraph(lazy)
+    names = [nd.name for nd in emitted.graph_def.node]
+    assert sorted(names) == sorted(lazy.nodes()) and len(names) == len(set(names))
+    assert {nd.name: nd for nd in emitted.graph_def.node} == {
+        nd.name: nd for nd in metagraph.to_metagraph(eager).graph_def.node}
