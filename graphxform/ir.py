@@ -371,6 +371,10 @@ class GraphIR:
     def nodes(self) -> Iterator[str]:
         return iter(self.g)
 
+    def node_items(self) -> Iterable[tuple[str, dict]]:
+        """(name, node data) of every node, in graph order."""
+        return self.g._node.items()
+
     def node(self, name: str) -> dict:
         try:
             return self.g._node[name]

@@ -135,17 +135,17 @@ def analyze(ir: GraphIR, train_op: str | None = None) -> TrainingGraph:
         raise GraphxformError(f"train op '{train_op}' is not a node of the graph")
     closure = ir.ancestors(train_op) if train_op else set()
     var_defs = _variable_defs(ir)
-    variables, noops, placeholders = {}, [], []
-    for name in ir.nodes():  # the one sweep over all nodes
-        data = ir.node(name)
+    variables, noops, placeholders, users = {}, [], [], {}
+    for name, data in ir.node_items():  # the one sweep over all nodes
         op = data["op"]
         if op in VARIABLE_OPS:
-            variables[name] = _variable(ir, name, data, var_defs)
+            users[name] = ir.consumers(name, 0)
+            variables[name] = _variable(ir, name, data, var_defs, users[name])
         elif op == "NoOp":
             noops.append(name)
         elif op in PLACEHOLDER_OPS:
             placeholders.append(name)
-    writers = _find_writers(ir, variables, closure, saver_scope)
+    writers = _find_writers(ir, users, variables, closure, saver_scope)
     optimizer = _link_optimizer(ir, variables, writers)
     global_step = _global_step(ir, variables)
     extra = []
@@ -208,7 +208,7 @@ def _variable_defs(ir: GraphIR) -> dict | None:
     return found
 
 
-def _variable(ir, name, data, var_defs) -> Variable:
+def _variable(ir, name, data, var_defs, users) -> Variable:
     attr = data["attr"]
     shape = tuple(d.size for d in attr["shape"].shape.dim) if "shape" in attr else ()
     var = Variable(name=name, kind="resource" if data["op"] == "VarHandleOp" else "ref",
@@ -218,7 +218,7 @@ def _variable(ir, name, data, var_defs) -> Variable:
         var.initializer = vd.initializer_name or None
         var.initial_value = vd.initial_value_name or None
     read_op = "ReadVariableOp" if var.kind == "resource" else "Identity"
-    var.reads = [c for c, _ in ir.consumers(name, 0) if ir.op(c) == read_op]
+    var.reads = [c for c, _ in users if ir.op(c) == read_op]
     if var.initializer is None and f"{name}/Assign" in ir:
         var.initializer = f"{name}/Assign"
     if var.initializer and var.initial_value is None and var.initializer in ir:
@@ -227,11 +227,12 @@ def _variable(ir, name, data, var_defs) -> Variable:
     return var
 
 
-def _find_writers(ir, variables, closure, saver_scope) -> dict:
-    """Variable -> ops in the train step that write it (through its first variable input)."""
+def _find_writers(ir, users, variables, closure, saver_scope) -> dict:
+    """Variable -> ops in the train step that write it (through its first variable input);
+    ``users`` are each variable's consumers."""
     writers = {name: [] for name in variables}
     for name in variables:
-        for consumer, port in ir.consumers(name, 0):
+        for consumer, port in users[name]:
             op = ir.op(consumer)
             if not is_mutating_op(op) or consumer not in closure:
                 continue
