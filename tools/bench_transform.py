@@ -14,7 +14,8 @@ part of the timed region for all three) and ends with the serialized output byte
   ``graph.as_graph_def().SerializeToString()``.
 
 Each figure is the best of ``--repeats`` runs after one warm-up run (garbage from the previous run
-is collected outside the timed region). Budgets: graphxform <= 2.0x the floor, and >= 5x faster
+is collected outside the timed region); the methods take turns, one run each per round, so a
+slow stretch of a shared machine hits all of them. Budgets: graphxform <= 2.0x the floor, and >= 5x faster
 than import_graph_def. Then graphxform alone on ResNet-50 at 1, 2, 4, 8, 16, 32 replicas with a
 least-squares line through time vs replicas. ``--profile`` adds a cProfile of one graphxform run
 per graph with the hot spots in graphxform/ and passes/.
@@ -137,6 +138,28 @@ def best_of(fn, repeats: int, warmup: bool = True) -> Sample:
         if best is None or sample.seconds < best.seconds:
             best = sample
         del sample
+    gc.collect()
+    return best
+
+
+def interleaved(methods: dict, repeats: int) -> dict:
+    """Best (least total time) per method of ``repeats`` rounds, each round running every
+    method once in turn, after an untimed warm-up round. Interleaved, a stretch of the shared
+    machine running slow hits every method alike instead of one method's runs, so the ratios
+    hold up; a method that fails is reported and left out of later rounds (its figure None)."""
+    best = {label: None for label in methods}
+    failed = set()
+    for round_ in range(repeats + 1):
+        for label, fn in methods.items():
+            if label in failed:
+                continue
+            gc.collect()
+            sample = attempt(label, fn)
+            if sample is None:
+                failed.add(label)
+            elif round_ and (best[label] is None or sample.seconds < best[label].seconds):
+                best[label] = sample
+            del sample
     gc.collect()
     return best
 
@@ -289,7 +312,7 @@ def main(argv=None) -> int:
         pb_impl = "?"
     start = time.perf_counter()
     print(f"bench_transform: strategy {args.strategy}, {args.replicas} replicas, best of "
-          f"{args.repeats} after 1 warm-up; python {platform.python_version()}, tensorflow "
+          f"{args.repeats} interleaved rounds after 1 warm-up; python {platform.python_version()}, tensorflow "
           f"{tf.__version__}, protobuf {google.protobuf.__version__} ({pb_impl}), numpy "
           f"{numpy.__version__}, {os.cpu_count()} CPUs")
     devices = [f"/device:CPU:{i}" for i in range(args.replicas)]
@@ -310,13 +333,12 @@ def main(argv=None) -> int:
         nodes = len(meta_graph_pb2.MetaGraphDef.FromString(_read(path)).graph_def.node)
         print(f"\n{name}: {nodes} nodes, {os.path.getsize(path) / 2**20:.2f} MiB, {path} "
               f"(ready in {time.perf_counter() - t0:.1f} s)")
-        floor = attempt("floor", lambda: best_of(lambda: run_floor(path, devices), args.repeats))
-        gx = attempt("graphxform", lambda: best_of(
-            lambda: run_graphxform(path, devices, args.strategy, False), args.repeats))
-        gx_verify = attempt("graphxform verify=True", lambda: best_of(
-            lambda: run_graphxform(path, devices, args.strategy, True), args.repeats))
-        imp = attempt("import_graph_def", lambda: best_of(
-            lambda: run_import_graph_def(path, devices), args.repeats))
+        found = interleaved({
+            "floor": lambda: run_floor(path, devices),
+            "graphxform": lambda: run_graphxform(path, devices, args.strategy, False),
+            "graphxform verify=True": lambda: run_graphxform(path, devices, args.strategy, True),
+            "import_graph_def": lambda: run_import_graph_def(path, devices)}, args.repeats)
+        floor, gx, gx_verify, imp = found.values()
         for label, s in (("floor", floor), ("import_graph_def", imp)):
             if s:
                 print(f"  {label}: {s.seconds:.3f} s, {s.nodes} nodes, {s.out_bytes / 2**20:.1f} MiB")
