@@ -8,9 +8,9 @@ attribute dicts are never changed in place (rewiring replaces edges), so copies 
 
 Each node keeps a NodeDef (its attrs and rare fields). Its ``input`` list stays valid, so emitting
 the node is serializing it, until a method changes the node's in-edges: that marks the node dirty
-and emit rebuilds its inputs from the edges. A copy made by ``copy_nodes``/``copy_nodes_many`` borrows
-a frozen snapshot of its original's NodeDef (see ``BorrowedNode``) until something asks for its
-``attr`` or its NodeDef, so a node copied once per replica is never copied as a proto: emit
+and emit rebuilds its inputs from the edges. A copy made by ``copy_nodes``/``copy_nodes_many``
+borrows a frozen snapshot of its original's NodeDef (see ``BorrowedNode``) until something asks
+for its ``attr`` or its NodeDef, so a node copied once per replica is never copied as a proto: emit
 writes the copies of one prefix that nothing changed as one block of bytes (graphxform/wire.py),
 which is why a copy tells its ``Replica`` when it changes. The same methods record which nodes
 changed since the last structural check, so the pipeline's verify only looks at those.
@@ -136,8 +136,8 @@ class BorrowedNode(dict):
     is made only when first needed: on the first ``data["attr"]`` (copy-on-write: the map handed
     out is the copy's own, so mutating it never reaches the original or another copy), on
     ``GraphIR.proto(name)``. Emit never needs it (it writes the copy's bytes from its replica's
-    block, graphxform/wire.py), and reading ``op``, ``device`` and the rest, or attrs through ``GraphIR.attrs``, costs
-    nothing extra."""
+    block, graphxform/wire.py), and reading ``op``, ``device`` and the rest, or attrs through
+    ``GraphIR.attrs``, costs nothing extra."""
 
     __slots__ = ("_plan", "_replica", "_proto")
 
@@ -224,12 +224,17 @@ def copy_node_def(out, plan: tuple, prefix: str, device: str, copied):
     out.name = prefix + name
     out.device = device
     if texts:
-        out.input.extend(_renamed_inputs(texts, inputs_copied, copied, prefix))
+        out.input.extend(renamed_inputs(texts, inputs_copied, copied, prefix))
     if colocation:
-        loc = b"loc:@" + prefix.encode()
-        out.attr["_class"].list.s.extend([item if node is None else loc + node
-                                          for item, node in colocation])
+        out.attr["_class"].list.s.extend(colocation_items(colocation, prefix))
     return out
+
+
+def colocation_items(colocation: list, prefix: str) -> list[bytes]:
+    """A copy's ``_class`` items from its plan's colocation items (see ``_copy_plan``): kept
+    as they are, or pointing at the copy named ``prefix`` of a copied node."""
+    loc = b"loc:@" + prefix.encode()
+    return [item if node is None else loc + node for item, node in colocation]
 
 
 class Replica:
@@ -493,60 +498,49 @@ class GraphIR:
 
     # --------------------------------------------------------------- mutation
     def add_node(self, name: str, op: str, inputs: Iterable[str] = (), *, device: str = "",
-                 attr: dict | None = None, created_by: str | None = None, proto=None,
+                 attr: dict | None = None, created_by: str | None = None,
                  origin: str | None = None) -> str:
         """Add a node; ``inputs`` are TF input strings ('a', 'a:1', '^a'); ``attr`` maps names to
         AttrValue protos (copied). Returns the name."""
-        node_table = self.g._node
-        if name in node_table:
-            raise GraphxformError(f"node '{name}' already exists")
-        if proto is None:
-            from tensorflow.core.framework import node_def_pb2
-            proto = node_def_pb2.NodeDef()
-        proto.name, proto.op, proto.device = name, op, device
+        from tensorflow.core.framework import node_def_pb2
+        proto = node_def_pb2.NodeDef(name=name, op=op, device=device)
         if attr:
             for key, value in attr.items():
                 proto.attr[key].CopyFrom(value)
-        self._protos[name] = proto
-        node_table[name] = {"op": op, "device": device, "attr": proto.attr, "origin": origin,
-                            "created_by": created_by}
-        self.g._succ[name] = {}
-        self.g._pred[name] = {}
-        self._unverified.add(name)
-        written = self._connect(name, inputs) if inputs else []
-        if written is None:
-            self._dirty.add(name)  # its inputs are written out from the edges on emit
-        elif written or proto.input:
-            proto.input[:] = written
+        self._insert(name, proto, device, inputs, origin, created_by)
         return name
 
     def add_nodes(self, template, rows: Iterable[tuple], *,
                   created_by: str | None = None) -> list[str]:
-        """``add_node`` for many nodes that differ only in name, inputs and device, as a pass
-        adds them per variable per replica: each a copy of the NodeDef ``template`` (op and
-        attrs) with its (name, inputs, device) from ``rows``. Returns the names."""
-        node_table, succ, pred, protos = self.g._node, self.g._succ, self.g._pred, self._protos
-        op, new_proto, names = template.op, type(template), []
+        """``add_node`` for nodes that differ only in name, inputs and device, as a pass adds
+        them per variable per replica: each a copy of the NodeDef ``template`` (op and attrs)
+        with its (name, inputs, device) from ``rows``. Returns the names."""
+        new_proto, names = type(template), []
         for name, inputs, device in rows:
-            if name in node_table:
-                raise GraphxformError(f"node '{name}' already exists")
             proto = new_proto()
             proto.CopyFrom(template)
-            proto.name = name
-            if device:
-                proto.device = device
-            protos[name] = proto
-            node_table[name] = {"op": op, "device": device, "attr": proto.attr, "origin": None,
-                                "created_by": created_by}
-            succ[name], pred[name] = {}, {}
+            proto.name, proto.device = name, device
+            self._insert(name, proto, device, inputs, None, created_by)
             names.append(name)
-            written = self._connect(name, inputs)
-            if written is None:
-                self._dirty.add(name)
-            elif written:
-                proto.input.extend(written)
-        self._unverified.update(names)
         return names
+
+    def _insert(self, name: str, proto, device: str, inputs: Iterable[str],
+                origin: str | None, created_by: str | None) -> None:
+        """A new node ``name`` whose NodeDef ``proto`` holds its name, op, device and attrs;
+        its inputs are linked and, unless that takes the edges, written into the NodeDef."""
+        node_table = self.g._node
+        if name in node_table:
+            raise GraphxformError(f"node '{name}' already exists")
+        self._protos[name] = proto
+        node_table[name] = {"op": proto.op, "device": device, "attr": proto.attr,
+                            "origin": origin, "created_by": created_by}
+        self.g._succ[name], self.g._pred[name] = {}, {}
+        self._unverified.add(name)
+        written = self._connect(name, inputs) if inputs else []
+        if written is None:
+            self._dirty.add(name)  # its inputs are written out from the edges on emit
+        elif written:
+            proto.input.extend(written)
 
     def _connect(self, name: str, inputs: Iterable[str]) -> list[str] | None:
         """The in-edges of the new node ``name``, written straight into the adjacency: an input
@@ -649,10 +643,11 @@ class GraphIR:
                 for src in sources[k]:
                     if src not in names:
                         del succ[src][order[k]]
-        for table in (succ, pred, node_table):
-            removed = list(map(table.pop, order))
+        for table in (succ, pred):
+            collections.deque(map(table.__delitem__, order), maxlen=0)
+        removed = list(map(node_table.pop, order))
         collections.deque(map(protos.pop, order, itertools.repeat(None)), maxlen=0)
-        for data in removed:  # the node data
+        for data in removed:
             if type(data) is BorrowedNode:
                 data._touched()
         self._dirty.difference_update(names)
@@ -928,7 +923,7 @@ def colocation_targets(attr_value) -> list[tuple[bytes, str | None]]:
             for item in attr_value.list.s]
 
 
-def _renamed_inputs(texts: list[str], all_copied: bool, copied, prefix: str) -> list[str]:
+def renamed_inputs(texts: list[str], all_copied: bool, copied, prefix: str) -> list[str]:
     """A NodeDef input list with the inputs in ``copied`` renamed to their copies."""
     if all_copied:
         caret = "^" + prefix

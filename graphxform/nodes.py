@@ -160,10 +160,7 @@ class Builder:
         return template
 
     def _add(self, name: str, template, inputs, device: str) -> str:
-        proto = node_def_pb2.NodeDef()
-        proto.CopyFrom(template)
-        return self.ir.add_node(name, template.op, inputs, device=device, proto=proto,
-                                created_by=self.created_by)
+        return self.ir.add_nodes(template, [(name, inputs, device)], created_by=self.created_by)[0]
 
 
 def _hashable(value):

@@ -9,15 +9,15 @@ which joining and one ``bytes.replace`` fill for each replica. Every other node 
 serialized. The pass that created a node follows the node's other fields as an attr map entry;
 protobuf takes fields in any order, and attr map entries have no order anyway.
 
-Field numbers used: NodeDef device=4 attr=5 (a map: entries key=1 value=2); AttrValue s=2;
-GraphDef node=1.
+Field numbers used: NodeDef name=1 input=3 device=4 attr=5 (a map: entries key=1 value=2);
+AttrValue list=1 s=2; AttrValue.ListValue s=2; GraphDef node=1.
 """
 
 from __future__ import annotations
 
 import itertools
 
-from graphxform.ir import BorrowedNode, GraphIR, _renamed_inputs, parse_tensor
+from graphxform.ir import BorrowedNode, GraphIR, colocation_items, parse_tensor, renamed_inputs
 
 _VARINTS = [bytes([n]) for n in range(128)]
 
@@ -251,16 +251,14 @@ def copy_bytes(plan: tuple, prefix: str, device: str, copied, inputs=None) -> by
     out = [NAME, small[len(head)] if len(head) < 128 else varint(len(head)), head,
            snapshot.SerializeToString()]
     if inputs is None and texts:
-        inputs = _renamed_inputs(texts, inputs_copied, copied, prefix)
+        inputs = renamed_inputs(texts, inputs_copied, copied, prefix)
     if inputs:
         for raw in map(str.encode, inputs):
             out += (INPUT, small[len(raw)] if len(raw) < 128 else varint(len(raw)), raw)
     if device:
         out.append(field(DEVICE, device.encode()))
-    if colocation:
-        loc = b"loc:@" + prefix.encode()
-        items = b"".join([field(b"\x12", item if node is None else loc + node)
-                          for item, node in colocation])
+    if colocation:  # attr entry "_class" -> AttrValue{list: ListValue{s: items}}
+        items = b"".join([field(b"\x12", item) for item in colocation_items(colocation, prefix)])
         out.append(field(ATTR, field(b"\x0a", b"_class") + field(b"\x12", field(b"\x0a", items))))
     return b"".join(out)
 

@@ -15,9 +15,9 @@ part of the timed region for all three) and ends with the serialized output byte
 
 Each figure is the best of ``--repeats`` runs after one warm-up run (garbage from the previous run
 is collected outside the timed region); the methods take turns, one run each per round, so a
-slow stretch of a shared machine hits all of them. Budgets: graphxform <= 2.0x the floor, and >= 5x faster
-than import_graph_def. Then graphxform alone on ResNet-50 at 1, 2, 4, 8, 16, 32 replicas with a
-least-squares line through time vs replicas. ``--profile`` adds a cProfile of one graphxform run
+slow stretch of a shared machine hits all of them. Budgets: graphxform <= 2.0x the floor, and
+>= 5x faster than import_graph_def. Then graphxform alone on ResNet-50 at 1, 2, 4, 8, 16, 32
+replicas with a least-squares line through time vs replicas. ``--profile`` adds a cProfile of one graphxform run
 per graph with the hot spots in graphxform/ and passes/.
 
 Usage: python tools/bench_transform.py [--repeats 3] [--quick] [--profile] [--cache-dir DIR]
