@@ -1,9 +1,15 @@
 """What a training graph holds, found from the graph alone.
 
 Variables (resource and reference) with their reads, initializer, updates, gradient and optimizer
-slots; the optimizer; global_step; the train op; the loss; input placeholders. A graph with no
-training step is still analysed (``train_op`` is None); passes that need one call
+slots; the optimizer; global_step; the steps (what the user runs to train: one or several train
+ops, each an op or a tensor) and the loss each one minimises; input placeholders. A graph with
+no training step is still analysed (``train_op`` is None); passes that need one call
 ``require_train_op``.
+
+A variable's gradient is where it is *born*: the tensor that ``tf.gradients`` produced, found by
+walking back from the variable's update through everything outside a gradients scope
+(clipping, loss-scale division, finite checks, the optimizer's own arithmetic). Reducing it
+there means all that post-processing sees the cross-replica gradient, as on one device.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ RANDOM_OPS = {"RandomUniform", "RandomUniformInt", "RandomStandardNormal", "Trun
               "StatelessRandomUniform", "StatelessRandomNormal", "StatelessTruncatedNormal",
               "StatelessRandomUniformV2", "StatelessRandomNormalV2", "RandomShuffleQueueV2"}
 GRADIENT_ARGS = ("grad", "delta", "indices")  # input args of Apply ops that carry the gradient
+REPLICA_SCOPE = re.compile(r"^replica_\d+/")
 GRADIENTS_SCOPE = re.compile(r"^(?:.*/)?gradients(?:_\d+)?/")
 _INT_TYPES = {3, 9, 4, 6, 5, 17, 22, 23}  # int32 int64 uint8 int8 int16 uint16 uint32 uint64
 
@@ -103,6 +110,21 @@ class Optimizer:
 
 
 @dataclasses.dataclass
+class Step:
+    """One thing the user runs to train: ``name`` exactly as given to ``session.run`` (an op,
+    or a tensor such as tf_slim's ``train_op/control_dependency:0``), ``op`` its node, and
+    ``loss`` the tensor whose gradients it applies (None when not found)."""
+    name: str
+    op: str
+    loss: str | None
+    closure: set = dataclasses.field(default_factory=set, repr=False)
+
+    @property
+    def is_tensor(self) -> bool:
+        return ":" in self.name
+
+
+@dataclasses.dataclass
 class TrainingGraph:
     variables: dict
     inputs: list
@@ -115,6 +137,7 @@ class TrainingGraph:
     train_closure: set
     extra_updates: list  # update ops in the train step that are not the optimizer's
     noop_sinks: list  # NoOps nothing waits on: the train op, `init`, groups a user may run
+    steps: list = dataclasses.field(default_factory=list)  # Step per train op, in run order
 
     def require_train_op(self, what: str = "this pass") -> str:
         if self.train_op is None:
@@ -127,13 +150,14 @@ class TrainingGraph:
         return [v for v in self.variables.values() if v.trainable and v.gradient is not None]
 
 
-def analyze(ir: GraphIR, train_op: str | None = None) -> TrainingGraph:
-    """Analyse ``ir``; ``train_op`` overrides the 'train_op' collection."""
+def analyze(ir: GraphIR, train_op=None) -> TrainingGraph:
+    """Analyse ``ir``; ``train_op`` (a name, a comma-separated list or a list of names, each an
+    op or a tensor) overrides the 'train_op' collection."""
     saver_scope = _saver_scope(ir)
-    train_op = train_op or _collection_node(ir, "train_op")
-    if train_op is not None and train_op not in ir:
-        raise GraphxformError(f"train op '{train_op}' is not a node of the graph")
-    closure = ir.ancestors(train_op) if train_op else set()
+    step_names = find_steps(ir, train_op)
+    closures = {name: ir.ancestors(parse_tensor(name)[0]) for name in step_names}
+    closure = set().union(*closures.values()) if closures else set()
+    train_op = parse_tensor(step_names[0])[0] if step_names else None
     var_defs = _variable_defs(ir)
     variables, noops, placeholders, users = {}, [], [], {}
     for name, data in ir.node_items():  # the one sweep over all nodes
@@ -163,14 +187,120 @@ def analyze(ir: GraphIR, train_op: str | None = None) -> TrainingGraph:
     if var_defs is None:  # bare GraphDef: trainable means updated by the optimizer
         for var in variables.values():
             var.trainable = var.gradient is not None
-    losses = _losses(ir)
+    steps = [Step(name, parse_tensor(name)[0], _step_loss(ir, name, closures[name], variables),
+                  closures[name]) for name in step_names]
+    losses = list(dict.fromkeys([s.loss for s in steps if s.loss] + _losses(ir)))
     sinks = [n for n in noops if not any(ir.successors(n))
              and not (saver_scope and n.startswith(saver_scope))]
     inputs = _inputs(ir, placeholders, saver_scope)
     return TrainingGraph(variables=variables, inputs=inputs, train_op=train_op,
                          loss=losses[0] if losses else None, losses=losses,
                          global_step=global_step, optimizer=optimizer, saver_scope=saver_scope,
-                         train_closure=closure, extra_updates=extra, noop_sinks=sinks)
+                         train_closure=closure, extra_updates=extra, noop_sinks=sinks,
+                         steps=steps)
+
+
+def find_steps(ir: GraphIR, given=None) -> list[str]:
+    """The names the user runs to train, in run order. ``given``: names from --train-op (a list
+    or a comma-separated string). By default every entry of the 'train_op' collection that no
+    other entry runs (tf_slim's collection also lists the optimizer's own op, which its
+    ``train_op/control_dependency`` runs)."""
+    if given:
+        names = given.split(",") if isinstance(given, str) else list(given)
+        names = [n.strip() for n in names if n.strip()]
+        for name in names:
+            if parse_tensor(name)[0] not in ir:
+                raise GraphxformError(f"train op '{name}' is not a node of the graph")
+        return list(dict.fromkeys(names))
+    names = list(dict.fromkeys(n.lstrip("^") for n in _collection_values(ir, "train_op")))
+    names = [n for n in names if parse_tensor(n)[0] in ir]
+    nodes = [parse_tensor(n)[0] for n in names]
+    run_by_other = set()
+    for node in dict.fromkeys(nodes):
+        run_by_other |= ir.ancestors(node) - {node}
+    found, seen = [], set()
+    for name, node in zip(names, nodes):
+        if node not in run_by_other and node not in seen:
+            seen.add(node)
+            found.append(name)
+    return found
+
+
+def _collection_values(ir: GraphIR, key: str) -> list[str]:
+    if key not in ir.meta.collection_def:
+        return []
+    col = ir.meta.collection_def[key]
+    return list(col.node_list.value) or [b.decode() for b in col.bytes_list.value]
+
+
+def gradient_scope(name: str) -> str | None:
+    """The gradients scope ``name`` lies in ('gradients/', 'gradients_1/', 'opt/gradients/'),
+    or None."""
+    match = GRADIENTS_SCOPE.match(name)
+    return match.group(0) if match else None
+
+
+def _step_loss(ir: GraphIR, step: str, closure: set, variables: dict) -> str | None:
+    """The loss a step minimises: the ``ys`` of the tf.gradients call whose gradients its
+    updates apply. tf.gradients starts from ``<scope>grad_ys_0`` (a Fill of ones), read by the
+    gradient of the op that made ys; Identity-like ops pass the gradient through unnamed, so the
+    walk climbs from that op through Identity/AddN consumers to the tensor the user named."""
+    scopes = sorted({gradient_scope(n) for v in variables.values() if v.gradient
+                     for t in v.gradient.tensors for n in [parse_tensor(t)[0]]
+                     if v.updates and v.updates[0] in closure} - {None})
+    if not scopes and step in ir and ir.op(parse_tensor(step)[0]) == "Identity":
+        return tensor_name(*ir.input(parse_tensor(step)[0], 0))
+    for scope in scopes:
+        seed = scope + "grad_ys_0"
+        if seed not in ir:
+            continue
+        forward = set()
+        for dst, _ in ir.consumers(seed):
+            rest = dst[len(scope):]
+            if "_grad/" in rest:
+                op = rest.split("_grad/", 1)[0]
+                prefix = scope[: -len(scope.split("/")[-2]) - 1] if scope.count("/") > 1 else ""
+                for candidate in (op, prefix + op):
+                    if candidate in ir:
+                        forward.add(candidate)
+                        break
+        loss = _common_consumer(ir, sorted(forward)) if forward else None
+        if loss:
+            loss = _climb_identities(ir, loss)
+            merged = REPLICA_SCOPE.sub("", loss)  # a transformed graph: the merged fetch
+            return tensor_name(merged if merged in ir else loss, 0)
+    return None
+
+
+def _common_consumer(ir: GraphIR, ops: list[str]) -> str | None:
+    """The op that ``ops`` all feed, outside gradients scopes (itself when there is one):
+    the ys that pass-through gradients (AddN, Identity) left unnamed."""
+    if len(ops) == 1:
+        return ops[0]
+    reach = []
+    for op in ops:
+        seen, frontier = {op}, [op]
+        for _ in range(4):
+            frontier = [d for n in frontier for d, _ in ir.consumers(n) if not gradient_scope(d)
+                        and d not in seen]
+            seen.update(frontier)
+        reach.append(seen)
+    common = set.intersection(*reach)
+    return min(common, key=len) if common else None
+
+
+def _climb_identities(ir: GraphIR, node: str) -> str:
+    """From ``node`` up through Identity consumers that only rename it (no control inputs),
+    while there is exactly one consumer outside gradients scopes."""
+    for _ in range(8):
+        users = {d for d, _ in ir.consumers(node) if not gradient_scope(d)}
+        if len(users) != 1:
+            break
+        (user,) = users
+        if ir.op(user) != "Identity" or ir.control_inputs(user):
+            break
+        node = user
+    return node
 
 
 def _saver_scope(ir: GraphIR) -> str | None:
@@ -178,16 +308,6 @@ def _saver_scope(ir: GraphIR) -> str | None:
         return None
     node, _ = parse_tensor(ir.meta.saver_def.filename_tensor_name)
     return node.rsplit("/", 1)[0] + "/" if "/" in node else None
-
-
-def _collection_node(ir: GraphIR, key: str) -> str | None:
-    if key not in ir.meta.collection_def:
-        return None
-    col = ir.meta.collection_def[key]
-    names = list(col.node_list.value) or [b.decode() for b in col.bytes_list.value]
-    if not names:
-        return None
-    return parse_tensor(names[0])[0]
 
 
 def _variable_defs(ir: GraphIR) -> dict | None:
@@ -286,7 +406,7 @@ def _link_optimizer(ir, variables, writers) -> Optimizer | None:
             for op_name, _ in writers[owner]:
                 if op_name.startswith(scope) and op_name not in apply_ops:
                     starts += [(op_name, p) for p in range(1, len(ir.inputs(op_name)))]
-        var.gradient = _trace_gradient(ir, scope, starts)
+        var.gradient = _trace_gradient(ir, starts)
         if fallback is None:
             fallback = Optimizer(_optimizer_kind(var), scope.split("/", 1)[0] + "/", {})
     return optimizer or fallback
@@ -316,32 +436,43 @@ def _link_slot(variables, var, slot, slot_name) -> None:
         variables[slot].role = "slot"
 
 
-def _trace_gradient(ir, scope, starts) -> Gradient | None:
-    """Walk back from the update ops' inputs through the optimizer's update scope; the tensors
-    where the walk leaves the scope under a gradients scope are the raw gradient."""
-    boundary = []
-    seen = set()
-    stack = [ir.input(op, port) for op, port in starts]
-    while stack:
-        src, port = stack.pop()
-        if (src, port) in seen:
-            continue
-        seen.add((src, port))
-        if src.startswith(scope):
-            stack.extend(ir.inputs(src))
-        elif ir.op(src) not in VARIABLE_OPS:
-            boundary.append((src, port))
-    grads = [t for t in boundary if GRADIENTS_SCOPE.match(t[0])] or [
-        t for t in boundary if ir.op(t[0]) not in ("Const", "ReadVariableOp", "Identity")]
-    if not grads:
+def _trace_gradient(ir, starts) -> Gradient | None:
+    """Where a variable's gradient is born: walk back breadth-first from the update ops'
+    gradient inputs through every node outside a gradients scope (the optimizer's arithmetic,
+    clipping, loss-scale division, finite checks); the tensors where the walk enters a gradients
+    scope are born gradients. The nearest float one is this variable's; an integer one beside it
+    (same name scope) makes it sparse (IndexedSlices values and indices). Clipping by global
+    norm reaches every variable's gradient, hence nearest first."""
+    born, seen = [], set()
+    frontier = [ir.input(op, port) for op, port in starts]
+    depth = 0
+    while frontier and depth < 64:
+        nxt = []
+        for src, port in frontier:
+            if (src, port) in seen:
+                continue
+            seen.add((src, port))
+            if gradient_scope(src):
+                born.append((depth, src, port))
+            elif ir.op(src) not in VARIABLE_OPS:
+                nxt.extend(ir.inputs(src))
+        frontier, depth = nxt, depth + 1
+    floats = [(d, s, p) for d, s, p in born if opdefs.output_dtype(ir, s, p) not in _INT_TYPES]
+    if not floats:
         return None
-    ints = [t for t in grads if opdefs.output_dtype(ir, *t) in _INT_TYPES]
-    floats = [t for t in grads if t not in ints]
-    if ints and floats:
-        return Gradient("sparse", values=tensor_name(*floats[0]), indices=tensor_name(*ints[0]))
-    if floats:
-        return Gradient("dense", tensor=tensor_name(*floats[0]))
-    return None
+    _, src, port = min(floats, key=lambda t: t[0])
+    scope = src.rsplit("/", 1)[0]
+    ints = sorted((d, s, p) for d, s, p in born if s.rsplit("/", 1)[0] == scope
+                  and opdefs.output_dtype(ir, s, p) in _INT_TYPES and _is_indices(ir, s))
+    if ints:
+        return Gradient("sparse", values=tensor_name(src, port),
+                        indices=tensor_name(ints[0][1], ints[0][2]))
+    return Gradient("dense", tensor=tensor_name(src, port))
+
+
+def _is_indices(ir, node) -> bool:
+    """An IndexedSlices' indices, not its dense_shape (a constant or a Shape)."""
+    return ir.op(node) not in ("Const", "Shape", "Cast")
 
 
 def _global_step(ir, variables) -> str | None:
