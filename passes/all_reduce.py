@@ -1,13 +1,23 @@
-"""all-reduce: average each gradient across replicas with TF collective ops.
+"""all-reduce: average each gradient across replicas with TF collective ops, where it is born.
+
+A gradient is reduced at the tensor tf.gradients produced (``Variable.gradient``), before any
+post-processing (clipping by global norm, loss-scale division, finite checks, summaries), so
+that everything after it sees the cross-replica gradient as the single-device graph does.
 
 Dense gradients are flattened (vectors are flat already) and fused into buckets of at most
 `bucket_bytes` (one CollectiveReduceV2 per bucket per replica, then split back), so a model
-needs few collectives; buckets run in a fixed order on every replica (each waits on the
-previous one) so launches never interleave differently across devices. Sparse gradients
-(IndexedSlices) are gathered with CollectiveGatherV2 and scaled by 1/N, never densified,
-unless `sparse_as_dense`.
+needs few collectives. Each step (train op) has its own buckets, since steps run in separate
+session calls; a step's buckets run in a fixed order on every replica (each waits on the
+previous one) so launches never interleave differently across devices.
 
-The reduced tensors are recorded for `rewire-consumers`, which points the optimizer at them."""
+Sparse gradients (IndexedSlices) are gathered, never densified unless `sparse_as_dense`: their
+row counts differ between replicas (each slice of the batch holds other ids), and a collective
+gather needs equal shapes, so each replica first gathers every replica's row count, pads its
+rows to the largest, gathers, and keeps only the real rows: the concatenation, in replica order,
+of every replica's rows, scaled by 1/N (a mean loss over equal slices).
+
+The reduced tensors are recorded for `rewire-consumers`, which points every consumer of the
+local gradient outside a gradients scope at them."""
 
 from __future__ import annotations
 
@@ -44,30 +54,48 @@ class AllReduce(Pass):
 
     def run(self, ir, ctx):
         tg = ctx.training
-        dense, sparse = [], []
-        for var in tg.trainable:
-            grad = var.gradient
-            if grad.kind == "dense" or self.sparse_as_dense:
-                dense.append(DenseGrad(var.name, grad.tensor if grad.kind == "dense" else None,
-                                       var.shape, var.dtype, var.nbytes or 1,
-                                       None if grad.kind == "dense" else grad))
-            else:
-                sparse.append((var, grad))
-        if not dense and not sparse:
+        if len(ctx.devices) < 2:
             return PassResult(modified=False)
-        buckets = self._buckets(reversed(dense))  # last layers' gradients are ready first
         collectives = _Collectives(ir, self.name, ctx.devices)
-        previous = [None] * len(ctx.devices)
-        for b, bucket in enumerate(buckets):
-            previous = collectives.reduce_bucket(b, bucket, previous)
-        for j, (var, grad) in enumerate(sparse):
-            collectives.gather(j, var, grad)
-        ctx.state[self.name] = {"rewires": collectives.rewires,
-                               "scope": tg.optimizer.scope if tg.optimizer else ""}
+        buckets, sparse, dense_bytes = 0, 0, 0
+        for step_dense, step_sparse in self._by_step(tg):
+            previous = [None] * len(ctx.devices)
+            for bucket in self._buckets(reversed(step_dense)):  # last layers' are ready first
+                previous = collectives.reduce_bucket(buckets, bucket, previous)
+                buckets += 1
+            for var, grad in step_sparse:
+                previous = collectives.gather(sparse, var, grad, previous)
+                sparse += 1
+            dense_bytes += sum(g.nbytes for g in step_dense)
+        if not buckets and not sparse:
+            return PassResult(modified=False)
+        ctx.state[self.name] = {"rewires": collectives.rewires}
         return PassResult(modified=True, summary={
-            "buckets": len(buckets), "sparse_gathers": len(sparse),
-            "collectives_per_replica": len(buckets) + 2 * len(sparse),
-            "dense_bytes_reduced": sum(g.nbytes for g in dense)})
+            "buckets": buckets, "sparse_gathers": sparse,
+            "collectives_per_replica": buckets + 3 * sparse,
+            "dense_bytes_reduced": dense_bytes})
+
+    def _by_step(self, tg):
+        """Each step's (dense, sparse) gradients, every born gradient once (the first step
+        whose updates apply it)."""
+        seen, out = set(), []
+        steps = tg.steps or [None]
+        for step in steps:
+            dense, sparse = [], []
+            for var in tg.trainable:
+                grad = var.gradient
+                if (step is not None and not (set(var.updates) & step.closure)) \
+                        or tuple(grad.tensors) in seen:
+                    continue
+                seen.add(tuple(grad.tensors))
+                if grad.kind == "dense" or self.sparse_as_dense:
+                    dense.append(DenseGrad(var.name, grad.tensor if grad.kind == "dense" else None,
+                                           var.shape, var.dtype, var.nbytes or 1,
+                                           None if grad.kind == "dense" else grad))
+                else:
+                    sparse.append((var, grad))
+            out.append((dense, sparse))
+        return out
 
     def _buckets(self, grads):
         buckets, current, size = [], [], 0
@@ -179,24 +207,78 @@ class _Collectives:
         self.rewires.append((i, prefix + g.sparse.values, reduced))
         self.rewires.append((i, prefix + g.sparse.indices, f"{all_rows}:0"))
 
-    def gather(self, j, var, grad):
+    def gather(self, j, var, grad, previous):
+        """All replicas' rows of a sparse gradient, in replica order, scaled by 1/N. Row counts
+        differ between replicas, so: gather the counts, pad to the largest, gather, keep the
+        real rows. Returns the last collective of each replica (the next one waits on it)."""
         ir, build = self.ir, self.build
-        values_key, indices_key = self.next_instance, self.next_instance + 1
-        self.next_instance += 2
+        count_key, values_key, indices_key = range(self.next_instance, self.next_instance + 3)
+        self.next_instance += 3
+        last = []
         for i in range(self.n):
             device, prefix = self.devices[i], replica_prefix(i)
             scope = f"{SCOPE}sparse_{j}/{prefix}"
             size, key = self._keys[i]
-            gathered = {}
-            for part, instance in (("values", values_key), ("indices", indices_key)):
-                tensor = prefix + getattr(grad, part)
-                dtype = opdefs.output_dtype(ir, *parse_tensor(tensor))
-                ikey = build.const(scope + f"{part}_instance_key", instance, np.int32,
-                                   device=device)
-                gathered[part] = build.op(scope + part, "CollectiveGatherV2",
-                                          [tensor, size, key, ikey], device=device, T=dtype)
-            scale = build.const(scope + "replicas", self.n, numpy_dtype(var.dtype), device=device)
-            mean = build.op(scope + "mean", "RealDiv", [gathered["values"], scale],
-                            device=device, T=var.dtype)
-            self.rewires.append((i, prefix + grad.values, f"{mean}:0"))
-            self.rewires.append((i, prefix + grad.indices, f"{gathered['indices']}:0"))
+            values, indices = prefix + grad.values, prefix + grad.indices
+            values_dtype = opdefs.output_dtype(ir, *parse_tensor(values))
+            indices_dtype = opdefs.output_dtype(ir, *parse_tensor(indices))
+
+            def op(name, op_type, inputs, **attrs):
+                return build.op(scope + name, op_type, inputs, device=device, **attrs)
+
+            made = {}
+
+            def const(name, value, dtype=np.int32):
+                if name not in made:
+                    made[name] = build.const(scope + name, value, dtype, device=device)
+                return made[name]
+
+            wait = ["^" + previous[i]] if previous[i] else []
+            rows = op("rows", "Shape", [indices], T=indices_dtype, out_type=INT32)
+            counts = op("counts", "CollectiveGatherV2",
+                        [rows, size, key, const("counts_instance_key", count_key)] + wait,
+                        T=INT32)
+            longest = op("longest", "Max", [counts, const("axis", [0])], T=INT32, Tidx=INT32)
+            missing = op("missing", "Sub", [longest, rows], T=INT32)
+            padded = {}
+            for part, tensor, dtype, instance in (("values", values, values_dtype, values_key),
+                                                  ("indices", indices, indices_dtype,
+                                                   indices_key)):
+                # paddings [[0, missing], [0, 0], ...]: missing rows at the end of axis 0
+                rank = op(f"{part}_rank", "Rank", [tensor], T=dtype)
+                axes = op(f"{part}_axes", "Range", [const("zero", 0), rank, const("one", 1)],
+                          Tidx=INT32)
+                first = op(f"{part}_first_axis", "Cast", [op(
+                    f"{part}_is_first", "Equal", [axes, const("zero", 0)], T=INT32)],
+                    SrcT=10, DstT=INT32)
+                after = op(f"{part}_after", "Mul", [first, missing], T=INT32)
+                before = op(f"{part}_before", "ZerosLike", [after], T=INT32)
+                paddings = op(f"{part}_paddings", "Pack", [before, after], N=2, T=INT32, axis=1)
+                padded[part] = op(f"{part}_padded", "Pad", [tensor, paddings], T=dtype,
+                                  Tpaddings=INT32)
+                gathered = op(f"{part}_gathered", "CollectiveGatherV2",
+                              [padded[part], size, key, const(f"{part}_instance_key", instance),
+                               "^" + counts], T=dtype)
+                padded[part] = gathered
+            # position p of the gathered rows came from replica p // longest, row p % longest
+            positions = op("positions", "Range", [const("zero", 0), op(
+                "total", "Mul", [longest, size], T=INT32), const("one", 1)], Tidx=INT32)
+            owner = op("owner", "FloorDiv", [positions, longest], T=INT32)
+            offset = op("offset", "FloorMod", [positions, longest], T=INT32)
+            owner_rows = op("owner_rows", "GatherV2", [counts, owner, const("axis0", 0)],
+                            Tparams=INT32, Tindices=INT32, Taxis=INT32, batch_dims=0)
+            real = op("real", "Less", [offset, owner_rows], T=INT32)
+            keep = op("keep", "Where", [real], T=10)  # DT_BOOL
+            keep = op("keep_rows", "Reshape", [keep, const("flat", [-1])], T=9, Tshape=INT32)
+            kept = {}
+            for part, dtype in (("values", values_dtype), ("indices", indices_dtype)):
+                kept[part] = op(f"{part}_kept", "GatherV2", [padded[part], keep,
+                                                             const("axis0", 0)],
+                                Tparams=dtype, Tindices=9, Taxis=INT32, batch_dims=0)
+            scale = build.const(scope + "replicas", self.n, numpy_dtype(values_dtype),
+                                device=device)
+            mean = op("mean", "RealDiv", [kept["values"], scale], T=values_dtype)
+            self.rewires.append((i, values, f"{mean}:0"))
+            self.rewires.append((i, indices, f"{kept['indices']}:0"))
+            last.append(padded["indices"])
+        return last

@@ -1,7 +1,9 @@
-"""rewire-consumers: the optimizer's update ops read the reduced gradients.
+"""rewire-consumers: everything that read a replica's local gradient reads the reduced one.
 
-Only consumers inside the replica's optimizer scope move (data and control alike); anything
-else that reads a local gradient (a summary, say) keeps the local value."""
+Every consumer in the replica outside a gradients scope moves (data and control alike): the
+optimizer, and the post-processing between tf.gradients and it (clipping, loss-scale division,
+finite checks, gradient summaries), which so sees the cross-replica gradient. The collectives
+themselves live outside the replica's scope and keep reading the local value."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import dataclasses
 
 from graphxform.nodes import replica_prefix
 from graphxform.pipeline import Pass, PassResult
+from graphxform.training import gradient_scope
 
 
 @dataclasses.dataclass
@@ -21,6 +24,8 @@ class RewireConsumers(Pass):
             return PassResult(modified=False)
         moved = 0
         for i, local, reduced in state["rewires"]:
-            scope = replica_prefix(i) + state["scope"]
-            moved += ir.replace_all_uses_with(local, reduced, where=lambda n: n.startswith(scope))
+            prefix = replica_prefix(i)
+            moved += ir.replace_all_uses_with(
+                local, reduced, where=lambda n, p=prefix: n.startswith(p)
+                and not gradient_scope(n[len(p):]))
         return PassResult(modified=moved > 0, summary={"edges": moved})

@@ -44,8 +44,44 @@ def test_sparse_as_dense_trains_the_same():
 def test_sparse_gradient_is_gathered_not_densified():
     ir = transformed("embedding_adam", 2)
     ops = [ir.op(n) for n in ir.nodes() if n.startswith("allreduce/sparse_0/replica_0/")]
-    assert ops.count("CollectiveGatherV2") == 2
+    assert ops.count("CollectiveGatherV2") == 3  # row counts, values, indices
     assert "UnsortedSegmentSum" not in ops
+
+
+def unique_ids_graph():
+    """An embedding looked up through the distinct ids of the batch (as feature columns'
+    embedding_lookup_sparse does): its gradient has one row per distinct id, so two slices of
+    a batch give gradients of different lengths."""
+    import tensorflow as tf
+    v1 = tf.compat.v1
+    g = tf.Graph()
+    with g.as_default():
+        v1.set_random_seed(1)
+        ids = v1.placeholder(tf.int64, [None, 3], name="ids")
+        y = v1.placeholder(tf.float32, [None], name="y")
+        table = v1.get_variable("table", [20, 4])
+        distinct, position = tf.unique(tf.reshape(ids, [-1]))
+        rows = tf.gather(tf.gather(table, distinct), position)
+        pred = tf.reduce_sum(tf.reshape(rows, [-1, 12]), axis=1)
+        loss = tf.reduce_mean(tf.square(pred - y), name="loss")
+        step = v1.train.get_or_create_global_step()
+        v1.train.AdagradOptimizer(0.5).minimize(loss, global_step=step)
+        meta = v1.train.export_meta_graph(graph=g)
+    return metagraph.from_metagraph(meta)
+
+
+def test_sparse_gradients_of_different_lengths_are_gathered_exactly(tmp_path):
+    ids = np.array([[1, 1, 1], [1, 2, 1], [3, 4, 5], [1, 1, 1], [0, 0, 0], [9, 9, 9],
+                    [10, 11, 12], [13, 14, 15]] * 2, dtype=np.int64)
+    assert len(np.unique(ids[:4])) != len(np.unique(ids[4:8]))  # slices differ in distinct ids
+    feeds = tmp_path / "feeds.npz"
+    np.savez(feeds, ids=ids, y=np.linspace(-1, 1, len(ids)).astype(np.float32))
+    for replicas in (2, 4):
+        ir = unique_ids_graph()
+        strategies.transform(ir, "allreduce",
+                             devices=[f"/device:CPU:{i}" for i in range(replicas)])
+        report = equivalence.compare(unique_ids_graph(), ir, str(feeds), steps=3, batch_size=8)
+        assert report.ok, equivalence.format_report(report)
 
 
 def test_batch_norm_says_why_it_cannot_match():
