@@ -70,10 +70,11 @@ CLUSTER_STRATEGIES = {"ps", "partitioned-ps"}  # strategies whose devices are a 
 
 def transform(ir, strategy: str = "allreduce", devices=None, train_op: str | None = None,
               cluster=None, **options):
-    """Analyse ``ir`` and run the strategy's pipeline on it in place; returns the Pipeline
-    (its ``timings`` say what each pass did). Cluster strategies take ``cluster`` (a
+    """Analyse ``ir``, run the strategy's pipeline on it in place and prove the result keeps
+    the drop-in contract (graphxform.contract; refuses otherwise); returns the Pipeline (its
+    ``timings`` say what each pass did). Cluster strategies take ``cluster`` (a
     graphxform.cluster.Cluster) and default ``devices`` to one per worker task."""
-    from graphxform import training
+    from graphxform import contract, training
     from graphxform.errors import GraphxformError
     from graphxform.pipeline import PassContext
     if strategy not in STRATEGIES:
@@ -91,4 +92,6 @@ def transform(ir, strategy: str = "allreduce", devices=None, train_op: str | Non
                       cluster=cluster, strategy=strategy)
     pipeline = STRATEGIES[strategy](**options)
     pipeline.run(ir, ctx)
+    pipeline.contract = contract.check(ir, ctx.training, len(devices),
+                                       asynchronous=options.get("asynchronous", False))
     return pipeline

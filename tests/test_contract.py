@@ -1,0 +1,93 @@
+"""The contract check refuses, naming the variable, every way a transformed graph would train
+apart from the single-device one; and passes what the strategies emit."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from conftest import ALL_FIXTURES, fixture_path
+
+from graphxform import contract, metagraph, strategies, training
+from graphxform.contract import ContractError
+from graphxform.nodes import Builder
+
+v1 = tf.compat.v1
+DEVICES = ["/device:CPU:0", "/device:CPU:1"]
+
+
+def small_graph(gradients_name="gradients", clip=False):
+    """x -> dense -> mean squared error; SGD through compute/apply_gradients."""
+    g = tf.Graph()
+    with g.as_default():
+        v1.set_random_seed(3)
+        x = v1.placeholder(tf.float32, [None, 3], name="x")
+        y = v1.placeholder(tf.float32, [None, 1], name="y")
+        w = v1.get_variable("w", [3, 1])
+        loss = tf.reduce_mean(tf.square(tf.matmul(x, w) - y), name="loss")
+        step = v1.train.get_or_create_global_step()
+        grads = tf.gradients(loss, [w], name=gradients_name)
+        if clip:
+            grads, _ = tf.clip_by_global_norm(grads, 1.0)
+        train = v1.train.GradientDescentOptimizer(0.1).apply_gradients(
+            zip(grads, [w]), global_step=step)
+        v1.add_to_collection(v1.GraphKeys.TRAIN_OP, train)
+        meta = v1.train.export_meta_graph(graph=g)
+    return metagraph.from_metagraph(meta)
+
+
+@pytest.mark.parametrize("name", ALL_FIXTURES)
+def test_every_fixture_transformed_passes(name):
+    ir = metagraph.load(fixture_path(name))
+    pipeline = strategies.transform(ir, "allreduce", devices=DEVICES)
+    assert pipeline.contract["variables"] > 0
+
+
+def test_clipped_gradients_are_reduced_before_clipping():
+    ir = small_graph(clip=True)
+    tg = training.analyze(ir)
+    assert tg.variables["w"].gradient.tensor.startswith("gradients/")
+    strategies.transform(ir, "allreduce", devices=DEVICES)
+    norm_inputs = [src for src, _ in ir.inputs("replica_1/clip_by_global_norm/mul_1")]
+    assert any(src.startswith("allreduce/") for src in norm_inputs)
+
+
+def test_refuses_a_gradient_it_cannot_find():
+    ir = small_graph(gradients_name="my_grads")  # not a scope tf.gradients uses by default
+    with pytest.raises(ContractError, match="variable 'w'.*not found where tf.gradients"):
+        strategies.transform(ir, "allreduce", devices=DEVICES)
+
+
+def transformed_mlp():
+    ir = metagraph.load(fixture_path("mlp_sgd"))
+    strategies.transform(ir, "allreduce", devices=DEVICES)
+    return ir, training.analyze(metagraph.load(fixture_path("mlp_sgd")))
+
+
+def test_refuses_a_variable_updated_twice():
+    ir, tg = transformed_mlp()
+    build = Builder(ir, "sabotage")
+    update = "replica_1/GradientDescent/update_dense0/kernel/ResourceApplyGradientDescent"
+    again = build.op("sabotage/apply_again", "ResourceApplyGradientDescent",
+                     [f"{src}:{port}" for src, port in ir.inputs(update)], T=1)
+    ir.add_control_input("GradientDescent", again)
+    with pytest.raises(ContractError, match="variable 'dense0/kernel'.*written 2 times"):
+        contract.check(ir, tg, 2)
+
+
+def test_refuses_replicas_that_would_start_apart():
+    ir, tg = transformed_mlp()
+    build = Builder(ir, "sabotage")
+    shape = build.const("sabotage/shape", [8, 16], np.int32)
+    noise = build.op("sabotage/noise", "RandomUniform", [shape], dtype=1, T=3)
+    initializer = tg.variables["dense0/kernel"].initializer
+    ir.set_input("replica_1/" + initializer, 1, noise + ":0")
+    with pytest.raises(ContractError, match="variable 'dense0/kernel': replica 1 initialises"):
+        contract.check(ir, tg, 2)
+
+
+def test_refuses_an_update_from_a_local_value():
+    ir, tg = transformed_mlp()
+    update = "replica_1/GradientDescent/update_dense1/bias/ResourceApplyGradientDescent"
+    local = "replica_1/gradients/dense1/add_grad/tuple/control_dependency_1:0"
+    ir.set_input(update, 2, local)
+    with pytest.raises(ContractError, match="variable 'dense1/bias'.*own slice of the batch"):
+        contract.check(ir, tg, 2)
