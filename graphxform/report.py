@@ -13,6 +13,10 @@ def _dtype(enum_value: int) -> str:
     return types_pb2.DataType.Name(enum_value)[3:].lower()
 
 
+def _steps_of(tg: TrainingGraph, var) -> list[str]:
+    return [s.name for s in tg.steps if set(var.updates) & s.closure]
+
+
 def inspect_document(ir: GraphIR, tg: TrainingGraph) -> dict:
     variables = []
     for var in tg.variables.values():
@@ -24,7 +28,9 @@ def inspect_document(ir: GraphIR, tg: TrainingGraph) -> dict:
             "updates": [{"op": u, "type": ir.op(u)} for u in var.updates],
             "gradient": None if grad is None else {
                 "kind": grad.kind, **({"tensor": grad.tensor} if grad.kind == "dense" else
-                                      {"values": grad.values, "indices": grad.indices})},
+                                      {"values": grad.values, "indices": grad.indices}),
+                "reduced_at": grad.tensor if grad.kind == "dense" else grad.values},
+            "steps": _steps_of(tg, var),
             "slots": dict(var.slots), "slot_of": var.slot_of,
             "initializer": var.initializer,
         })
@@ -33,6 +39,9 @@ def inspect_document(ir: GraphIR, tg: TrainingGraph) -> dict:
     return {
         "model": ir.source, "nodes": len(ir),
         "train_op": tg.train_op, "loss": tg.loss, "global_step": tg.global_step,
+        "steps": [{"name": s.name, "op": s.op, "loss": s.loss,
+                   "variables": sorted(v.name for v in tg.trainable
+                                       if set(v.updates) & s.closure)} for s in tg.steps],
         "optimizer": None if opt is None else {"kind": opt.kind, "scope": opt.scope,
                                                "hyperparameters": opt.hyperparameters},
         "inputs": [{"name": i.name, "dtype": _dtype(i.dtype),
@@ -69,6 +78,10 @@ def inspect_text(doc: dict) -> str:
     lines.append(f"train op: {doc['train_op'] or '(none: not a training graph)'}   "
                  f"loss: {doc['loss'] or '-'}   global_step: {doc['global_step'] or '-'}   "
                  f"optimizer: {opt['kind'] if opt else '-'}")
+    for step in doc["steps"]:
+        loss = step["loss"] or "(not found: name it with --fetch)"
+        lines.append(f"step: {step['name']}   loss: {loss}   "
+                     f"updates {len(step['variables'])} trainable variable(s)")
     lines.append("")
     rows = [["variable", "shape", "dtype", "bytes", "device", "trainable", "role", "update",
              "gradient", "slots"]]
@@ -79,6 +92,14 @@ def inspect_text(doc: dict) -> str:
                      "no", v["role"], updates, v["gradient"]["kind"] if v["gradient"] else "-",
                      ",".join(v["slots"].values()) or "-"])
     lines += _table(rows)
+    reduced = [v for v in doc["variables"] if v["gradient"]]
+    if reduced:
+        lines.append("")
+        lines.append("where each gradient is born (and reduced across replicas):")
+        lines += _table([["variable", "step", "gradient"]] + [
+            [v["name"], ",".join(v["steps"]) or "-", v["gradient"]["reduced_at"] +
+             (f" (indices {v['gradient']['indices']})" if v["gradient"]["kind"] == "sparse"
+              else "")] for v in reduced])
     lines.append("")
     lines.append("inputs:")
     for i in doc["inputs"]:
