@@ -73,8 +73,25 @@ def check(ir: GraphIR, tg: TrainingGraph, replicas: int, asynchronous: bool = Fa
                         f"each replica computes from its own slice of the batch ({reason}); "
                         "the replicas would train apart")
             checked += 1
+    if not asynchronous:
+        _check_shared_writes(ir, tg, closure, local)
     _check_start(ir, tg, replicas)
     return {"variables": checked}
+
+
+def _check_shared_writes(ir: GraphIR, tg: TrainingGraph, closure: set, local: set) -> None:
+    """A write that runs once per step, outside every replica (global_step's increment, a
+    shared variable's update), must not read one replica's local value."""
+    for name in sorted(closure):
+        if name.startswith("replica_") or not is_mutating_op(ir.op(name)):
+            continue
+        culprit = _local_input(ir, name, local)
+        if culprit:
+            written = ", ".join(_written_variables(ir, name)) or name
+            raise ContractError(
+                f"variable '{written}': '{name}' runs once per step but reads '{culprit}', "
+                "which replica 0 computes from its own slice of the batch; the other replicas' "
+                "slices would be ignored")
 
 
 def _step_closure(ir: GraphIR, tg: TrainingGraph) -> set:

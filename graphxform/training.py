@@ -96,10 +96,32 @@ class Variable:
 
 @dataclasses.dataclass
 class Input:
+    """A placeholder the user feeds.
+
+    ``batched``: axis 0 is the global batch, which split-inputs divides across replicas. A
+    leading ``None`` is batched. A fixed leading dimension is batched when every placeholder of
+    rank >= 1 that the steps read has that same fixed leading dimension (the TF word2vec
+    tutorial's ``[batch_size]`` and ``[batch_size, 1]``); then it is the global batch size.
+    A fixed dimension beside a ``None`` one, or fixed ones that differ, cannot be told apart
+    from a non-batch size (class weights, a vocabulary table), so such inputs are fed whole.
+
+    ``optional``: a PlaceholderWithDefault, or one that no step reads (nor its loss), need not
+    be fed."""
     name: str
     dtype: int
     shape: tuple | None  # None: unknown rank
     batched: bool
+    has_default: bool = False
+    read_by_step: bool = True
+
+    @property
+    def optional(self) -> bool:
+        return self.has_default or not self.read_by_step
+
+    @property
+    def fixed_batch(self) -> int | None:
+        """The global batch size a fixed batch dimension sets (None: any size)."""
+        return self.shape[0] if self.batched and self.shape[0] > 0 else None
 
 
 @dataclasses.dataclass
@@ -192,7 +214,7 @@ def analyze(ir: GraphIR, train_op=None) -> TrainingGraph:
     losses = list(dict.fromkeys([s.loss for s in steps if s.loss] + _losses(ir)))
     sinks = [n for n in noops if not any(ir.successors(n))
              and not (saver_scope and n.startswith(saver_scope))]
-    inputs = _inputs(ir, placeholders, saver_scope)
+    inputs = _inputs(ir, placeholders, saver_scope, steps)
     return TrainingGraph(variables=variables, inputs=inputs, train_op=train_op,
                          loss=losses[0] if losses else None, losses=losses,
                          global_step=global_step, optimizer=optimizer, saver_scope=saver_scope,
@@ -213,7 +235,7 @@ def find_steps(ir: GraphIR, given=None) -> list[str]:
                 raise GraphxformError(f"train op '{name}' is not a node of the graph")
         return list(dict.fromkeys(names))
     names = list(dict.fromkeys(n.lstrip("^") for n in _collection_values(ir, "train_op")))
-    names = [n for n in names if parse_tensor(n)[0] in ir]
+    names = [_runner_of(ir, n) for n in names if parse_tensor(n)[0] in ir]
     nodes = [parse_tensor(n)[0] for n in names]
     run_by_other = set()
     for node in dict.fromkeys(nodes):
@@ -224,6 +246,32 @@ def find_steps(ir: GraphIR, given=None) -> list[str]:
             seen.add(node)
             found.append(name)
     return found
+
+
+def _runner_of(ir: GraphIR, name: str) -> str:
+    """What the user runs to run ``name``: the one op that nothing consumes (but a dangling
+    read) and that runs it (a tensor when it is an Identity), as with an EMA applied after the optimizer
+    (``train_op = tf.group(ema.apply(...))`` under a control dependency on it), or the canned
+    estimators' group of two optimizers; ``name`` itself when it is such a sink or when
+    several sinks run it."""
+    seen, stack, sinks = set(), [parse_tensor(name)[0]], []
+    while stack and len(seen) < 10000:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        after = [n for n in ir.successors(node) if not _dangling_read(ir, n)]
+        if not after:
+            sinks.append(node)
+        stack.extend(after)
+    if len(sinks) != 1 or sinks[0] == parse_tensor(name)[0]:
+        return name
+    return tensor_name(sinks[0], 0) if ir.op(sinks[0]) == "Identity" else sinks[0]
+
+
+def _dangling_read(ir: GraphIR, node: str) -> bool:
+    """A read nothing uses, as a resource ``assign_add`` leaves behind."""
+    return ir.op(node) == "ReadVariableOp" and not any(True for _ in ir.successors(node))
 
 
 def _collection_values(ir: GraphIR, key: str) -> list[str]:
@@ -266,7 +314,7 @@ def _step_loss(ir: GraphIR, step: str, closure: set, variables: dict) -> str | N
                         break
         loss = _common_consumer(ir, sorted(forward)) if forward else None
         if loss:
-            loss = _climb_identities(ir, loss)
+            loss = _unscaled(ir, _climb_identities(ir, loss))
             merged = REPLICA_SCOPE.sub("", loss)  # a transformed graph: the merged fetch
             return tensor_name(merged if merged in ir else loss, 0)
     return None
@@ -287,6 +335,17 @@ def _common_consumer(ir: GraphIR, ops: list[str]) -> str | None:
         reach.append(seen)
     common = set.intersection(*reach)
     return min(common, key=len) if common else None
+
+
+def _unscaled(ir: GraphIR, node: str) -> str:
+    """Loss scaling differentiates ``loss * scale``: the user's loss is the factor that is
+    neither a constant nor a variable's value."""
+    if ir.op(node) != "Mul":
+        return node
+    factors = [src for src, _ in ir.inputs(node)
+               if ir.op(src) not in ("Const", "ReadVariableOp", *VARIABLE_OPS)
+               and not (ir.op(src) == "Identity" and ir.op(ir.input(src, 0)[0]) in VARIABLE_OPS)]
+    return factors[0] if len(factors) == 1 else node
 
 
 def _climb_identities(ir: GraphIR, node: str) -> str:
@@ -347,12 +406,25 @@ def _variable(ir, name, data, var_defs, users) -> Variable:
     return var
 
 
+def _through_switches(ir, users) -> list:
+    """A variable's consumers, seeing through the Switch ops of legacy conds (an optimizer
+    applied only when the gradients are finite reads the variable through one)."""
+    found, stack = [], list(users)
+    while stack:
+        consumer, port = stack.pop()
+        if ir.op(consumer) in ("Switch", "RefSwitch") and port == 0:
+            stack.extend(ir.consumers(consumer))
+        else:
+            found.append((consumer, port))
+    return found
+
+
 def _find_writers(ir, users, variables, closure, saver_scope) -> dict:
     """Variable -> ops in the train step that write it (through its first variable input);
     ``users`` are each variable's consumers."""
     writers = {name: [] for name in variables}
     for name in variables:
-        for consumer, port in users[name]:
+        for consumer, port in _through_switches(ir, users[name]):
             op = ir.op(consumer)
             if not is_mutating_op(op) or consumer not in closure:
                 continue
@@ -484,19 +556,38 @@ def _global_step(ir, variables) -> str | None:
     return "global_step" if "global_step" in variables else None
 
 
-def _inputs(ir, placeholders, saver_scope) -> list[Input]:
+def _inputs(ir, placeholders, saver_scope, steps=()) -> list[Input]:
+    """The placeholders the user feeds, with the batch rule of ``Input``."""
+    read = _read_by_steps(ir, steps)
     found = []
     for name in placeholders:
-        data = ir.node(name)
         if saver_scope and name.startswith(saver_scope):
             continue
-        attr = data["attr"]
+        attr = ir.node(name)["attr"]
         shape = None
         if "shape" in attr and not attr["shape"].shape.unknown_rank:
             shape = tuple(d.size for d in attr["shape"].shape.dim)
-        dtype = attr["dtype"].type
-        found.append(Input(name, dtype, shape, batched=bool(shape) and shape[0] == -1))
+        found.append(Input(name, attr["dtype"].type, shape, batched=bool(shape) and shape[0] == -1,
+                           has_default=ir.op(name) == "PlaceholderWithDefault",
+                           read_by_step=read is None or name in read))
+    leading = {i.shape[0] for i in found if i.read_by_step and i.shape}
+    if len(leading) == 1 and min(leading) > 0:  # one fixed size shared by all: the batch
+        for inp in found:
+            inp.batched = inp.read_by_step and bool(inp.shape) and inp.shape[0] in leading
     return found
+
+
+def _read_by_steps(ir, steps) -> set | None:
+    """Every node the steps (their ops and losses) depend on; None without steps (then every
+    placeholder counts as read)."""
+    if not steps:
+        return None
+    read = set().union(*(s.closure for s in steps))
+    for step in steps:
+        loss = parse_tensor(step.loss)[0] if step.loss else None
+        if loss and loss in ir and loss not in read:
+            read |= ir.ancestors(loss)
+    return read
 
 
 def _losses(ir) -> list[str]:

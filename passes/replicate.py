@@ -5,9 +5,11 @@ original names: the input placeholders (split-inputs slices them) and global_ste
 that only serve it (its initializer, reads and the once-per-step increment), plus whatever
 `share-variables` chose to keep single. A shared op that waited on a replicated op now waits on
 every replica's copy. A shared op that reads a replicated tensor (an update op reading a
-gradient, after share-variables) reads replica 0's copy for now; the edge is recorded as a
+gradient, after share-variables) reads replica 0's copy; the edge is recorded as a
 `cross_edge` for `insert-accumulators`, which must aggregate it. Without share-variables such an
-edge is an error."""
+edge is right only when the value is equal on every replica by the end of the pipeline (an
+increment of global_step that only runs when the all-reduced gradients are finite): the
+contract check proves that or refuses."""
 
 from __future__ import annotations
 
@@ -80,9 +82,6 @@ class Replicate(Pass):
             for port, (src, src_port) in enumerate(ir.inputs(name)):
                 if src in shared:
                     continue
-                if "share-variables" not in ctx.state:
-                    raise GraphxformError(f"'{name}' runs once per step but reads '{src}', which "
-                                          "every replica computes")
                 ir.set_input(name, port, tensor_name(replicas[0][src], src_port))
                 cross_edges.append((name, port, tensor_name(src, src_port)))
         ir.remove_nodes(copied)
