@@ -20,8 +20,9 @@ Usage: python tools/recipes.py [--out tests/fixtures/recipes] [--check] [--only 
 import os
 import sys
 
-# tf_slim 1.1 reaches Keras through TF's legacy tf.layers shims, which look for
-# Keras 2 (tf_keras) rather than Keras 3; this must be set before TF loads.
+# tf.compat.v1.layers (which the TF1 recipes call) are Keras 2 layers: TF 2.21
+# routes them to tf_keras only when this is set before tf.keras is first touched;
+# otherwise they raise "not available with Keras 3".
 os.environ["TF_USE_LEGACY_KERAS"] = "1"
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
@@ -572,11 +573,6 @@ def keras_cnn_bn_dropout(rng):
 
 # ---------------------------------------------------------- build/check
 
-def _graph_name(thing):
-    """What a user passes to session.run: an op's name, or a tensor's name."""
-    return thing.name
-
-
 def _deterministic_meta(meta):
     """Serialize a MetaGraphDef so regenerating gives the same bytes.
 
@@ -626,7 +622,7 @@ def build(name):
                            "legacy control flow or without tf.function")
     entry = {
         "note": spec.note,
-        "train_ops": [_graph_name(t) for t in built.train_ops],
+        "train_ops": [t.name for t in built.train_ops],  # op name, or tensor name
         "losses": [t.name for t in built.losses],
         "extra_fetches": [t.name for t in built.extra_fetches],
         "batch_size": WORD2VEC_BATCH if "fixed_batch" in spec.has else BATCH,
