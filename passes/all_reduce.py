@@ -14,7 +14,8 @@ Sparse gradients (IndexedSlices) are gathered, never densified unless `sparse_as
 row counts differ between replicas (each slice of the batch holds other ids), and a collective
 gather needs equal shapes, so each replica first gathers every replica's row count, pads its
 rows to the largest, gathers, and keeps only the real rows: the concatenation, in replica order,
-of every replica's rows, scaled by 1/N (a mean loss over equal slices).
+of every replica's rows, scaled by 1/N (a mean loss over equal slices). TF fixes a collective
+instance's shape at its first run, so each padded length gets an instance key of its own.
 
 The reduced tensors are recorded for `rewire-consumers`, which points every consumer of the
 local gradient outside a gradients scope at them."""
@@ -33,6 +34,10 @@ from graphxform.pipeline import Pass, PassResult
 SCOPE = "allreduce/"
 DEFAULT_BUCKET_BYTES = 32 * 1024 * 1024
 GROUP_KEY = 1
+# A sparse gradient's gathers are keyed SPARSE_KEYS + stride * (2j + part) + padded length
+# (rows per replica < SPARSE_KEY_STRIDE), apart from the dense buckets' small keys.
+SPARSE_KEYS = 1 << 24
+SPARSE_KEY_STRIDE = 1 << 20
 INT32 = 3  # DataType enum DT_INT32
 
 
@@ -212,8 +217,9 @@ class _Collectives:
         differ between replicas, so: gather the counts, pad to the largest, gather, keep the
         real rows. Returns the last collective of each replica (the next one waits on it)."""
         ir, build = self.ir, self.build
-        count_key, values_key, indices_key = range(self.next_instance, self.next_instance + 3)
-        self.next_instance += 3
+        count_key = self.next_instance
+        self.next_instance += 1
+        values_key, indices_key = (SPARSE_KEYS + (2 * j + k) * SPARSE_KEY_STRIDE for k in (0, 1))
         last = []
         for i in range(self.n):
             device, prefix = self.devices[i], replica_prefix(i)
@@ -256,9 +262,12 @@ class _Collectives:
                 paddings = op(f"{part}_paddings", "Pack", [before, after], N=2, T=INT32, axis=1)
                 padded[part] = op(f"{part}_padded", "Pad", [tensor, paddings], T=dtype,
                                   Tpaddings=INT32)
+                # TF keeps the shape of a collective instance from its first run: one
+                # instance per padded length, keyed by it
+                instance_key = op(f"{part}_instance_key", "AddV2",
+                                  [const(f"{part}_key_base", instance), longest], T=INT32)
                 gathered = op(f"{part}_gathered", "CollectiveGatherV2",
-                              [padded[part], size, key, const(f"{part}_instance_key", instance),
-                               "^" + counts], T=dtype)
+                              [padded[part], size, key, instance_key, "^" + counts], T=dtype)
                 padded[part] = gathered
             # position p of the gathered rows came from replica p // longest, row p % longest
             positions = op("positions", "Range", [const("zero", 0), op(

@@ -72,7 +72,9 @@ def unique_ids_graph():
 
 def test_sparse_gradients_of_different_lengths_are_gathered_exactly(tmp_path):
     ids = np.array([[1, 1, 1], [1, 2, 1], [3, 4, 5], [1, 1, 1], [0, 0, 0], [9, 9, 9],
-                    [10, 11, 12], [13, 14, 15]] * 2, dtype=np.int64)
+                    [10, 11, 12], [13, 14, 15],  # step 2: other lengths than step 1
+                    [1, 1, 1], [1, 1, 1], [1, 1, 1], [1, 1, 1], [0, 2, 4], [6, 8, 10],
+                    [12, 14, 16], [18, 19, 17]], dtype=np.int64)
     assert len(np.unique(ids[:4])) != len(np.unique(ids[4:8]))  # slices differ in distinct ids
     feeds = tmp_path / "feeds.npz"
     np.savez(feeds, ids=ids, y=np.linspace(-1, 1, len(ids)).astype(np.float32))
