@@ -12,7 +12,8 @@ import sys
 import numpy as np
 import pytest
 
-from recipe_loop import POOL_ROWS, RECIPES_DIR, load_feeds, load_manifest, recipe_meta, run_user_loop
+from recipe_loop import (POOL_ROWS, RECIPES_DIR, load_feeds, load_manifest, recipe_meta,
+                         run_user_loop)
 
 MANIFEST = load_manifest()
 REPO = RECIPES_DIR.parents[2]

@@ -690,7 +690,7 @@ def _step_closure(nodes, fetches, data_only=False):
     return seen
 
 
-def _manifest_problems(name, entry, graph_def, feeds):
+def _manifest_problems(entry, graph_def, feeds):
     """Check what the manifest claims against the graph itself."""
     nodes = {n.name: n for n in graph_def.node}
     step = _step_closure(nodes, entry["train_ops"])
@@ -748,7 +748,7 @@ def check(name, out_dir, meta_bytes, npz_bytes, entry, manifest):
         problems.append("manifest entry differs from a fresh build")
     feeds = dict(np.load(io.BytesIO(npz_bytes)))
     meta = v1.MetaGraphDef.FromString(meta_bytes)
-    problems += _manifest_problems(name, entry, meta.graph_def, feeds)
+    problems += _manifest_problems(entry, meta.graph_def, feeds)
     started = time.perf_counter()
     result = recipe_loop.run_user_loop(meta, entry, feeds, steps=CHECK_STEPS)
     losses = np.asarray(result.losses)
