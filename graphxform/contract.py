@@ -2,8 +2,8 @@
 the single-device one, or refuse naming the variable.
 
 What is proven, on the transformed graph (DESIGN.md, the drop-in contract, item 8):
-- every trainable variable a step updates is written by as many ops per step as in the input
-  (never twice: two replicas' updates landing on one shared copy);
+- every variable a step updates (trainable or not: global_step too) is written by as many ops
+  per step as in the input (never twice: two replicas' updates landing on one shared copy);
 - every one of those writes reads only values that are equal on every replica: computed from
   constants, variables, shared inputs and cross-replica results (collective all-reduce and
   all-gather, accumulator take_grad), never from a replica's own slice of the batch. A write
@@ -22,7 +22,8 @@ from __future__ import annotations
 from graphxform.errors import GraphxformError
 from graphxform.ir import GraphIR, parse_tensor
 from graphxform.nodes import replica_prefix
-from graphxform.training import VARIABLE_OPS, TrainingGraph, is_mutating_op
+from graphxform.training import (VARIABLE_OPS, TrainingGraph, consumers_through_switches,
+                                 is_mutating_op)
 
 CROSS_REPLICA_OPS = {"CollectiveReduceV2", "CollectiveReduce", "CollectiveGatherV2",
                      "CollectiveGather", "CollectiveBcastRecv", "CollectiveBcastRecvV2",
@@ -48,7 +49,7 @@ def check(ir: GraphIR, tg: TrainingGraph, replicas: int, asynchronous: bool = Fa
     local = replica_local(ir)
     checked = 0
     for var in sorted(tg.variables.values(), key=lambda v: v.name):
-        if not (var.trainable and var.updates):
+        if not var.updates:
             continue
         copies = _copies(ir, var.name, replicas)
         if not copies:
@@ -62,6 +63,8 @@ def check(ir: GraphIR, tg: TrainingGraph, replicas: int, asynchronous: bool = Fa
                     f"variable '{var.name}': its copy '{copy}' is written {len(writes)} times "
                     f"per step ({', '.join(sorted(writes)[:3])}), the input graph writes it "
                     f"{len(var.updates)} time(s)")
+            if not var.trainable:  # statistics may differ per replica: verify names them
+                continue
             for write in writes:
                 culprit = _local_input(ir, write, local)
                 if culprit:
@@ -111,7 +114,7 @@ def _copies(ir: GraphIR, name: str, replicas: int) -> list[str]:
 
 def _writes(ir: GraphIR, variable: str, closure: set) -> set:
     """Ops of the step that write ``variable`` (through an input that is the variable)."""
-    return {dst for dst, _ in ir.consumers(variable)
+    return {dst for dst, _ in consumers_through_switches(ir, ir.consumers(variable))
             if dst in closure and is_mutating_op(ir.op(dst))}
 
 

@@ -406,7 +406,7 @@ def _variable(ir, name, data, var_defs, users) -> Variable:
     return var
 
 
-def _through_switches(ir, users) -> list:
+def consumers_through_switches(ir, users) -> list:
     """A variable's consumers, seeing through the Switch ops of legacy conds (an optimizer
     applied only when the gradients are finite reads the variable through one)."""
     found, stack = [], list(users)
@@ -424,7 +424,7 @@ def _find_writers(ir, users, variables, closure, saver_scope) -> dict:
     ``users`` are each variable's consumers."""
     writers = {name: [] for name in variables}
     for name in variables:
-        for consumer, port in _through_switches(ir, users[name]):
+        for consumer, port in consumers_through_switches(ir, users[name]):
             op = ir.op(consumer)
             if not is_mutating_op(op) or consumer not in closure:
                 continue

@@ -31,7 +31,12 @@ def shared_nodes(ir, tg) -> set:
     shared = set(ir.nodes_of(PLACEHOLDER_OPS))
     if tg.global_step:
         shared.add(tg.global_step)
-        shared.update(dst for dst, _ in ir.consumers(tg.global_step))
+        users = list(ir.consumers(tg.global_step))
+        while users:  # through the Switch of a legacy cond (an increment only when finite)
+            dst, port = users.pop()
+            shared.add(dst)
+            if ir.op(dst) in ("Switch", "RefSwitch") and port == 0:
+                users.extend(ir.consumers(dst))
         stack = [src for n in list(shared) for src, _ in ir.inputs(n)]
         while stack:  # stateless inputs used only by shared nodes (initial value, increment)
             node = stack.pop()
