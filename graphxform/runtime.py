@@ -150,7 +150,15 @@ class Runner:
         self.session.run(self.init_op)
 
     def restore(self, prefix: str):
+        """Restore a checkpoint prefix, or the latest checkpoint of a directory."""
+        import os
+
         import tensorflow as tf
+        if os.path.isdir(prefix):
+            latest = tf.train.latest_checkpoint(prefix)
+            if latest is None:
+                raise GraphxformError(f"{prefix}: no checkpoint in this directory")
+            prefix = latest
         try:
             with self.graph.as_default():  # tf1 Saver takes its eager path outside a graph
                 self.saver.restore(self.session, prefix)
@@ -206,16 +214,14 @@ def cpus_by_job(ir: GraphIR) -> dict:
 
 
 def _first_line(error) -> str:
-    text = getattr(error, "message", None) or str(error)
-    return text.strip().splitlines()[0] if text.strip() else type(error).__name__
+    """What TF said, in one line naming the node (not "Graph execution error:")."""
+    from graphxform.errors import tf_error_line
+    return tf_error_line(error)
 
 
 def _explain(error) -> str:
     """One line for a TF runtime error, naming the node."""
-    text = _first_line(error)
     match = re.search(r"split_inputs/([^/]+)/split", str(error))
     if match:
         return f"the batch for input '{match.group(1)}' does not divide evenly across replicas"
-    node = getattr(error, "op", None)
-    where = f" (in node {node.name})" if node is not None else ""
-    return f"TensorFlow failed{where}: {text}"
+    return f"TensorFlow failed at {_first_line(error)}"
