@@ -107,9 +107,11 @@ def _step_closure(ir: GraphIR, tg: TrainingGraph) -> set:
 
 
 def _copies(ir: GraphIR, name: str, replicas: int) -> list[str]:
-    if name in ir:
-        return [name]
-    return [replica_prefix(i) + name for i in range(replicas) if replica_prefix(i) + name in ir]
+    """Each replica's copy of a variable, or its one shared copy (the original name also
+    exists for a replicated variable: merge-fetches serves it from replica 0)."""
+    copies = [replica_prefix(i) + name for i in range(replicas)
+              if replica_prefix(i) + name in ir]
+    return copies or ([name] if name in ir and ir.op(name) in VARIABLE_OPS else [])
 
 
 def _writes(ir: GraphIR, variable: str, closure: set) -> set:
@@ -169,7 +171,7 @@ def _check_start(ir: GraphIR, tg: TrainingGraph, replicas: int) -> None:
     """Every replica's copy of a variable is initialised from replica 0's initial value, or
     from constants alone."""
     for var in sorted(tg.variables.values(), key=lambda v: v.name):
-        if not var.initializer or var.name in ir:
+        if not var.initializer:
             continue
         first = replica_prefix(0) + var.initializer
         if first not in ir:
