@@ -8,18 +8,21 @@ from __future__ import annotations
 
 import operator
 import os
+import stat
 import tempfile
 
 import networkx as nx
 
 from google.protobuf import message, text_format
 
-from graphxform import wire
-from graphxform.errors import GraphxformError
+from graphxform import cleanup, wire
+from graphxform.errors import GraphxformError, clip
 from graphxform.ir import (CONTROL_EDGE, CONTROL_KEY, CONTROL_KEYS, GraphIR,
                            data_keys, join_edge, parse_tensor, paused_gc)
 
 TEXT_SUFFIXES = (".pbtxt", ".txt")
+# The largest message protobuf can parse (and serialize): 2 GiB less one byte.
+PROTOBUF_LIMIT = 2**31 - 1
 # The pass that created a node travels in the file as an internal attr (TF ignores attrs that
 # start with "_"), so `viz --color pass` works on emitted graphs.
 PROVENANCE_ATTR = "_graphxform_pass"
@@ -40,17 +43,7 @@ def load(path: str) -> GraphIR:
 def read_metagraph(path: str):
     """Parse ``path`` into (MetaGraphDef, kind); a bare GraphDef is wrapped, kind "graph"."""
     meta_graph_pb2, graph_pb2 = _protos()
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except FileNotFoundError:
-        raise GraphxformError(f"{path}: no such file") from None
-    except IsADirectoryError:
-        raise GraphxformError(f"{path}: is a directory, not a model file") from None
-    except OSError as e:
-        raise GraphxformError(f"{path}: cannot read: {e.strerror}") from None
-    if not data.strip():
-        raise GraphxformError(f"{path}: empty file")
+    data = read_model_bytes(path)
     lower = path.lower()
     if lower.endswith(TEXT_SUFFIXES):
         meta, bare = _parse_text(path, data, meta_graph_pb2, graph_pb2)
@@ -59,6 +52,42 @@ def read_metagraph(path: str):
         expect_graph = lower.endswith(".pb")
         meta, bare = _parse_binary(path, data, expect_graph, meta_graph_pb2, graph_pb2)
     return meta, "graph" if bare else "meta"
+
+
+def read_model_bytes(path: str) -> bytes:
+    """The bytes of a model file, refusing up front what cannot be one: not a regular file
+    (a directory, /dev/zero, a pipe), empty, or larger than protobuf can hold."""
+    try:
+        st = os.stat(path)  # before opening: opening a pipe would wait for a writer
+        if stat.S_ISDIR(st.st_mode):
+            raise IsADirectoryError
+        if not stat.S_ISREG(st.st_mode):
+            raise GraphxformError(f"{path}: not a regular file (a model is a .meta, .pb or "
+                                  ".pbtxt file)")
+        if st.st_size > PROTOBUF_LIMIT:
+            raise GraphxformError(f"{path}: {_size(st.st_size)} is larger than the "
+                                  f"{_size(PROTOBUF_LIMIT + 1)} protobuf can hold")
+        with open(path, "rb") as f:
+            data = f.read(PROTOBUF_LIMIT + 1)  # a file may grow, or lie about its size (/proc)
+    except FileNotFoundError:
+        raise GraphxformError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise GraphxformError(f"{path}: is a directory, not a model file") from None
+    except OSError as e:
+        raise GraphxformError(f"{path}: cannot read: {e.strerror}") from None
+    if len(data) > PROTOBUF_LIMIT:
+        raise GraphxformError(f"{path}: larger than the {_size(PROTOBUF_LIMIT + 1)} protobuf "
+                              "can hold")
+    if not data or data.isspace():
+        raise GraphxformError(f"{path}: empty file")
+    return data
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} bytes"
 
 
 def _parse_text(path, data, meta_graph_pb2, graph_pb2):
@@ -75,7 +104,8 @@ def _parse_text(path, data, meta_graph_pb2, graph_pb2):
         try:
             text_format.Parse(text, graph)
         except text_format.ParseError:
-            raise GraphxformError(f"{path}: not a text MetaGraphDef or GraphDef ({meta_error})") from None
+            raise GraphxformError(f"{path}: not a text MetaGraphDef or GraphDef "
+                                  f"({clip(meta_error)})") from None
     meta = meta_graph_pb2.MetaGraphDef()
     meta.graph_def.CopyFrom(graph)
     return meta, True
@@ -302,14 +332,20 @@ def check_output_path(path: str, source: str | None) -> None:
 
 
 def write_atomic(path: str, data: bytes | str) -> None:
-    """Write to a temp file beside ``path`` and rename it into place; no partial file on error."""
+    """Write to a temp file beside ``path`` and rename it into place: no partial file on error
+    or signal (see graphxform/cleanup.py, which also sweeps the temp files of runs that died),
+    and the mode ``open(path, "w")`` would give."""
     parent = os.path.dirname(os.path.abspath(path))
+    cleanup.sweep_output_temps(parent)
+    mode = cleanup.mode_for_new_file(path)
     try:
-        fd, tmp = tempfile.mkstemp(dir=parent, prefix=".graphxform-", suffix=".tmp")
+        fd, tmp = tempfile.mkstemp(dir=parent, prefix=cleanup.TEMP_PREFIX + cleanup.owner_tag(),
+                                   suffix=cleanup.TEMP_SUFFIX)
     except OSError as e:
         raise GraphxformError(f"{path}: cannot write: {e.strerror}") from None
     try:
         with os.fdopen(fd, "wb" if isinstance(data, bytes) else "w") as f:
+            os.fchmod(f.fileno(), mode)
             f.write(data)
         os.replace(tmp, path)
     except BaseException as e:
