@@ -6,15 +6,19 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import signal
 import sys
 import traceback
 
 import click
 
+from graphxform import cleanup
 from graphxform.distributed import DEFAULT_TIMEOUT_S
-from graphxform.errors import GraphxformError
+from graphxform.errors import GraphxformError, clip
 
 EXIT_ERROR = 1
+EXIT_USAGE = 2
+MESSAGE_LIMIT = 1000  # a last guard: our messages clip what they quote, this clips the rest
 debug_option = click.option("--debug", is_flag=True, help="Show the Python traceback on errors.")
 
 
@@ -134,7 +138,7 @@ strategy_options = [
                  "K steps old still count)."),
     click.option("--async", "async_", is_flag=True,
                  help="ps: no aggregation; each worker applies its own gradient when ready."),
-    click.option("--partitions", type=int,
+    click.option("--partitions", type=click.IntRange(min=1),
                  help="partitioned-ps: shards per variable (default: one per ps task)."),
     click.option("--partition-min-bytes", default=0, show_default=True,
                  type=click.IntRange(min=0),
@@ -164,6 +168,8 @@ def apply(model, output, no_verify, dump_dir, debug, **options):
     strategy = options["strategy"]
     output = output or default_output(model, strategy)
     metagraph.check_output_path(output, model)
+    if dump_dir:
+        _prepare_dump_dir(dump_dir)
     _, ir, pipeline = _transform(model, options, no_verify, dump_dir)
     metagraph.save(ir, output)
     summary = {}
@@ -184,6 +190,16 @@ def apply(model, output, no_verify, dump_dir, debug, **options):
         idle = not t.modified and not any(t.summary.values())  # sync-init plans, changes nothing
         click.echo(f"  {t.name:18} {t.seconds * 1000:8.1f} ms" + ("  (nothing to do)" if idle
                                                                   else ""))
+
+
+def _prepare_dump_dir(dump_dir: str) -> None:
+    """Make --dump-dir before the passes run, so a bad one fails at once in one line."""
+    try:
+        os.makedirs(dump_dir, exist_ok=True)
+    except OSError as e:
+        raise GraphxformError(f"--dump-dir {dump_dir}: cannot create: {e.strerror}") from None
+    if not os.access(dump_dir, os.W_OK | os.X_OK):
+        raise GraphxformError(f"--dump-dir {dump_dir}: not writable")
 
 
 @cli.command()
@@ -213,6 +229,9 @@ def run(model, steps, feeds, batch_size, restore, save_to, fetches, train_op, cl
     from graphxform import metagraph
     from graphxform.runtime import Feeds, Runner
     ir = metagraph.load(model)
+    for checkpoint in (restore, save_to):  # what a saver killed mid-save left there
+        if checkpoint:
+            cleanup.sweep_checkpoint_temps(checkpoint)
     if _on_cluster(ir, cluster_file, job, task_index):
         from graphxform import task as task_mod
         found, job, task_index = task_mod.resolve_task(cluster_file, job, task_index)
@@ -228,8 +247,7 @@ def run(model, steps, feeds, batch_size, restore, save_to, fetches, train_op, cl
             runner.restore(restore)
         else:
             runner.initialize()
-        with click.progressbar(range(steps), label="training", file=sys.stderr,
-                               show_pos=True) as bar:
+        with _progress(steps) as bar:
             for k in bar:
                 result = runner.step(source.batch(k))
                 parts = [f"step {k + 1}"]
@@ -239,6 +257,14 @@ def run(model, steps, feeds, batch_size, restore, save_to, fetches, train_op, cl
                 click.echo("  ".join(parts))
         if save_to:
             click.echo(f"saved {runner.save(save_to)}")
+
+
+def _progress(steps: int):
+    """A progress bar on a terminal; nothing at all in a log or a pipe."""
+    if sys.stderr.isatty():
+        return click.progressbar(range(steps), label="training", file=sys.stderr, show_pos=True)
+    import contextlib
+    return contextlib.nullcontext(range(steps))
 
 
 def _on_cluster(ir, cluster_file, job, task_index) -> bool:
@@ -261,9 +287,16 @@ def _echo_flush(text: str) -> None:
 
 
 def _short(value) -> str:
+    """A fetched value in a few characters: a number, else its dtype and shape."""
     import numpy as np
+    if value is None:  # --fetch named an op (its outputs are NAME:0, ...)
+        return "(an op: ran)"
     array = np.asarray(value)
-    return f"{array.item():.6g}" if array.size == 1 else f"{array.dtype}{list(array.shape)}"
+    if array.size == 1 and array.dtype.kind in "biuf":
+        return f"{array.item():.6g}"
+    if array.size == 1:
+        return clip(repr(array.item()), 60)
+    return f"{array.dtype}{list(array.shape)}"
 
 
 @cli.command(name="verify")
@@ -273,7 +306,7 @@ def _short(value) -> str:
 @click.option("--feeds", type=click.Path(dir_okay=False), help=".npz of input arrays.")
 @click.option("--batch-size", type=int, help="Global batch per step.")
 @click.option("--fetch", "fetches", multiple=True, help="Also compare this tensor (repeatable).")
-@click.option("--rtol", default=1e-5, show_default=True, type=float,
+@click.option("--rtol", default=1e-5, show_default=True, type=click.FloatRange(min=0),
               help="Largest relative difference that passes.")
 @debug_option
 def verify_command(model, steps, feeds, batch_size, fetches, rtol, debug, **options):
@@ -382,33 +415,65 @@ def _import_tensorflow_quietly(debug: bool) -> None:
 
 
 def main(argv=None):
-    """Entry point: run the CLI with one-line errors."""
+    """Entry point: run the CLI; every error is one line on stderr and a non-zero exit
+    (--debug adds the traceback). A signal unwinds the command, so nothing is left behind."""
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
-    if not {"-h", "--help", "--version"} & set(argv) and argv:
-        _import_tensorflow_quietly(debug)
+    with cleanup.signals_unwind():
+        sys.exit(_main(argv, debug))
+
+
+def _main(argv: list, debug: bool) -> int:
     try:
-        cli.main(args=argv, prog_name="graphxform", standalone_mode=False)
-    except click.exceptions.Abort:  # click's name for Ctrl-C
-        click.echo("graphxform: interrupted", err=True)
-        sys.exit(130)
+        if not {"-h", "--help", "--version"} & set(argv) and argv:
+            _import_tensorflow_quietly(debug)
+        # not cli.main: it turns EOFError into "Aborted!" and prints usage errors on 3 lines
+        with cli.make_context("graphxform", argv) as ctx:
+            cli.invoke(ctx)
+        return 0
+    except click.exceptions.Exit as e:  # --help, --version
+        return e.exit_code
+    except getattr(click.exceptions, "NoArgsIsHelpError", ()) as e:  # a bare `graphxform`
+        click.echo(e.ctx.get_help())
+        return 0
+    except click.UsageError as e:
+        where = e.ctx.command_path if e.ctx else "graphxform"
+        _error(f"{_sentence(e.format_message())} (try '{where} --help')")
+        return EXIT_USAGE
     except click.ClickException as e:
-        e.show()
-        sys.exit(e.exit_code)
+        _error(_sentence(e.format_message()))
+        return e.exit_code
     except GraphxformError as e:
         if debug:
             traceback.print_exc()
-        click.echo(f"graphxform: error: {e}", err=True)
-        sys.exit(EXIT_ERROR)
-    except KeyboardInterrupt:
+        _error(str(e))
+        return EXIT_ERROR
+    except cleanup.Terminated as e:
+        click.echo("graphxform: interrupted" if e.signum == signal.SIGINT
+                   else f"graphxform: stopped by {e.name}", err=True)
+        return e.exit_code
+    except (KeyboardInterrupt, click.exceptions.Abort):
         click.echo("graphxform: interrupted", err=True)
-        sys.exit(130)
+        return 130
+    except BrokenPipeError:  # `graphxform inspect M | head`: the reader has all it wants
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_ERROR
     except Exception as e:  # a bug: still one line unless --debug
         if debug:
             traceback.print_exc()
-        click.echo(f"graphxform: internal error: {type(e).__name__}: {e} (rerun with --debug "
-                   "for the traceback)", err=True)
-        sys.exit(EXIT_ERROR)
+        _error(f"internal error: {type(e).__name__}: {e} (rerun with --debug for the traceback)")
+        return EXIT_ERROR
+
+
+def _sentence(message: str) -> str:
+    """click's "Invalid value for '--x': ..." as the rest of our one-line errors read."""
+    message = " ".join(message.split()).rstrip(".")
+    return message[:1].lower() + message[1:]
+
+
+def _error(message: str) -> None:
+    click.echo(f"graphxform: error: {clip(message, MESSAGE_LIMIT)}", err=True)
 
 
 if __name__ == "__main__":
