@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import collections
 import os
+import shutil
+import subprocess
 
-from graphxform.errors import GraphxformError
+from graphxform import cleanup
+from graphxform.errors import GraphxformError, clip
 from graphxform.ir import CONTROL_KEY, GraphIR
 
 PALETTE = ["#8dd3c7", "#ffffb3", "#bebada", "#fb8072", "#80b1d3", "#fdb462", "#b3de69",
@@ -101,14 +104,28 @@ def write(ir: GraphIR, path: str, **options) -> str | None:
         return None
     if fmt not in ("svg", "png", "pdf"):
         raise GraphxformError(f"{path}: output must end in .dot, .svg, .png or .pdf")
-    import graphviz
-    try:
-        data = graphviz.Source(dot).pipe(format=fmt)
-    except graphviz.ExecutableNotFound:
+    executable = shutil.which("dot")
+    if executable is None:
         write_atomic(stem + ".dot", dot)
         return (f"Graphviz 'dot' is not installed, so {path} was not rendered; wrote "
                 f"{stem}.dot instead (install it with: apt-get install graphviz)")
-    except graphviz.CalledProcessError as e:
-        raise GraphxformError(f"dot failed to render {path}: {e.stderr.decode().strip()}") from None
-    write_atomic(path, data)
+    write_atomic(path, render(executable, dot, fmt, path))
     return None
+
+
+def render(executable: str, dot: str, fmt: str, path: str) -> bytes:
+    """Run ``dot -T<fmt>``; it dies with this process however that ends (a signal unwinds to
+    the ``finally`` below; on SIGKILL the kernel kills it, see cleanup.child_preexec)."""
+    proc = subprocess.Popen([executable, f"-T{fmt}"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=cleanup.child_preexec())
+    try:
+        out, err = proc.communicate(dot.encode())
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    if proc.returncode != 0:
+        said = err.decode(errors="replace").strip() or f"exit code {proc.returncode}"
+        raise GraphxformError(f"dot failed to render {path}: {clip(said)}")
+    return out
