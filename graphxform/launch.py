@@ -3,8 +3,10 @@ each ps task, `run --cluster` for each worker/chief), per-step loss as the mean 
 a teardown that leaves no process and no bound port behind on every exit path.
 
 Children run in their own process groups; the launcher kills each group (SIGTERM, then SIGKILL)
-when it finishes, fails, is interrupted or gets SIGTERM, and every child exits by itself when the
-launcher dies (it watches its parent pid)."""
+when it finishes, fails, is interrupted or gets SIGTERM/SIGHUP, and returns only once every child
+is gone. Every child exits by itself when the launcher dies, even by SIGKILL (the kernel's
+parent-death signal, and a thread watching the parent pid). The launcher's temp dir is named for
+its pid, so the next launch sweeps one a killed launcher left (see graphxform/cleanup.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import tempfile
 import threading
 import time
 
-from graphxform import distributed
+from graphxform import cleanup, distributed
 from graphxform.cluster import Cluster
 from graphxform.distributed import ClusterPlan, describe
 from graphxform.errors import GraphxformError
@@ -27,6 +29,7 @@ from graphxform.errors import GraphxformError
 PARENT_ENV = "GRAPHXFORM_PARENT_PID"
 STEP_LINE = re.compile(r"^step (\d+)\s+loss (\S+)")
 GRACE_S = 3.0
+KILLED_WAIT_S = 30.0  # after SIGKILL a process is gone at once unless stuck in the kernel
 START_SLACK_S = 60.0  # on top of --timeout, for children to import TF and connect
 
 
@@ -110,7 +113,8 @@ class Launch:
         return argv + (["--debug"] if self.debug else [])
 
     def _start(self) -> None:
-        self.tmp = tempfile.mkdtemp(prefix="graphxform-launch-")
+        cleanup.sweep_launch_dirs()
+        self.tmp = tempfile.mkdtemp(prefix=cleanup.LAUNCH_PREFIX + cleanup.owner_tag())
         cluster_file = distributed.write_cluster(os.path.join(self.tmp, "cluster.json"),
                                                  self.cluster)
         env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
@@ -127,6 +131,8 @@ class Launch:
             self.echo(f"started {child.name} pid {child.pid}")
 
     def _teardown(self) -> None:
+        """SIGTERM, a grace period, then SIGKILL to every child's group; returns once every
+        child and everything in its group has exited (a signal meanwhile waits its turn)."""
         alive = [c for c in self.children if c.proc.poll() is None]
         for c in alive:
             c.signal_group(signal.SIGTERM)
@@ -138,10 +144,12 @@ class Launch:
                 pass
         for c in self.children:
             c.signal_group(signal.SIGKILL)  # the group, too: anything a child started
+        for c in self.children:
             try:
-                c.proc.wait(timeout=GRACE_S)
+                c.proc.wait(timeout=KILLED_WAIT_S)
             except subprocess.TimeoutExpired:
-                pass
+                self.warn(f"{c.name} (pid {c.pid}) did not exit after SIGKILL")
+            _wait_group_gone(c.pid, deadline=time.monotonic() + GRACE_S)
             for stream in (c.proc.stdout, c.proc.stderr):
                 try:
                     stream.close()
@@ -154,16 +162,14 @@ class Launch:
     def run(self) -> list[float]:
         """Train; returns the mean loss per step. Raises GraphxformError naming the first task
         that stopped (or the lack of progress); always tears the cluster down."""
-        previous = _on_sigterm_raise()
-        try:
-            self._start()
-            self._watch()
-            return self.mean_losses
-        finally:
+        with cleanup.signals_unwind():
             try:
-                self._teardown()
+                self._start()
+                self._watch()
+                return self.mean_losses
             finally:
-                _restore_sigterm(previous)
+                with cleanup.signals_deferred():
+                    self._teardown()
 
     def _watch(self) -> None:
         events: queue.Queue = queue.Queue()
@@ -265,26 +271,23 @@ def _require_local(cluster: Cluster) -> None:
                                       "each host instead)")
 
 
-def _on_sigterm_raise():
-    """SIGTERM to the launcher unwinds like Ctrl-C, so the teardown runs."""
-    if threading.current_thread() is not threading.main_thread():
-        return None
-
-    def handler(signum, frame):
-        raise KeyboardInterrupt
-    return signal.signal(signal.SIGTERM, handler)
-
-
-def _restore_sigterm(previous) -> None:
-    if previous is not None:
-        signal.signal(signal.SIGTERM, previous)
+def _wait_group_gone(pgid: int, deadline: float) -> None:
+    """Until no process is left in group ``pgid`` (they were sent SIGKILL), or the deadline."""
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return
+        time.sleep(0.05)
 
 
 def exit_with_parent() -> None:
-    """In a launched child: exit as soon as the launcher that started it is gone."""
+    """In a launched child: exit as soon as the launcher that started it is gone (the kernel
+    kills us on Linux; elsewhere a thread notices within half a second)."""
     expected = os.environ.get(PARENT_ENV)
     if not expected:
         return
+    cleanup.die_with_parent(signal.SIGKILL, parent=int(expected))
 
     def watch():
         while True:
