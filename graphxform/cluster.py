@@ -70,7 +70,15 @@ class Cluster:
                 if not isinstance(address, str) or ":" not in address:
                     raise GraphxformError(f"{source}: job '{job}' task address {address!r} is "
                                           "not host:port")
+                port = address.rsplit(":", 1)[1]
+                if not port.isdigit() or not 1 <= int(port) <= 65535:
+                    raise GraphxformError(f"{source}: job '{job}' task address {address!r} has "
+                                          "no port in 1-65535")
             self.jobs[job] = list(tasks)
+        addresses = [a for tasks in self.jobs.values() for a in tasks]
+        twice = sorted({a for a in addresses if addresses.count(a) > 1})
+        if twice:
+            raise GraphxformError(f"{source}: two tasks share the address {twice[0]}")
         if "worker" not in self.jobs and "chief" not in self.jobs:
             raise GraphxformError(f"{source}: the cluster has no 'worker' (or 'chief') job")
 

@@ -272,7 +272,8 @@ def static_shapes(ir: GraphIR, batched, batch_size: int) -> Shapes:
         for inp in batched:
             if inp.name in ir:
                 feeds[f"{inp.name}:0"] = tf.compat.v1.placeholder(
-                    tf.dtypes.as_dtype(inp.dtype), [batch_size, *inp.shape[1:]],
+                    tf.dtypes.as_dtype(inp.dtype),
+                    [batch_size, *(d if d >= 0 else None for d in inp.shape[1:])],
                     name=f"graphxform_cost_feed/{inp.name}")
         try:
             tf.graph_util.import_graph_def(graph_def, input_map=feeds, name="")
