@@ -16,32 +16,25 @@ DEFAULT_BATCH = 32
 
 
 class Feeds:
-    """Global batches for the graph's input placeholders.
+    """Global batches for the graph's inputs, checked against the placeholders before step 1.
 
     With a .npz (keys = placeholder names), step k takes rows [k*B, (k+1)*B) of each batched
-    input's pool, wrapping around; inputs without a batch dimension are fed as stored. Without
-    one, synthetic data of the placeholders' shapes (seeded, so runs repeat)."""
+    input's array, wrapping around; other inputs are fed as stored. An optional input (a
+    PlaceholderWithDefault, or one no step reads) that the file lacks is not fed: the graph's
+    default is used. Without a file, synthetic data of the placeholders' shapes (seeded, so runs
+    repeat) for every input that must be fed.
+
+    B is ``batch_size``, else the graph's fixed batch dimension, else the smallest batched array
+    (at most 32). Each array must have its placeholder's rank and static non-batch dimensions.
+    Dtypes: any float feeds a float placeholder (cast, as TF's own feed does); integers feed a
+    float, integer or bool placeholder only when every value converts exactly; anything else
+    (floats for an integer placeholder, say) is an error naming the file and the input."""
 
     def __init__(self, inputs, path: str | None = None, batch_size: int | None = None,
                  seed: int = 0):
         self.inputs = list(inputs)
-        self.pool = {}
-        if path:
-            try:
-                with np.load(path) as data:
-                    self.pool = {k: data[k] for k in data.files}
-            except FileNotFoundError:
-                raise GraphxformError(f"{path}: no such file") from None
-            except (OSError, ValueError) as e:
-                raise GraphxformError(f"{path}: not a readable .npz of feeds ({e})") from None
-            missing = [i.name for i in self.inputs if i.name not in self.pool]
-            if missing:
-                raise GraphxformError(f"{path}: no array for input '{missing[0]}' (keys: "
-                                      f"{', '.join(sorted(self.pool)) or 'none'})")
-        batched = [len(self.pool[i.name]) for i in self.inputs if i.batched and i.name in self.pool]
-        self.batch_size = batch_size or (min(batched + [DEFAULT_BATCH]) if batched else DEFAULT_BATCH)
-        if self.batch_size < 1:
-            raise GraphxformError(f"--batch-size must be at least 1, not {self.batch_size}")
+        self.pool = _load_pool(path, self.inputs) if path else {}
+        self.batch_size = _batch_size(self.inputs, self.pool, batch_size)
         self.rng = np.random.default_rng(seed)
         self._synthetic = {}
 
@@ -54,7 +47,7 @@ class Feeds:
                     rows = (np.arange(self.batch_size) + step * self.batch_size) % len(data)
                     data = data[rows]
                 feed[f"{inp.name}:0"] = data
-            else:
+            elif not inp.optional:
                 feed[f"{inp.name}:0"] = self._fake(inp)
         return feed
 
@@ -79,6 +72,135 @@ class Feeds:
         return self._synthetic[inp.name]
 
 
+def _load_pool(path: str, inputs) -> dict:
+    """The .npz's arrays for ``inputs``, each checked and cast to its placeholder's dtype."""
+    arrays = _read_npz(path)
+    missing = [i.name for i in inputs if i.name not in arrays and not i.optional]
+    if missing:
+        raise GraphxformError(f"{path}: no array for input '{missing[0]}' (keys: "
+                              f"{', '.join(sorted(arrays)) or 'none'})")
+    pool = {}
+    for inp in inputs:
+        if inp.name in arrays:
+            _check_shape(path, inp, arrays[inp.name])
+            pool[inp.name] = _as_input_dtype(path, inp, arrays[inp.name])
+    return pool
+
+
+def _read_npz(path: str) -> dict:
+    import zipfile
+    import zlib
+    try:
+        data = np.load(path, allow_pickle=False)
+    except FileNotFoundError:
+        raise GraphxformError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise GraphxformError(f"{path}: is a directory, not a .npz file") from None
+    except OSError as e:
+        raise GraphxformError(f"{path}: cannot read ({e.strerror or e})") from None
+    except (ValueError, EOFError, zipfile.BadZipFile):
+        raise GraphxformError(f"{path}: not a .npz file (a zip of arrays keyed by placeholder "
+                              "name, as np.savez writes)") from None
+    if isinstance(data, np.ndarray):
+        raise GraphxformError(f"{path}: holds one array (a .npy file), not a .npz of arrays "
+                              "keyed by placeholder name (write it with np.savez)")
+    with data:
+        try:
+            return {key: data[key] for key in data.files}
+        except (ValueError, OSError, EOFError, KeyError, zipfile.BadZipFile, zlib.error) as e:
+            raise GraphxformError(f"{path}: damaged or unreadable array ({e})") from None
+
+
+def _shape_text(shape) -> str:
+    return "[" + ", ".join("?" if d < 0 else str(d) for d in shape) + "]"
+
+
+def _check_shape(path: str, inp, array) -> None:
+    """Rank and static non-batch dimensions as the placeholder declares; never empty."""
+    if array.size == 0:
+        raise GraphxformError(f"{path}: the array for input '{inp.name}' is empty "
+                              f"(shape {list(array.shape)})")
+    if inp.shape is None:
+        return
+    wanted = _shape_text(inp.shape) + (" (rows along axis 0)" if inp.batched else "")
+    if array.ndim != len(inp.shape):
+        raise GraphxformError(f"{path}: the array for input '{inp.name}' has rank {array.ndim} "
+                              f"(shape {list(array.shape)}); the placeholder is {wanted}")
+    for axis, (want, got) in enumerate(zip(inp.shape, array.shape)):
+        if want >= 0 and got != want and not (axis == 0 and inp.batched):
+            raise GraphxformError(f"{path}: the array for input '{inp.name}' has shape "
+                                  f"{list(array.shape)}; the placeholder is {wanted}")
+
+
+def _as_input_dtype(path: str, inp, array):
+    """``array`` as the placeholder's dtype, or a one-line error when that would change values
+    (floats for an integer placeholder, integers a float cannot hold exactly)."""
+    from tensorflow.python.framework import dtypes
+    dtype = dtypes.as_dtype(inp.dtype)
+    if dtype == dtypes.string or dtype.is_complex or array.dtype == dtype.as_numpy_dtype:
+        return array
+    target = np.dtype(dtype.as_numpy_dtype)
+    kind = array.dtype.kind
+    exact = None
+    if dtype.is_floating and kind == "f":
+        return array.astype(target)
+    if kind in "iub" and (dtype.is_integer or dtype.is_floating or dtype.is_bool):
+        exact = _converts_exactly(array, target, dtype)
+    if not exact:
+        why = "" if exact is None else " without changing values"
+        raise GraphxformError(f"{path}: the array for input '{inp.name}' is {array.dtype}, which "
+                              f"cannot feed a {dtype.name} placeholder{why}")
+    return array.astype(target)
+
+
+def _converts_exactly(array, target, dtype) -> bool:
+    if dtype.is_bool:
+        return array.dtype.kind == "b" or bool(np.isin(array, (0, 1)).all())
+    values = array.astype(np.int64) if array.dtype.kind == "b" else array
+    if dtype.is_integer:
+        info = np.iinfo(target)
+        return bool(values.min() >= info.min and values.max() <= info.max)
+    import ml_dtypes  # finfo that also knows bfloat16
+    largest_exact = 2 ** (ml_dtypes.finfo(target).nmant + 1)  # every integer up to it is exact
+    return bool(np.abs(values.astype(np.float64)).max() <= largest_exact)
+
+
+def _batch_size(inputs, pool: dict, given: int | None) -> int:
+    """--batch-size, else the graph's fixed batch, else the smallest batched array (at most
+    DEFAULT_BATCH); a fixed batch the flag contradicts is an error naming the input."""
+    if given is not None and given < 1:
+        raise GraphxformError(f"--batch-size must be at least 1, not {given}")
+    fixed = [i for i in inputs if i.fixed_batch]
+    if fixed:
+        if given is not None and given != fixed[0].fixed_batch:
+            raise GraphxformError(f"--batch-size {given} differs from the fixed batch of input "
+                                  f"'{fixed[0].name}' ({fixed[0].fixed_batch} rows)")
+        return fixed[0].fixed_batch
+    if given is not None:
+        return given
+    rows = [len(pool[i.name]) for i in inputs if i.batched and i.name in pool]
+    return min(rows + [DEFAULT_BATCH])
+
+
+def needed_inputs(ir: GraphIR, inputs, fetches=()) -> list:
+    """``inputs`` with those that ``fetches`` read marked as read (so they must be fed)."""
+    if not fetches:
+        return list(inputs)
+    read = set()
+    for name in fetches:
+        node = name.split(":")[0].lstrip("^")
+        if node in ir:
+            read |= ir.ancestors(node)
+    return [dataclasses.replace(i, read_by_step=True) if i.name in read else i for i in inputs]
+
+
+def _require_names(ir: GraphIR, steps) -> None:
+    for step in steps:
+        if step.op not in ir:
+            raise GraphxformError(f"{ir.source or 'the graph'} has no '{step.name}', a step the "
+                                  "original graph runs")
+
+
 def replicas_of(ir: GraphIR) -> int:
     """How many ways a transformed graph splits its batch (1 for a single-device graph)."""
     splits = [ir.node(n)["attr"]["num_split"].i for n in ir.nodes()
@@ -88,25 +210,42 @@ def replicas_of(ir: GraphIR) -> int:
 
 @dataclasses.dataclass
 class StepResult:
-    loss: float | None
+    """One ``Runner.step``: each step's loss by the step's name, in run order (None where no
+    loss was found), and the fetched values."""
+    losses: dict
     fetches: dict
+
+    @property
+    def loss(self) -> float | None:
+        """The first step's loss (for callers of one-step graphs)."""
+        return next(iter(self.losses.values()), None)
 
 
 class Runner:
-    """A session over one MetaGraph; the devices it places on are created locally."""
+    """A session over one MetaGraph that runs what the user runs: every step of the graph, in
+    order, once per ``step()`` (a GAN's d_train then g_train), a tensor step as a tensor. The
+    devices it places on are created locally."""
 
     def __init__(self, ir: GraphIR, train_op: str | None = None, fetches=(),
-                 threads: int = 0, target: str = "", config=None):
+                 threads: int = 0, target: str = "", config=None, steps=None):
         """``target``/``config``: a TF server's session target and its ConfigProto (a cluster
-        graph); by default a local session with the CPU devices the graph names."""
+        graph); by default a local session with the CPU devices the graph names. ``steps``:
+        another graph's ``training.Step`` list to run here by name (verify runs the original's
+        steps and losses on the transformed graph)."""
         import tensorflow as tf
         tf1 = tf.compat.v1
         self.tf1 = tf1
+        if steps is not None:
+            _require_names(ir, steps)
+            train_op = [s.name for s in steps]
         self.analysis = training.analyze(ir, train_op=train_op)
-        self.train_op = self.analysis.require_train_op("run")
-        self.loss = self.analysis.loss
+        self.analysis.require_train_op("run")
+        self.steps = list(steps) if steps is not None else self.analysis.steps
+        self.train_op = self.steps[0].op
+        self.loss = self.steps[0].loss
         self.replicas = replicas_of(ir)
         self.fetches = list(fetches)
+        self.inputs = needed_inputs(ir, self.analysis.inputs, self.fetches)
         meta = metagraph.to_metagraph(ir)
         devices = {ir.node(n)["device"] for n in ir.nodes()}
         self.graph = tf.Graph()
@@ -125,7 +264,7 @@ class Runner:
                 self.init_op = tf.group(*[self.graph.get_operation_by_name(v.initializer)
                                           for v in self.analysis.variables.values()
                                           if v.initializer])
-            for name in self.fetches + ([self.loss] if self.loss else []):
+            for name in self.fetches + [s.loss for s in self.steps if s.loss]:
                 try:
                     self.graph.as_graph_element(name)
                 except (KeyError, ValueError):
@@ -174,16 +313,26 @@ class Runner:
             raise GraphxformError(f"cannot save checkpoint {prefix}: {_first_line(e)}") from None
 
     def step(self, feed: dict) -> StepResult:
-        import tensorflow as tf
+        """Run every step once, in order, on the same feed. The fetches are read in the last
+        step's ``session.run``, as a user's loop fetching them beside its train op would."""
         self._check_batch(feed)
-        names = ([self.loss] if self.loss else []) + self.fetches
+        losses, fetched = {}, {}
+        for index, step in enumerate(self.steps):
+            extra = self.fetches if index == len(self.steps) - 1 else []
+            names = [step.name] + ([step.loss] if step.loss else []) + extra
+            values = self._run(names, feed)[1:]
+            losses[step.name] = float(np.mean(values.pop(0))) if step.loss else None
+            fetched.update(zip(extra, values))
+        return StepResult(losses, fetched)
+
+    def _run(self, names, feed) -> list:
+        import tensorflow as tf
         try:
-            values = self.session.run([self.train_op] + names, feed)[1:]
+            return self.session.run(names, feed)
         except tf.errors.OpError as e:
             raise GraphxformError(_explain(e)) from None
-        got = dict(zip(names, values))
-        return StepResult(loss=float(np.mean(got[self.loss])) if self.loss else None,
-                          fetches={k: got[k] for k in self.fetches})
+        except (ValueError, TypeError) as e:  # a feed TF's client refuses before running
+            raise GraphxformError(f"cannot feed the graph: {_first_line(e)}") from None
 
     def _check_batch(self, feed):
         if self.replicas <= 1:

@@ -1,19 +1,31 @@
 """split-inputs: the original placeholders stay the entry point; replica i gets the i-th even
 slice of the global batch along axis 0.
 
-A global batch that does not divide by the number of replicas fails at run time in the node
+Inputs with a fixed batch dimension (``training.Input``'s rule) are split too; a fixed size that
+does not divide by the number of replicas is refused here, naming the input. TensorFlow folded
+that size into constants when it built the graph (``tf.shape``, ``tf.size``, the gradients of
+Reshape, Tile and Mean), so in each replica those say the slice's size instead (see
+``rebatch_constants``), and what the replicas compute from them loses its recorded
+``_output_shapes`` (TensorFlow refuses a graph whose recorded shapes contradict its own). Any
+other global batch that does not divide fails at run time in the node
 `split_inputs/<input>/split`, which `graphxform run` turns into a one-line error."""
 
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import numpy as np
 
-from graphxform.nodes import Builder, replica_prefix
+from graphxform import opdefs, training
+from graphxform.errors import GraphxformError
+from graphxform.nodes import Builder, replica_prefix, tensor_proto
 from graphxform.pipeline import Pass, PassResult
 
 SCOPE = "split_inputs/"
+FOLDED_SHAPE = re.compile(r"^(Shape|shape_as_tensor|Const)(_\d+)?$")  # tf.shape, Tile multiples
+FOLDED_SIZE = re.compile(r"^Size(_\d+)?$")  # tf.size
+REPLICA_HEAD = re.compile(r"^replica_\d+/")
 
 
 @dataclasses.dataclass
@@ -27,6 +39,7 @@ class SplitInputs(Pass):
         for inp in ctx.training.inputs:
             if not inp.batched or not ir.consumers(inp.name):
                 continue
+            _check_divides(inp, replicas)
             scope = f"{SCOPE}{inp.name}/"
             axis = build.const(scope + "axis", 0, np.int32)
             node = build.op(scope + "split", "Split", [axis, inp.name], num_split=replicas,
@@ -36,4 +49,158 @@ class SplitInputs(Pass):
                 ir.replace_all_uses_with(f"{inp.name}:0", f"{node}:{i}",
                                          where=lambda n, p=prefix: n.startswith(p))
             split.append(inp.name)
-        return PassResult(modified=bool(split), summary={"inputs": split})
+        fixed = [i.fixed_batch for i in ctx.training.inputs if i.name in split and i.fixed_batch]
+        rebatched = []
+        if fixed:
+            splits = [f"{SCOPE}{name}/split" for name in split]
+            rebatched = rebatch_constants(ir, build, splits, fixed[0], replicas)
+            _forget_recorded_shapes(ir, splits + rebatched)
+        return PassResult(modified=bool(split),
+                          summary={"inputs": split, "rebatched_constants": len(rebatched)})
+
+
+def _check_divides(inp, replicas: int) -> None:
+    if inp.fixed_batch and inp.fixed_batch % replicas:
+        raise GraphxformError(f"input '{inp.name}' has a fixed batch of {inp.fixed_batch}, "
+                              f"which does not divide evenly across {replicas} replicas")
+
+
+def rebatch_constants(ir, build, splits: list[str], batch: int, replicas: int) -> list[str]:
+    """In every replica, the constants TF folded from a fixed global batch say the slice's
+    size. A gradient's constant that is the static shape (or size) of an input of its forward
+    op computed from the batch becomes a live Shape (Size) of the replica's tensor. Of the
+    rest: integer shapes whose leading entry is the batch (``Shape``, ``shape_as_tensor``, a
+    Mean gradient's Tile multiples, a Reshape of the batch to it), ``Size`` scalars that are a
+    multiple of it, a Mean gradient's divisor where that Mean averages over axis 0, and filled
+    tensors (``zeros_like`` of a batch) whose leading dimension is the batch. Returns the nodes
+    now computed differently."""
+    from_batch = _data_descendants(ir, splits)
+    changed = []
+    for name in ir.nodes_of({"Const"}):
+        if not name.startswith("replica_"):
+            continue
+        value = _const_value(ir, name)
+        live = _live_shape(ir, name, value, from_batch)
+        if live is not None:
+            changed.append(_make_live(ir, build, name, *live))
+            continue
+        new = _rebatched(ir, name, value, batch, replicas, from_batch)
+        if new is not None:
+            ir.node(name)["attr"]["value"].tensor.CopyFrom(tensor_proto(new))
+            changed.append(name)
+    return changed
+
+
+def _live_shape(ir, name: str, value, from_batch: set):
+    """("Shape" or "Size", tensor) when ``name``, in a gradient scope, equals the recorded
+    static shape (size) of an input of its forward op that is computed from the batch."""
+    forward = _forward_op(ir, name)
+    if forward is None or value is None or value.dtype.kind not in "iu" or value.ndim > 1:
+        return None
+    for port, (src, src_port) in enumerate(ir.inputs(forward)):
+        shape = _recorded_shape(ir, src, src_port)
+        if src not in from_batch or shape is None:
+            continue
+        if value.ndim == 1 and value.tolist() == shape:
+            return "Shape", src, src_port
+        if value.ndim == 0 and int(value) == int(np.prod(shape)) and shape:
+            return "Size", src, src_port
+    return None
+
+
+def _make_live(ir, build, name: str, op: str, src: str, port: int) -> str:
+    dtype = ir.attrs(name)["dtype"].type
+    live = build.op(f"{name}/live", op, [f"{src}:{port}"], device=ir.node(name)["device"],
+                    T=opdefs.output_dtype(ir, src, port), out_type=dtype)
+    ir.replace_all_uses_with(f"{name}:0", f"{live}:0")
+    for waits_on in ir.control_inputs(name):
+        ir.add_control_input(live, waits_on)
+    ir.remove_node(name)
+    return live
+
+
+def _forward_op(ir, name: str) -> str | None:
+    """The forward op whose gradient ``name`` belongs to (``gradients/<op>_grad/...``)."""
+    scope = training.gradient_scope(name)
+    if not scope or "_grad/" not in name[len(scope):]:
+        return None
+    op = name[len(scope):].split("_grad/", 1)[0]
+    outer = scope[: scope.rstrip("/").rfind("/") + 1]  # what encloses the gradients scope
+    replica = REPLICA_HEAD.match(name)  # an optimizer's scope may enclose tf.gradients' scope
+    for forward in (outer + op, (replica.group(0) if replica else "") + op):
+        if forward in ir:
+            return forward
+    return None
+
+
+def _recorded_shape(ir, node: str, port: int) -> list | None:
+    """The static shape TF recorded for a tensor of the input graph (a slice of an input:
+    the placeholder's, the global batch, which is what TF folded)."""
+    attrs = ir.attrs(node)
+    if node.startswith(SCOPE) and ir.op(node) == "Split":
+        shape = ir.attrs(ir.input(node, 1)[0])["shape"].shape
+    elif "_output_shapes" in attrs and port < len(attrs["_output_shapes"].list.shape):
+        shape = attrs["_output_shapes"].list.shape[port]
+    else:
+        return None
+    dims = [d.size for d in shape.dim]
+    return None if shape.unknown_rank or any(d < 0 for d in dims) else dims
+
+
+def _data_descendants(ir, starts) -> set:
+    seen, stack = set(starts), list(starts)
+    while stack:
+        for dst, _ in ir.consumers(stack.pop()):
+            if dst not in seen:
+                seen.add(dst)
+                stack.append(dst)
+    return seen
+
+
+def _rebatched(ir, name: str, value, batch: int, replicas: int, from_batch: set):
+    """``value`` as the slice would have it, or None when it is not folded from the batch."""
+    if value is None or value.dtype.kind not in "iufb":
+        return None
+    if value.ndim >= 1 and value.shape[0] == batch > 1 and (value == value.flat[0]).all():
+        return np.full((batch // replicas,) + value.shape[1:], value.flat[0], value.dtype)
+    leaf = name.rsplit("/", 1)[-1]
+    if value.dtype.kind in "iu":
+        if value.ndim == 1 and value.size and value[0] == batch and (
+                FOLDED_SHAPE.match(leaf) or _reshapes_the_batch(ir, name, from_batch)):
+            return np.concatenate([[batch // replicas], value[1:]]).astype(value.dtype)
+        if value.ndim == 0 and value % batch == 0 and value and FOLDED_SIZE.match(leaf):
+            return np.asarray(value // replicas, dtype=value.dtype)
+        return None
+    if value.ndim == 0 and value and value % batch == 0 and _mean_over_batch(ir, name):
+        return np.asarray(value / replicas, dtype=value.dtype)
+    return None
+
+
+def _reshapes_the_batch(ir, name: str, from_batch: set) -> bool:
+    """Whether ``name`` is the target shape of a Reshape of a tensor computed from the batch
+    (the user's own ``tf.reshape(x, [batch_size, -1])``)."""
+    return any(ir.op(dst) == "Reshape" and port == 1 and ir.input(dst, 0)[0] in from_batch
+               for dst, port in ir.consumers(name))
+
+
+def _mean_over_batch(ir, name: str) -> bool:
+    """Whether ``name`` lies in the gradient of a Mean whose axes include 0."""
+    forward = _forward_op(ir, name)
+    if forward is None or ir.op(forward) != "Mean":
+        return False
+    axes = _const_value(ir, ir.input(forward, 1)[0])
+    return axes is not None and 0 in axes.reshape(-1).tolist()
+
+
+def _const_value(ir, name: str):
+    if ir.op(name) != "Const":
+        return None
+    from tensorflow.python.framework import tensor_util
+    return tensor_util.MakeNdarray(ir.attrs(name)["value"].tensor)
+
+
+def _forget_recorded_shapes(ir, starts) -> None:
+    """Drop ``_output_shapes`` from ``starts`` and everything computed from them."""
+    for node in _data_descendants(ir, starts):
+        if "_output_shapes" in ir.attrs(node):
+            ir.node(node)["attr"].pop("_output_shapes", None)
