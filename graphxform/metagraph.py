@@ -324,6 +324,8 @@ def save(ir: GraphIR, path: str) -> None:
 def check_output_path(path: str, source: str | None) -> None:
     if source and os.path.exists(path) and os.path.samefile(path, source):
         raise GraphxformError(f"{path}: output would overwrite the input; choose another -o")
+    if _special_file(path):  # written in place
+        return
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
         raise GraphxformError(f"{path}: output directory {parent} does not exist")
@@ -334,10 +336,15 @@ def check_output_path(path: str, source: str | None) -> None:
 def write_atomic(path: str, data: bytes | str) -> None:
     """Write to a temp file beside ``path`` and rename it into place: no partial file on error
     or signal (see graphxform/cleanup.py, which also sweeps the temp files of runs that died),
-    and the mode ``open(path, "w")`` would give."""
-    parent = os.path.dirname(os.path.abspath(path))
+    and the mode ``open(path, "w")`` would give. Like ``open``, it writes through a symlink,
+    and into a device or pipe (``-o /dev/null``) in place rather than replacing it."""
+    if _special_file(path):
+        _write_in_place(path, data)
+        return
+    target = os.path.realpath(path) if os.path.islink(path) else path
+    parent = os.path.dirname(os.path.abspath(target))
     cleanup.sweep_output_temps(parent)
-    mode = cleanup.mode_for_new_file(path)
+    mode = cleanup.mode_for_new_file(target)
     try:
         fd, tmp = tempfile.mkstemp(dir=parent, prefix=cleanup.TEMP_PREFIX + cleanup.owner_tag(),
                                    suffix=cleanup.TEMP_SUFFIX)
@@ -347,10 +354,28 @@ def write_atomic(path: str, data: bytes | str) -> None:
         with os.fdopen(fd, "wb" if isinstance(data, bytes) else "w") as f:
             os.fchmod(f.fileno(), mode)
             f.write(data)
-        os.replace(tmp, path)
+        os.replace(tmp, target)
     except BaseException as e:
         if os.path.exists(tmp):
             os.unlink(tmp)
         if isinstance(e, OSError):
             raise GraphxformError(f"{path}: cannot write: {e.strerror}") from None
         raise
+
+
+def _special_file(path: str) -> bool:
+    """Whether ``path`` exists and is neither a regular file nor a directory (a device, a pipe,
+    /dev/stdout): there is nothing to rename over it."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return False
+    return not stat.S_ISREG(mode) and not stat.S_ISDIR(mode)
+
+
+def _write_in_place(path: str, data: bytes | str) -> None:
+    try:
+        with open(path, "wb" if isinstance(data, bytes) else "w") as f:
+            f.write(data)
+    except OSError as e:
+        raise GraphxformError(f"{path}: cannot write: {e.strerror}") from None

@@ -209,6 +209,28 @@ def test_outputs_honour_the_umask(run_cli, tmp_path, umask, mode):
         os.umask(previous)
 
 
+def test_outputs_go_through_symlinks_and_into_pipes_in_place(run_cli, tmp_path):
+    real = tmp_path / "real.meta"
+    real.write_bytes(b"old")
+    link = tmp_path / "link.meta"
+    link.symlink_to(real)
+    code, _, err = run_cli("apply", MODEL, "--replicas", 2, "-o", link)
+    assert code == 0, err
+    assert link.is_symlink() and metagraph.load(str(real)).kind == "meta"
+    pipe = tmp_path / "out.fifo"  # like -o /dev/null: never replaced by a regular file
+    os.mkfifo(pipe)
+    reader = subprocess.Popen(["cat", str(pipe)], stdout=subprocess.PIPE)
+    try:
+        code, _, err = run_cli("apply", MODEL, "--replicas", 2, "-o", pipe)
+        received, _ = reader.communicate(timeout=30)
+    finally:
+        reader.kill()
+        reader.wait(timeout=10)
+    assert code == 0, err
+    assert stat.S_ISFIFO(os.lstat(pipe).st_mode) and received == real.read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.meta", "out.fifo", "real.meta"]
+
+
 def test_sigterm_while_writing_leaves_no_temp_file(run_cli, tmp_path, monkeypatch):
     real_fchmod = os.fchmod
 
