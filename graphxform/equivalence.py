@@ -1,11 +1,21 @@
 """Train the original and the transformed graph from the same checkpoint on the same feeds and
-compare: per-variable largest relative difference, per-step loss and fetches, and whether every
-replica of a variable still holds the same value."""
+compare: every variable, each step's loss at every step, the fetches, and whether every replica
+of a variable still holds the same value. Both graphs run the same steps: the original's
+(every train op the user runs, in order), by name.
+
+Differences are scaled, not relative: ``max|expected - got| / scale``. A variable's scale is the
+largest of its max|value| after training, its max|initial value| and a floor of
+``FLOOR_FRACTION`` of the root mean square of all the model's trainable variables. A tensor
+that is ~0 (a bias whose gradient is mathematically zero) is so judged against the size of the
+model, not against its own ~0: float noise of 1e-9 passes, a real 1e-3 error still fails, and a
+variable of normal size is compared relative to itself as before. A loss or fetch is scaled by
+its largest magnitude over the steps."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import tempfile
 
@@ -15,14 +25,22 @@ from graphxform import distributed, training
 from graphxform.distributed import ClusterPlan
 from graphxform.ir import GraphIR
 from graphxform.nodes import replica_prefix
-from graphxform.runtime import Feeds, Runner, cpus_by_job
+from graphxform.runtime import Feeds, Runner, cpus_by_job, needed_inputs
+
+FLOOR_FRACTION = 1e-2  # of the RMS of the trainable variables: the smallest scale a variable gets
+TINY = 1e-12  # the scale of last resort (a model whose variables are all zero)
+FUSED_BATCH_NORM = {"FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3"}
+RANDOM_PREFIXES = ("Random", "StatelessRandom", "StatelessTruncated", "StatelessMultinomial",
+                   "StatefulRandom", "StatefulStandardNormal", "StatefulTruncatedNormal",
+                   "StatefulUniform", "RngReadAndSkip")
 
 
 @dataclasses.dataclass
 class Difference:
     name: str
-    relative: float
-    replica_spread: float = 0.0  # largest relative gap between replica copies
+    scaled: float  # largest |expected - got| / scale
+    replica_spread: float = 0.0  # largest scaled gap between replica copies
+    scale: float = 0.0
 
 
 @dataclasses.dataclass
@@ -30,13 +48,19 @@ class Report:
     steps: int
     rtol: float
     variables: list  # Difference per variable
-    fetches: list  # Difference per fetched tensor (over all steps)
-    losses: list  # (original, transformed) per step
+    fetches: list  # Difference per step's loss and per fetched tensor (over all steps)
+    step_losses: dict  # step name -> [(original, transformed) per step]; None: no loss found
     reasons: list  # why the graphs cannot match, when they cannot
+    floor: float = 0.0  # the smallest scale a variable was compared at
+
+    @property
+    def losses(self) -> list:
+        """The first step's (original, transformed) losses, per step."""
+        return next(iter(self.step_losses.values()), [])
 
     @property
     def worst(self) -> float:
-        return max([d.relative for d in self.variables + self.fetches] +
+        return max([d.scaled for d in self.variables + self.fetches] +
                    [d.replica_spread for d in self.variables] + [0.0])
 
     @property
@@ -44,70 +68,228 @@ class Report:
         return self.worst <= self.rtol
 
 
-def relative_difference(a, b) -> float:
-    """max|a - b| / max|a|: relative to the tensor's scale, so zeros do not blow it up."""
-    a = np.asarray(a, dtype=np.float64)
-    b = np.asarray(b, dtype=np.float64)
+def magnitude(value) -> float:
+    array = np.asarray(value, dtype=np.float64)
+    return float(np.max(np.abs(array))) if array.size else 0.0
+
+
+def scaled_difference(expected, got, scale: float) -> float:
+    """max|expected - got| / scale; NaN where the other is not NaN counts as infinite."""
+    a = np.asarray(expected, dtype=np.float64)
+    b = np.asarray(got, dtype=np.float64)
     if a.shape != b.shape:
         return float("inf")
     if a.size == 0:
         return 0.0
-    scale = max(float(np.max(np.abs(a))), 1e-12)
-    return float(np.max(np.abs(a - b))) / scale
+    gap = np.abs(a - b)
+    both_nan = np.isnan(a) & np.isnan(b)
+    gap = np.where(both_nan, 0.0, np.where(np.isnan(gap), np.inf, gap))
+    return float(np.max(gap)) / max(scale, TINY)
+
+
+def scale_floor(values: dict, names) -> float:
+    """FLOOR_FRACTION of the root mean square of the named variables' values, pooled."""
+    squares, count = 0.0, 0
+    for name in names:
+        array = np.asarray(values.get(name, ()), dtype=np.float64)
+        if array.size and np.isfinite(array).all():
+            squares += float(np.sum(array * array))
+            count += array.size
+    return FLOOR_FRACTION * math.sqrt(squares / count) if count else 0.0
+
+
+def compare_variables(expected: dict, got: dict, initial: dict, floor: float) -> list:
+    """A Difference per variable of ``expected``; ``got`` holds the transformed graph's values
+    (one shared copy under the original name, or one per replica)."""
+    found = []
+    for name in sorted(expected):
+        copies = [got[name]] if name in got else [
+            got[replica_prefix(i) + name] for i in range(len(got))
+            if replica_prefix(i) + name in got]
+        scale = max(magnitude(expected[name]), magnitude(initial.get(name, ())), floor)
+        if not copies:
+            found.append(Difference(name, float("inf"), scale=scale))
+            continue
+        spread = max(scaled_difference(copies[0], c, scale) for c in copies)
+        found.append(Difference(name, scaled_difference(expected[name], copies[0], scale),
+                                spread, scale))
+    return found
+
+
+def compare_series(name: str, expected: list, got: list) -> Difference:
+    """One tensor over the steps, scaled by its largest magnitude over them."""
+    pairs = [(e, g) for e, g in zip(expected, got) if e is not None or g is not None]
+    if any(e is None or g is None for e, g in pairs):
+        return Difference(name, float("inf"))
+    scale = max([magnitude(e) for e, _ in pairs] + [0.0])
+    return Difference(name, max([scaled_difference(e, g, scale) for e, g in pairs] + [0.0]),
+                      scale=scale)
 
 
 def mismatch_reasons(ir: GraphIR, tg: training.TrainingGraph) -> list[str]:
-    """Why a synchronous replicated graph cannot match the single-device one step for step."""
+    """Why a synchronous replicated graph cannot match the single-device one step for step,
+    each naming what it found and the option that would make it match."""
     reasons = []
-    stats = sorted(v.name for v in tg.variables.values() if v.role == "statistic")
-    if stats:
-        reasons.append("per-batch statistics (batch norm): each replica computes them on its "
-                       f"own slice of the batch ({', '.join(stats[:3])})")
-    random_ops = training.random_ops_in_step(ir, tg)
-    if random_ops:
-        reasons.append("random ops run in every step (dropout, sampling), and replicas draw "
-                       f"different numbers ({', '.join(random_ops[:3])})")
+    from_inputs = _fed_from_inputs(ir, tg)
+    batch_norm = _batch_norm_evidence(ir, tg, from_inputs)
+    if batch_norm:
+        reasons.append("batch norm in training mode: each replica normalises its slice with that "
+                       "slice's own mean and variance and updates the moving averages from it "
+                       f"({_some(batch_norm)}); --sync-batch-norm uses the global batch's")
+    seeded, unseeded = _random_ops(ir, tg, from_inputs)
+    if seeded:
+        reasons.append("random ops run in the step (dropout, sampling) and each replica draws "
+                       f"its own numbers for its slice ({_some(seeded)}); --consistent-random "
+                       "gives each replica its slice of the single-device draw")
+    if unseeded:
+        reasons.append("random ops without a seed (seed=seed2=0) run in the step and draw "
+                       f"different numbers in every session, so they cannot match even on one "
+                       f"device ({_some(unseeded)}); set a graph seed "
+                       "(tf.compat.v1.set_random_seed) and use --consistent-random")
     return reasons
+
+
+def _some(names: list, limit: int = 3) -> str:
+    more = f", and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+def _batch_norm_evidence(ir: GraphIR, tg, from_inputs: set) -> list[str]:
+    """What computes statistics over the batch in the step: variables updated there from the
+    inputs (batch norm's moving averages, but not an average of the weights), fused batch norm
+    in training mode, and ``tf.nn.moments`` over axis 0."""
+    found = sorted(v.name for v in tg.variables.values() if v.role == "statistic"
+                   and any(u in from_inputs for u in v.updates))
+    for name in sorted(tg.train_closure):
+        op = ir.op(name)
+        if op in FUSED_BATCH_NORM and _is_training(ir, name) and not _per_example(ir, name):
+            found.append(name)
+        elif op == "SquaredDifference" and _moments_over_batch(ir, name):
+            found.append(name.rsplit("/", 1)[0])
+    return found
+
+
+def _fed_from_inputs(ir: GraphIR, tg) -> set:
+    """Every node of the forward pass that reads an input placeholder's data, directly or not
+    (not through gradients: loss-scale state updated from a finite check of the gradients is
+    no batch statistic)."""
+    seen = {i.name for i in tg.inputs if i.name in ir}
+    stack = list(seen)
+    while stack:
+        for dst, _ in ir.consumers(stack.pop()):
+            if dst not in seen and not training.gradient_scope(dst):
+                seen.add(dst)
+                stack.append(dst)
+    return seen
+
+
+def _is_training(ir: GraphIR, name: str) -> bool:
+    attrs = ir.attrs(name)
+    return attrs["is_training"].b if "is_training" in attrs else True
+
+
+def _per_example(ir: GraphIR, name: str) -> bool:
+    """Fused batch norm over an input reshaped to a leading 1 (how tf_keras's LayerNormalization
+    runs): its statistics never mix examples."""
+    src, _ = ir.input(name, 0)
+    if ir.op(src) != "Reshape":
+        return False
+    shape, _ = ir.input(src, 1)
+    if ir.op(shape) == "Pack":
+        shape, _ = ir.input(shape, 0)
+    value = _const_value(ir, shape)
+    return value is not None and value.size > 0 and value.reshape(-1)[0] == 1
+
+
+def _moments_over_batch(ir: GraphIR, name: str) -> bool:
+    """``tf.nn.moments``' variance: SquaredDifference(x, StopGradient(Mean(x, axes))) with axis
+    0 among the axes (layer norm's moments, over the last axis, mix no examples)."""
+    x, _ = ir.input(name, 0)
+    stop, _ = ir.input(name, 1)
+    if ir.op(stop) != "StopGradient":
+        return False
+    mean, _ = ir.input(stop, 0)
+    if ir.op(mean) != "Mean" or ir.input(mean, 0)[0] != x:
+        return False
+    axes = _const_value(ir, ir.input(mean, 1)[0])
+    return axes is None or 0 in axes.reshape(-1).tolist()
+
+
+def _const_value(ir: GraphIR, name: str):
+    if ir.op(name) != "Const":
+        return None
+    import tensorflow as tf
+    return tf.make_ndarray(ir.attrs(name)["value"].tensor)
+
+
+def _random_ops(ir: GraphIR, tg, from_inputs: set) -> tuple[list, list]:
+    """Random ops in the step that make replicas differ from one device: (seeded, unseeded).
+    An op with seed and seed2 attrs both 0 is seeded afresh by every session, so it differs
+    even between two runs of one graph. A seeded op differs only when what it draws depends on
+    the batch (dropout's mask, shaped like the slice): each replica then draws the first numbers
+    of the sequence for its slice. A candidate sampler (nce_loss) draws ``num_sampled`` ids
+    whatever the batch, the same in every replica as on one device."""
+    fixed = {i.fixed_batch for i in tg.inputs if i.fixed_batch}
+    seeded, unseeded = [], []
+    for name in sorted(tg.train_closure):
+        op = ir.op(name)
+        attrs = ir.attrs(name)
+        has_seed = "seed" in attrs and "seed2" in attrs
+        if not (has_seed or op in training.RANDOM_OPS or op.startswith(RANDOM_PREFIXES)):
+            continue
+        if has_seed and attrs["seed"].i == 0 and attrs["seed2"].i == 0:
+            unseeded.append(name)
+        elif not op.endswith("CandidateSampler") and _drawn_per_example(ir, name, from_inputs,
+                                                                        fixed):
+            seeded.append(name)
+    return seeded, unseeded
+
+
+def _drawn_per_example(ir: GraphIR, name: str, from_inputs: set, fixed: set) -> bool:
+    """Whether what a random op draws depends on the batch: an input computed from the
+    placeholders, or a constant shape whose leading entry is the graph's fixed batch."""
+    for src, _ in ir.inputs(name):
+        if src in from_inputs:
+            return True
+        value = _const_value(ir, src)
+        if value is not None and value.ndim == 1 and value.size and int(value[0]) in fixed:
+            return True
+    return False
 
 
 def compare(original: GraphIR, transformed: GraphIR, feeds_path: str | None = None,
             steps: int = 5, batch_size: int | None = None, fetches=(), rtol: float = 1e-5,
             train_op: str | None = None) -> Report:
     tg = training.analyze(original, train_op=train_op)
-    feeds = Feeds(tg.inputs, feeds_path, batch_size)
+    tg.require_train_op("verify")
+    fetches = list(fetches)
+    feeds = Feeds(needed_inputs(original, tg.inputs, fetches), feeds_path, batch_size)
     with tempfile.TemporaryDirectory(prefix="graphxform-verify-") as tmp:
-        with Runner(original, train_op=train_op, fetches=fetches) as run:
+        with Runner(original, fetches=fetches, steps=tg.steps) as run:
             run.initialize()
+            initial = run.variable_values()
             start = run.save(os.path.join(tmp, "start"))
             before = [run.step(feeds.batch(k)) for k in range(steps)]
             expected = run.variable_values()
-        with _transformed_runner(transformed, fetches) as run:
+        with _transformed_runner(transformed, fetches, tg.steps) as run:
             run.restore(start)
             after = [run.step(feeds.batch(k)) for k in range(steps)]
             got = run.variable_values()
     _join_shards(got, expected)
-    variables = []
-    for name in sorted(expected):
-        copies = [got[name]] if name in got else [
-            got[replica_prefix(i) + name] for i in range(len(got))
-            if replica_prefix(i) + name in got]
-        if not copies:
-            variables.append(Difference(name, float("inf")))
-            continue
-        spread = max(relative_difference(copies[0], c) for c in copies)
-        variables.append(Difference(name, relative_difference(expected[name], copies[0]), spread))
-    fetched = [Difference(name, max(relative_difference(b.fetches[name], a.fetches[name])
-                                    for b, a in zip(before, after))) for name in fetches]
-    losses = [(b.loss, a.loss) for b, a in zip(before, after)]
-    if tg.loss:
-        fetched.insert(0, Difference(tg.loss, max(
-            [relative_difference(b, a) for b, a in losses] + [0.0])))
+    floor = scale_floor(expected, [v.name for v in tg.trainable])
+    variables = compare_variables(expected, got, initial, floor)
+    step_losses = {s.name: [(b.losses[s.name], a.losses[s.name]) for b, a in zip(before, after)]
+                   for s in tg.steps}
+    series = [compare_series(s.loss, [b for b, _ in step_losses[s.name]],
+                             [a for _, a in step_losses[s.name]]) for s in tg.steps if s.loss]
+    series += [compare_series(name, [b.fetches[name] for b in before],
+                              [a.fetches[name] for a in after]) for name in fetches]
     reasons = mismatch_reasons(original, tg)
     plan = ClusterPlan.from_ir(transformed)
     if plan is not None and plan.is_async:
         reasons.append("--async: each worker applies its own gradient when it is ready, so "
                        "updates interleave in no fixed order")
-    return Report(steps, rtol, variables, fetched, losses, reasons)
+    return Report(steps, rtol, variables, series, step_losses, reasons, floor)
 
 
 def _join_shards(got: dict, expected: dict) -> None:
@@ -122,12 +304,13 @@ def _join_shards(got: dict, expected: dict) -> None:
 
 
 @contextlib.contextmanager
-def _transformed_runner(transformed: GraphIR, fetches):
-    """A Runner for the transformed graph; a cluster graph gets its cluster's servers started
-    in this process on fresh 127.0.0.1 ports and a session on its chief."""
+def _transformed_runner(transformed: GraphIR, fetches, steps):
+    """A Runner for the transformed graph running the original's ``steps``; a cluster graph
+    gets its cluster's servers started in this process on fresh 127.0.0.1 ports and a session
+    on its chief."""
     plan = ClusterPlan.from_ir(transformed)
     if plan is None:
-        with Runner(transformed, fetches=fetches) as run:
+        with Runner(transformed, fetches=fetches, steps=steps) as run:
             yield run
         return
     cluster = distributed.local_cluster(plan.job_sizes())
@@ -135,23 +318,47 @@ def _transformed_runner(transformed: GraphIR, fetches):
     with distributed.InProcessCluster(cluster, cpus=cpus_by_job(transformed)) as servers:
         config = distributed.session_config(job, int(task), chief=True)
         with Runner(transformed, fetches=fetches, target=servers.target(job, int(task)),
-                    config=config) as run:
+                    config=config, steps=steps) as run:
             yield run
 
 
 def format_report(report: Report) -> str:
-    lines = [f"{'variable':40} {'max rel diff':>13} {'replica spread':>15}"]
-    for d in sorted(report.variables, key=lambda d: -d.relative):
-        lines.append(f"{d.name:40} {d.relative:13.2e} {d.replica_spread:15.2e}")
+    lines = [f"scaled difference = max|original - transformed| / scale; a variable's scale is "
+             f"the largest of its max|value|, its max|initial value| and "
+             f"{FLOOR_FRACTION:g} x the RMS of the trainable variables ({report.floor:.2e}); "
+             "a loss's or fetch's, its largest |value| over the steps",
+             f"{'variable':40} {'scaled diff':>13} {'replica spread':>15}"]
+    for d in sorted(report.variables, key=lambda d: -d.scaled):
+        lines.append(f"{d.name:40} {d.scaled:13.2e} {d.replica_spread:15.2e}")
     for d in report.fetches:
-        lines.append(f"{'fetch ' + d.name:40} {d.relative:13.2e}")
-    lines.append("step  loss (original)  loss (transformed)")
-    for k, (a, b) in enumerate(report.losses, start=1):
-        if a is not None:
-            lines.append(f"{k:4}  {a:15.7f}  {b:18.7f}")
+        lines.append(f"{'fetch ' + d.name:40} {d.scaled:13.2e}")
+    lines += _loss_table(report.step_losses)
     verdict = "PASS" if report.ok else "FAIL"
-    lines.append(f"{verdict}: largest relative difference {report.worst:.2e} after "
+    lines.append(f"{verdict}: largest scaled difference {report.worst:.2e} after "
                  f"{report.steps} steps (tolerance {report.rtol:.0e})")
     for reason in report.reasons:
         lines.append(f"cannot match exactly: {reason}")
     return "\n".join(lines)
+
+
+def _loss_table(step_losses: dict) -> list[str]:
+    """Each step's loss at every step; one line when no step's loss was found."""
+    with_loss = {name: pairs for name, pairs in step_losses.items()
+                 if any(a is not None for a, _ in pairs)}
+    if not with_loss:
+        names = ", ".join(step_losses) or "the train op"
+        return [f"loss: none found for {names} (compare a tensor with --fetch NAME)"]
+    several = len(step_losses) > 1
+    width = max(len(n) for n in step_losses) if several else 0
+    lines = ["step  " + (f"{'train op':{width}}  " if several else "") +
+             "loss (original)  loss (transformed)"]
+    for k in range(len(next(iter(with_loss.values())))):
+        for name, pairs in step_losses.items():
+            a, b = pairs[k]
+            label = f"{name:{width}}  " if several else ""
+            lines.append(f"{k + 1:4}  {label}{_number(a):>15}  {_number(b):>18}")
+    return lines
+
+
+def _number(value) -> str:
+    return "-" if value is None else f"{value:.7f}"

@@ -65,3 +65,137 @@ def test_changed_only_allows_while_loop_back_edges():
     merge = next(n for n in ir.nodes() if ir.op(n) == "Merge")
     ir.add_control_input(merge, ir.inputs(merge)[0][0])  # a second edge on the same pair
     verify.check_structure(ir, changed_only=True)
+
+
+# --- verify that means it (graphxform/equivalence.py): scaled tolerance, losses, reasons ---
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+from recipe_loop import load_manifest, recipe_meta  # noqa: E402
+
+from graphxform import equivalence, training  # noqa: E402
+
+tf1 = tf.compat.v1
+WEIGHTS = np.random.default_rng(0).uniform(-0.5, 0.5, (8, 8))
+
+
+def scaled(expected, got, initial=None):
+    """Each variable's scaled difference, next to weights of ordinary size."""
+    expected, got = {"w": WEIGHTS, **expected}, {"w": WEIGHTS, **got}
+    floor = equivalence.scale_floor(expected, expected)
+    return {d.name: d.scaled for d in equivalence.compare_variables(expected, got,
+                                                                    initial or {}, floor)}
+
+
+def test_float_noise_on_a_near_zero_variable_passes():
+    bias = np.full(16, 1e-9)  # an attention key bias: gradient mathematically zero
+    assert scaled({"b": bias}, {"b": bias + np.linspace(-1e-9, 1e-9, 16)})["b"] <= 1e-5
+
+
+def test_a_real_error_on_a_zero_variable_fails():
+    assert scaled({"b": np.zeros(16)}, {"b": np.full(16, 1e-3)})["b"] > 1e-5
+
+
+def test_ordinary_variables_are_compared_relative_to_themselves():
+    value = np.full(4, 3.0)
+    assert scaled({"v": value}, {"v": value * (1 + 1e-6)})["v"] == pytest.approx(1e-6)
+    assert scaled({"v": value}, {"v": value * 1.001})["v"] == pytest.approx(1e-3)
+    shrunk = scaled({"v": np.full(4, 1e-6)}, {"v": np.full(4, 2e-6)}, {"v": np.full(4, 2.0)})
+    assert shrunk["v"] == pytest.approx(5e-7)  # scaled by its initial size
+    assert scaled({"v": value}, {"v": value * np.nan})["v"] == float("inf")
+
+
+def test_report_without_a_loss_says_so_in_one_line():
+    report = equivalence.Report(steps=2, rtol=1e-5, variables=[], fetches=[],
+                                step_losses={"bump": [(None, None), (None, None)]}, reasons=[])
+    text = equivalence.format_report(report)
+    assert "loss: none found for bump (compare a tensor with --fetch NAME)" in text
+    assert "step  loss" not in text
+    assert text.splitlines()[0].startswith("scaled difference = max|original - transformed|")
+
+
+def analyzed(build):
+    """The IR and analysis of a graph with one step that minimises ``build(x)``."""
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [None, 4, 4, 2], name="x")
+        loss = tf.reduce_mean(build(x))
+        tf1.add_to_collection("train_op", tf1.train.GradientDescentOptimizer(0.1).minimize(loss))
+        ir = metagraph.from_metagraph(tf1.train.export_meta_graph(graph=g))
+    return ir, training.analyze(ir)
+
+
+def reasons_for(build):
+    return " ".join(equivalence.mismatch_reasons(*analyzed(build)))
+
+
+def scale_and_offset():
+    return (tf1.get_variable("scale", [2], initializer=tf1.ones_initializer()),
+            tf1.get_variable("offset", [2], initializer=tf1.zeros_initializer()))
+
+
+def fused_batch_norm(x, training_mode=True):
+    scale, offset = scale_and_offset()
+    if training_mode:
+        return tf1.nn.fused_batch_norm(x, scale, offset, is_training=True)[0]
+    return tf1.nn.fused_batch_norm(x, scale, offset, mean=tf.zeros([2]),
+                                   variance=tf.ones([2]), is_training=False)[0]
+
+
+def moments_batch_norm(x, axes=(0, 1, 2)):
+    scale, offset = scale_and_offset()
+    mean, variance = tf.nn.moments(x, list(axes), keepdims=True)
+    return tf.nn.batch_normalization(x, mean, variance, offset, scale, 1e-3)
+
+
+def layer_norm(x):
+    import tf_keras
+    return tf_keras.layers.LayerNormalization()(x)
+
+
+def test_batch_norm_in_training_mode_is_named_with_its_option():
+    text = reasons_for(fused_batch_norm)
+    assert "batch norm in training mode" in text and "FusedBatchNorm" in text
+    assert "--sync-batch-norm" in text
+    assert "moments" in reasons_for(moments_batch_norm) and "--sync-batch-norm" in \
+        reasons_for(moments_batch_norm)
+
+
+@pytest.mark.parametrize("build", [
+    lambda x: fused_batch_norm(x, training_mode=False),
+    lambda x: moments_batch_norm(x, axes=(3,)),  # over features: mixes no examples
+    layer_norm,  # tf_keras runs it as a fused batch norm over a [1, N, D, 1] reshape
+], ids=["inference-mode", "moments-over-features", "keras-layer-norm"])
+def test_statistics_that_mix_no_examples_are_not_a_reason(build):
+    assert reasons_for(build) == ""
+
+
+def dropout(x):
+    w = tf1.get_variable("w", [2], initializer=tf1.ones_initializer())
+    return tf1.nn.dropout(x * w, rate=0.5)
+
+
+def test_seeded_dropout_is_named_with_its_option():
+    def seeded(x):
+        tf1.set_random_seed(7)
+        return dropout(x)
+    text = reasons_for(seeded)
+    assert "each replica draws its own numbers for its slice" in text
+    assert "--consistent-random" in text and "cannot match even on one device" not in text
+
+
+def test_unseeded_dropout_cannot_match_even_on_one_device():
+    text = reasons_for(dropout)
+    assert "seed=seed2=0" in text and "cannot match even on one device" in text
+    assert "RandomUniform" in text and "--consistent-random" in text
+
+
+@pytest.mark.parametrize("name", sorted(load_manifest()))
+def test_every_corpus_graph_names_what_keeps_it_from_matching(name):
+    entry = load_manifest()[name]
+    ir = metagraph.load(recipe_meta(name))
+    reasons = equivalence.mismatch_reasons(ir, training.analyze(ir))
+    text = " ".join(reasons)
+    assert ("--sync-batch-norm" in text) == ("bn" in entry["has"]), text
+    assert ("--consistent-random" in text) == ("dropout" in entry["has"]), text
+    assert len(reasons) == ("bn" in entry["has"]) + ("dropout" in entry["has"])
