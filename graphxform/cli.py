@@ -106,6 +106,9 @@ def _transform(model, options, no_verify=False, dump_dir=None):
         device_list = _devices(options["replicas"], options["devices"])
         kwargs = {"bucket_bytes": options["bucket_bytes"],
                   "sparse_as_dense": options["sparse_as_dense"]}
+    for flag in ("sync_batch_norm", "consistent_random"):
+        if options.get(flag):
+            kwargs[flag] = True
     ir = metagraph.load(model)
     original = metagraph.load(model)
     pipeline = strategies.transform(ir, strategy, devices=device_list,
@@ -121,7 +124,15 @@ strategy_options = [
     click.option("--replicas", type=int, help="Number of replicas (local CPU devices)."),
     click.option("--devices", help="Comma-separated TF device names, one per replica "
                  "(e.g. /device:GPU:0,/device:GPU:1)."),
-    click.option("--train-op", help="Train op name when the graph has no 'train_op' collection."),
+    click.option("--train-op", help="What the user runs to train, when the 'train_op' "
+                 "collection does not say: an op or tensor name, or several, comma-separated, "
+                 "run in that order."),
+    click.option("--sync-batch-norm", is_flag=True,
+                 help="allreduce: batch norms normalise with the whole global batch's "
+                 "statistics (exact like one device; 3 collectives per batch norm per step)."),
+    click.option("--consistent-random", is_flag=True,
+                 help="allreduce: random ops with a batch dimension (dropout) draw what one "
+                 "device would draw for the whole batch; each replica keeps its slice."),
     click.option("--bucket-bytes", default=32 * 1024 * 1024, show_default=True,
                  type=click.IntRange(min=1), help="Largest fused all-reduce bucket."),
     click.option("--sparse-as-dense", is_flag=True,
@@ -180,12 +191,30 @@ def apply(model, output, no_verify, dump_dir, debug, **options):
     if "buckets" in summary:
         click.echo(f"  collectives per replica per step: "
                    f"{summary.get('collectives_per_replica', 0)} ({summary['buckets']} dense "
-                   f"buckets, {summary.get('sparse_gathers', 0)} sparse gathers x2)")
+                   f"buckets, {summary.get('sparse_gathers', 0)} sparse gathers x3)")
         click.echo(f"  dense bytes all-reduced per replica per step: "
                    f"{summary.get('dense_bytes_reduced', 0)}")
     if "workers" in summary:
         click.echo(f"  {summary['workers']} workers, {summary.get('ps_tasks')} ps tasks, "
                    f"{summary.get('aggregated', 0)} variables aggregated in accumulators")
+    for t in pipeline.timings:
+        if t.name == "sync-batch-norm":
+            count = t.summary.get("batch_norms_synchronised", 0)
+            click.echo(f"  sync-batch-norm: {count} batch norm(s) synchronised, "
+                       f"{t.summary.get('collectives_per_replica', 0)} collectives per replica "
+                       "per step" if count else "  sync-batch-norm: nothing to synchronise "
+                       "(no training-mode batch norm in the step)")
+        if t.name == "consistent-random":
+            count = t.summary.get("random_ops_rewritten", 0)
+            click.echo(f"  consistent-random: {count} random op(s) draw the whole batch"
+                       if count else "  consistent-random: nothing to synchronise (no random "
+                       "op with a batch dimension in the step)")
+            for name in t.summary.get("unseeded_random_ops", []):
+                click.echo(f"  consistent-random: '{name}' is unseeded (seed = seed2 = 0): it "
+                           "cannot match even on one device; set a graph-level seed")
+    proven = getattr(pipeline, "contract", {}).get("variables", 0)
+    click.echo(f"  contract: {proven} variable copies proven to update once per step from "
+               "cross-replica values, replicas start equal")
     for t in pipeline.timings:
         idle = not t.modified and not any(t.summary.values())  # sync-init plans, changes nothing
         click.echo(f"  {t.name:18} {t.seconds * 1000:8.1f} ms" + ("  (nothing to do)" if idle
@@ -242,7 +271,7 @@ def run(model, steps, feeds, batch_size, restore, save_to, fetches, train_op, cl
         finish_child()
         return
     with Runner(ir, train_op=train_op, fetches=fetches) as runner:
-        source = Feeds(runner.analysis.inputs, feeds, batch_size)
+        source = Feeds(runner.inputs, feeds, batch_size)
         if restore:
             runner.restore(restore)
         else:
@@ -250,13 +279,19 @@ def run(model, steps, feeds, batch_size, restore, save_to, fetches, train_op, cl
         with _progress(steps) as bar:
             for k in bar:
                 result = runner.step(source.batch(k))
-                parts = [f"step {k + 1}"]
-                if result.loss is not None:
-                    parts.append(f"loss {result.loss:.6f}")
+                parts = [f"step {k + 1}"] + _losses_text(result.losses)
                 parts += [f"{name} {_short(value)}" for name, value in result.fetches.items()]
                 click.echo("  ".join(parts))
         if save_to:
             click.echo(f"saved {runner.save(save_to)}")
+
+
+def _losses_text(losses: dict) -> list[str]:
+    """``loss X`` for a graph with one step; ``<step> loss X`` for each of several."""
+    if len(losses) == 1:
+        (loss,) = losses.values()
+        return [] if loss is None else [f"loss {loss:.6f}"]
+    return [f"{name} loss {loss:.6f}" for name, loss in losses.items() if loss is not None]
 
 
 def _progress(steps: int):
@@ -307,11 +342,13 @@ def _short(value) -> str:
 @click.option("--batch-size", type=int, help="Global batch per step.")
 @click.option("--fetch", "fetches", multiple=True, help="Also compare this tensor (repeatable).")
 @click.option("--rtol", default=1e-5, show_default=True, type=click.FloatRange(min=0),
-              help="Largest relative difference that passes.")
+              help="Largest scaled difference that passes: |original - transformed| over the "
+              "variable's size (at least 1% of the RMS of the model's trainable variables).")
 @debug_option
 def verify_command(model, steps, feeds, batch_size, fetches, rtol, debug, **options):
-    """Transform MODEL, then train both from the same checkpoint and compare (a ps graph runs
-    on its cluster's servers, started in this process on 127.0.0.1)."""
+    """Transform MODEL, then run the same train op(s) on both from the same checkpoint and
+    compare every variable and each step's loss (a ps graph runs on its cluster's servers,
+    started in this process on 127.0.0.1)."""
     from graphxform import equivalence
     original, ir, _ = _transform(model, options)
     report = equivalence.compare(original, ir, feeds, steps=steps, batch_size=batch_size,

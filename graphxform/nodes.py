@@ -159,6 +159,19 @@ class Builder:
                 template.attr[key].CopyFrom(defaults[key])
         return template
 
+    def replace(self, name: str, op_type: str, inputs, *, device: str = "", **attrs) -> str:
+        """A new node that takes the place of ``name``: same name, and every consumer (data,
+        port by port, and control) reads it instead. Passes that rewrite an op into several
+        keep its name this way, so fetches and later passes still find it."""
+        stand_in = self.ir.unique_name(name + "/replaced")
+        self.op(stand_in, "NoOp")
+        self.ir.replace_all_uses_with(name, stand_in)
+        self.ir.remove_node(name)
+        self.op(name, op_type, inputs, device=device, **attrs)
+        self.ir.replace_all_uses_with(stand_in, name)
+        self.ir.remove_node(stand_in)
+        return name
+
     def _add(self, name: str, template, inputs, device: str) -> str:
         return self.ir.add_nodes(template, [(name, inputs, device)], created_by=self.created_by)[0]
 

@@ -4,6 +4,7 @@ the Python API call the same function."""
 from __future__ import annotations
 
 from graphxform.passes.all_reduce import DEFAULT_BUCKET_BYTES, AllReduce
+from graphxform.passes.consistent_random import ConsistentRandom
 from graphxform.passes.drop_in_saver import DropInSaver
 from graphxform.passes.insert_accumulators import InsertAccumulators
 from graphxform.passes.merge_fetches import MergeFetches
@@ -14,19 +15,25 @@ from graphxform.passes.rewire_consumers import RewireConsumers
 from graphxform.passes.share_variables import ShareVariables
 from graphxform.passes.split_inputs import SplitInputs
 from graphxform.passes.strip_saver import StripSaver
+from graphxform.passes.sync_batch_norm import SyncBatchNorm
 from graphxform.passes.sync_init import SyncInit
 from graphxform.pipeline import Pipeline
 
 
 def allreduce(bucket_bytes: int = DEFAULT_BUCKET_BYTES, sparse_as_dense: bool = False,
               fetch_mean=(), fetch_concat=(), verify: bool = True,
-              dump_dir: str | None = None) -> Pipeline:
-    """In-graph replication with collective all-reduce (devices come from the PassContext)."""
+              dump_dir: str | None = None, sync_batch_norm: bool = False,
+              consistent_random: bool = False) -> Pipeline:
+    """In-graph replication with collective all-reduce (devices come from the PassContext).
+    ``sync_batch_norm``: batch norms use the global batch's statistics;
+    ``consistent_random``: random ops draw what one device would draw."""
     return Pipeline([
         StripSaver(),
         SyncInit(),
         Replicate(),
         SplitInputs(),
+        *([SyncBatchNorm()] if sync_batch_norm else []),
+        *([ConsistentRandom()] if consistent_random else []),
         AllReduce(bucket_bytes=bucket_bytes, sparse_as_dense=sparse_as_dense),
         RewireConsumers(),
         MergeFetches(mean=tuple(fetch_mean), concat=tuple(fetch_concat)),
@@ -80,6 +87,11 @@ def transform(ir, strategy: str = "allreduce", devices=None, train_op: str | Non
     if strategy not in STRATEGIES:
         raise GraphxformError(f"unknown strategy '{strategy}' (known: {', '.join(STRATEGIES)})")
     if strategy in CLUSTER_STRATEGIES:
+        for flag in ("sync_batch_norm", "consistent_random"):
+            if options.get(flag):
+                raise GraphxformError(f"--{flag.replace('_', '-')} is an option of --strategy "
+                                      f"allreduce (not yet of {strategy})")
+            options.pop(flag, None)
         if cluster is None:
             raise GraphxformError(f"strategy {strategy} needs a cluster: give --cluster FILE or "
                                   "set TF_CONFIG")

@@ -1,0 +1,97 @@
+"""consistent-random: random ops draw what the single-device graph would draw.
+
+A random op in the replicated step whose shape comes from the replica's slice of the batch
+(dropout's RandomUniform over the activations) would draw a fresh mask per replica. Instead,
+each replica's copy draws the whole global batch's values, with the op's own seeds and
+attributes, exactly as the single-device op draws them (a stateful op's generator then also
+advances as on one device, step after step), and keeps the rows of its own slice. Replicas
+pay R times the drawing; nothing else changes.
+
+A random op whose shape does not depend on the batch (a sampler, noise on weights) already
+draws the same values on every replica, as its copies share its seeds. One with seed = seed2
+= 0 draws differently on every run, even on one device: it is listed, not rewritten."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from graphxform import opdefs
+from graphxform.contract import replica_local
+from graphxform.nodes import Builder, replica_prefix
+from graphxform.pipeline import Pass, PassResult
+
+SCOPE = "consistent_random/"
+SHAPED_RANDOM_OPS = {"RandomUniform", "RandomStandardNormal", "TruncatedNormal",
+                     "RandomUniformInt", "StatelessRandomUniform", "StatelessRandomNormal",
+                     "StatelessTruncatedNormal", "StatelessRandomUniformInt",
+                     "StatelessRandomUniformV2", "StatelessRandomNormalV2",
+                     "StatelessTruncatedNormalV2", "StatelessRandomUniformIntV2",
+                     "StatelessRandomUniformFullIntV2"}
+INT32, INT64 = 3, 9
+
+
+@dataclasses.dataclass
+class ConsistentRandom(Pass):
+    name = "consistent-random"
+
+    def run(self, ir, ctx):
+        prefix = replica_prefix(0)
+        random_ops = sorted(n[len(prefix):] for n in ir.nodes_of(SHAPED_RANDOM_OPS)
+                            if n.startswith(prefix))
+        unseeded = [n for n in random_ops if _unseeded(ir.attrs(prefix + n))]
+        local = replica_local(ir)
+        batched = [n for n in random_ops if n not in unseeded and ir.input(prefix + n, 0)[0]
+                   in local]
+        build = Builder(ir, self.name)
+        replicas = len(ctx.devices)
+        for name in batched:
+            for i in range(replicas):
+                node = replica_prefix(i) + name
+                if node in ir:
+                    _draw_whole_batch(ir, build, node, i, replicas, ctx.devices[i])
+        return PassResult(modified=bool(batched), summary={
+            "random_ops_rewritten": len(batched), "unseeded_random_ops": unseeded})
+
+
+def _unseeded(attrs) -> bool:
+    """Stateless ops take their seed as an input: never unseeded in this sense."""
+    if "seed" not in attrs and "seed2" not in attrs:
+        return False
+    return not attrs["seed"].i and not attrs["seed2"].i
+
+
+def _draw_whole_batch(ir, build, node, index, replicas, device) -> None:
+    """Replace ``node`` (replica ``index``'s copy) by the global draw's rows of its slice."""
+    scope = SCOPE + node + "/"
+    src, port = ir.input(node, 0)
+    shape = f"{src}:{port}"
+    index_type = opdefs.output_dtype(ir, src, port) or INT32
+    value_type = opdefs.output_dtype(ir, node, 0)
+    np_type = np.int64 if index_type == INT64 else np.int32
+
+    def op(name, op_type, inputs, **attrs):
+        return build.op(scope + name, op_type, inputs, device=device, **attrs)
+
+    def const(name, value):
+        return build.const(scope + name, value, np_type, device=device)
+
+    rank = op("rank", "Size", [shape], T=index_type, out_type=index_type)
+    axes = op("axes", "Range", [const("zero", 0), rank, const("one", 1)], Tidx=index_type)
+    first = op("first_axis", "Cast", [op("is_first", "Equal", [axes, const("zero_2", 0)],
+                                         T=index_type)], SrcT=10, DstT=index_type)
+    rows = op("rows", "StridedSlice", [shape, const("begin", [0]), const("end", [1]),
+                                       const("stride", [1])], T=index_type,
+              Index=index_type, shrink_axis_mask=1)
+    grow = op("grow", "AddV2", [op("extra", "Mul", [first, const("more", replicas - 1)],
+                                   T=index_type), const("one_2", 1)], T=index_type)
+    global_shape = op("global_shape", "Mul", [shape, grow], T=index_type)
+    others = ["{}:{}".format(*ir.input(node, k)) for k in range(1, len(ir.inputs(node)))]
+    draw = scope + "draw"
+    ir.add_node(draw, ir.op(node), [global_shape + ":0", *others], device=device,
+                attr=dict(ir.attrs(node)), created_by=build.created_by)
+    begin = op("slice_begin", "Mul", [first, op("offset", "Mul", [rows, const(
+        "replica", index)], T=index_type)], T=index_type)
+    piece = op("slice", "Slice", [draw, begin, shape], T=value_type, Index=index_type)
+    build.replace(node, "Identity", [piece], device=device, T=value_type)

@@ -1,0 +1,261 @@
+"""sync-batch-norm: every training-mode batch norm normalises with the statistics of the whole
+global batch, and its gradient uses the global sums, so replicas train like one device.
+
+Each replica's FusedBatchNorm (V1/V2/V3, `is_training`) is rewritten into plain ops around
+two all-reduces (sum) across the replicas, in a numerically stable two-pass form:
+  1. per channel, the replica's sum of x and its element count -> global mean;
+  2. the replica's sum of (x - mean)^2 -> global (biased) variance;
+  y = (x - mean) * rsqrt(var + eps) * scale + offset.
+Its outputs keep their ports: the batch mean, and the variance with Bessel's correction
+n/(n-1) over the global count, as TF's kernel gives the moving averages (mixed with the
+running values when `exponential_avg_factor` != 1).
+
+The matching FusedBatchNormGrad becomes, with xhat = (x - mean) * rstd and sums over the
+replica's own elements, all-reduced (sum) in one collective:
+  dx = scale * rstd * (dy - sum_all(dy) / n - xhat * sum_all(dy * xhat) / n)
+  dscale = sum(dy * xhat), doffset = sum(dy)  (local: all-reduce averages them with the
+  other gradients, as for any variable).
+Each replica's loss is a mean over its slice, so its dy is R times the single-device one on
+those rows; the formulas above then give R times the single-device dx, which the all-reduce
+mean of the weight gradients divides back. Both rewritten ops keep their names (an IdentityN
+of the new outputs), so the rest of the graph is untouched.
+
+The `moments` + `batch_normalization` form (tf.nn.moments) is refused for now, naming it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from graphxform import opdefs
+from graphxform.errors import GraphxformError
+from graphxform.nodes import Builder, replica_prefix
+from graphxform.pipeline import Pass, PassResult
+
+SCOPE = "sync_batch_norm/"
+FUSED = {"FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3"}
+FUSED_GRAD = {"FusedBatchNormGrad", "FusedBatchNormGradV2", "FusedBatchNormGradV3"}
+INSTANCE_KEYS = 1 << 22  # apart from all-reduce's keys (1, 2, ... and 1 << 24 on)
+GROUP_KEY = 1
+INT32, FLOAT = 3, 1
+
+
+@dataclasses.dataclass
+class SyncBatchNorm(Pass):
+    name = "sync-batch-norm"
+
+    def run(self, ir, ctx):
+        layers = _training_batch_norms(ir)
+        if not layers:
+            _refuse_moments(ctx)
+            return PassResult(modified=False, summary={"batch_norms_synchronised": 0})
+        grads = _gradients_of(ir, layers)
+        build = Builder(ir, self.name)
+        replicas = len(ctx.devices)
+        keys = iter(range(INSTANCE_KEYS, INSTANCE_KEYS + 4 * len(layers) + 4))
+        for layer in layers:
+            forward_keys = (next(keys), next(keys))
+            backward_key = next(keys)
+            for i in range(replicas):
+                node = replica_prefix(i) + layer
+                if node not in ir:
+                    continue
+                stats = _rewrite_forward(ir, build, node, ctx.devices[i], replicas, forward_keys)
+                grad = grads.get(layer)
+                if grad and replica_prefix(i) + grad in ir:
+                    _rewrite_gradient(ir, build, replica_prefix(i) + grad, ctx.devices[i],
+                                      replicas, backward_key, stats)
+        return PassResult(modified=True, summary={
+            "batch_norms_synchronised": len(layers),
+            "collectives_per_replica": 2 * len(layers) + len([g for g in grads.values() if g])})
+
+
+def _is_training_attr(attrs) -> bool:
+    return "is_training" not in attrs or attrs["is_training"].b
+
+
+def _training_batch_norms(ir) -> list[str]:
+    """Original names of the training-mode fused batch norms that replica 0 runs."""
+    prefix = replica_prefix(0)
+    return sorted(n[len(prefix):] for n in ir.nodes_of(FUSED)
+                  if n.startswith(prefix) and _is_training_attr(ir.attrs(n)))
+
+
+def _gradients_of(ir, layers) -> dict:
+    """Batch norm -> its FusedBatchNormGrad (original names): the grad reads the forward's
+    reserve outputs."""
+    prefix = replica_prefix(0)
+    found = {}
+    for layer in layers:
+        grads = {dst for dst, port in ir.consumers(prefix + layer) if port >= 3
+                 and ir.op(dst) in FUSED_GRAD}
+        if len(grads) > 1:
+            raise GraphxformError(f"--sync-batch-norm: batch norm '{layer}' has "
+                                  f"{len(grads)} gradients; only one can be synchronised")
+        found[layer] = grads.pop()[len(prefix):] if grads else None
+    return found
+
+
+def _refuse_moments(ctx) -> None:
+    """The tf.nn.moments form has no fused op to rewrite: say so rather than leave it local."""
+    stats = [v.name for v in ctx.training.variables.values() if v.role == "statistic"]
+    if stats:
+        raise GraphxformError(
+            "--sync-batch-norm: the batch norm updating "
+            f"'{stats[0]}' is built from tf.nn.moments, which graphxform cannot synchronise "
+            "yet (only FusedBatchNorm, which tf_slim and tf_keras use on 4-D inputs)")
+
+
+class _Ops:
+    """Builder calls for one replica's rewrite: its scope and device on every node."""
+
+    def __init__(self, build, scope, device):
+        self.build, self.scope, self.device = build, scope, device
+
+    def __call__(self, name, op_type, inputs, **attrs):
+        return self.build.op(self.scope + name, op_type, inputs, device=self.device, **attrs)
+
+    def const(self, name, value, dtype):
+        return self.build.const(self.scope + name, value, dtype, device=self.device)
+
+
+def _channel_layout(ir, node):
+    """(axes summed over, shape a per-channel vector broadcasts as) for the data format."""
+    attrs = ir.attrs(node)
+    fmt = attrs["data_format"].s.decode() if "data_format" in attrs else "NHWC"
+    if fmt in ("NHWC", "NDHWC"):
+        rank = len(fmt)
+        return list(range(rank - 1)), None
+    if fmt in ("NCHW", "NCDHW"):
+        rank = len(fmt)
+        return [0] + list(range(2, rank)), [1, -1] + [1] * (rank - 2)
+    raise GraphxformError(f"--sync-batch-norm: '{node}' has data format {fmt}")
+
+
+def _all_reduce_sum(ops, name, tensor, replicas, key, dtype):
+    size = ops.const(name + "_group_size", replicas, np.int32)
+    group = ops.const(name + "_group_key", GROUP_KEY, np.int32)
+    instance = ops.const(name + "_instance_key", key, np.int32)
+    return ops(name, "CollectiveReduceV2", [tensor, size, group, instance], T=dtype,
+               merge_op="Add", final_op="Id")
+
+
+def _rewrite_forward(ir, build, node, device, replicas, keys) -> dict:
+    """Replace the fused batch norm ``node`` with its global-statistics form; returns the
+    tensors its gradient needs."""
+    attrs = ir.attrs(node)
+    x_type, u_type = attrs["T"].type, attrs["U"].type if "U" in attrs else FLOAT
+    eps = attrs["epsilon"].f if "epsilon" in attrs else 1e-4
+    factor = attrs["exponential_avg_factor"].f if "exponential_avg_factor" in attrs else 1.0
+    x, scale, offset, running_mean, running_var = [f"{s}:{p}" for s, p in ir.inputs(node)[:5]]
+    axes, vector_shape = _channel_layout(ir, node)
+    ops = _Ops(build, SCOPE + node + "/", device)
+    u_dtype = np.float32 if u_type == FLOAT else np.float64
+    if x_type != u_type:
+        x = ops("x", "Cast", [x], SrcT=x_type, DstT=u_type)
+    axes_c = ops.const("axes", axes, np.int32)
+    local_sum = ops("local_sum", "Sum", [x, axes_c], T=u_type, Tidx=INT32)
+    size = ops("size", "Size", [x], T=u_type, out_type=INT32)
+    channels = ops("channels", "Size", [local_sum], T=u_type, out_type=INT32)
+    count = ops("local_count", "Cast", [ops("count_int", "FloorDiv", [size, channels],
+                                            T=INT32)], SrcT=INT32, DstT=u_type)
+    count_v = ops("local_count_vector", "Reshape", [count, ops.const("one_shape", [1],
+                                                                      np.int32)],
+                  T=u_type, Tshape=INT32)
+    packed = ops("sums", "ConcatV2", [local_sum, count_v, ops.const("axis0", 0, np.int32)],
+                 N=2, T=u_type, Tidx=INT32)
+    total = _all_reduce_sum(ops, "all_sums", packed, replicas, keys[0], u_type)
+    parts = ops("split_sums", "SplitV", [total, ops("split_sizes", "Pack", [
+        channels, ops.const("one", 1, np.int32)], N=2, T=INT32, axis=0),
+        ops.const("axis0_split", 0, np.int32)], num_split=2, T=u_type, Tlen=INT32)
+    global_count = ops("global_count", "Reshape", [f"{parts}:1", ops.const("scalar", [],
+                                                                         np.int32)],
+                       T=u_type, Tshape=INT32)
+    mean = ops("mean", "RealDiv", [f"{parts}:0", global_count], T=u_type)
+    bmean = mean if vector_shape is None else ops(
+        "mean_b", "Reshape", [mean, ops.const("vector_shape", vector_shape, np.int32)],
+        T=u_type, Tshape=INT32)
+    centered = ops("centered", "Sub", [x, bmean], T=u_type)
+    squares = ops("local_squares", "Sum", [ops("squared", "Square", [centered], T=u_type),
+                                            axes_c], T=u_type, Tidx=INT32)
+    total_squares = _all_reduce_sum(ops, "all_squares", squares, replicas, keys[1], u_type)
+    variance = ops("variance", "RealDiv", [total_squares, global_count], T=u_type)
+    rstd = ops("rstd", "Rsqrt", [ops("variance_eps", "AddV2", [
+        variance, ops.const("epsilon", eps, u_dtype)], T=u_type)], T=u_type)
+    brstd = rstd if vector_shape is None else ops(
+        "rstd_b", "Reshape", [rstd, ops.const("vector_shape_2", vector_shape, np.int32)],
+        T=u_type, Tshape=INT32)
+    bscale = scale if vector_shape is None else ops(
+        "scale_b", "Reshape", [scale, ops.const("vector_shape_3", vector_shape, np.int32)],
+        T=u_type, Tshape=INT32)
+    boffset = offset if vector_shape is None else ops(
+        "offset_b", "Reshape", [offset, ops.const("vector_shape_4", vector_shape, np.int32)],
+        T=u_type, Tshape=INT32)
+    xhat = ops("xhat", "Mul", [centered, brstd], T=u_type)
+    y = ops("y", "AddV2", [ops("scaled", "Mul", [xhat, bscale], T=u_type), boffset], T=u_type)
+    if x_type != u_type:
+        y = ops("y_cast", "Cast", [y], SrcT=u_type, DstT=x_type)
+    one = ops.const("one_f", 1.0, u_dtype)
+    bessel = ops("bessel", "RealDiv", [global_count, ops("count_less_one", "Maximum", [
+        ops("count_minus_one", "Sub", [global_count, one], T=u_type), one], T=u_type)],
+        T=u_type)
+    unbiased = ops("unbiased_variance", "Mul", [variance, bessel], T=u_type)
+    out_mean, out_var = mean, unbiased
+    if factor != 1.0:
+        keep = ops.const("keep", 1.0 - factor, u_dtype)
+        take = ops.const("take", factor, u_dtype)
+        out_mean = ops("running_mean", "AddV2", [
+            ops("old_mean", "Mul", [running_mean, keep], T=u_type),
+            ops("new_mean", "Mul", [mean, take], T=u_type)], T=u_type)
+        out_var = ops("running_variance", "AddV2", [
+            ops("old_variance", "Mul", [running_var, keep], T=u_type),
+            ops("new_variance", "Mul", [unbiased, take], T=u_type)], T=u_type)
+    outputs = [y, out_mean, out_var, mean, variance, mean][: opdefs.num_outputs(ir, node)]
+    types = [x_type] + [u_type] * (len(outputs) - 1)
+    build.replace(node, "IdentityN", [f"{t}:0" if ":" not in t else t for t in outputs],
+                  device=device, T=types)
+    return {"xhat": xhat, "rstd": brstd, "scale": bscale, "count": global_count,
+            "axes": axes_c, "u_type": u_type, "x_type": x_type, "vector_shape": vector_shape}
+
+
+def _rewrite_gradient(ir, build, node, device, replicas, key, stats) -> None:
+    """Replace FusedBatchNormGrad ``node`` with the global-sums form (module docstring)."""
+    u_type, x_type = stats["u_type"], stats["x_type"]
+    ops = _Ops(build, SCOPE + node + "/", device)
+    dy = "{}:{}".format(*ir.input(node, 0))
+    if x_type != u_type:
+        dy = ops("dy", "Cast", [dy], SrcT=x_type, DstT=u_type)
+    axes = stats["axes"]
+    local_dy = ops("local_dy", "Sum", [dy, axes], T=u_type, Tidx=INT32)
+    local_dy_xhat = ops("local_dy_xhat", "Sum", [ops("dy_xhat", "Mul", [dy, stats["xhat"]],
+                                                      T=u_type), axes], T=u_type, Tidx=INT32)
+    packed = ops("sums", "ConcatV2", [local_dy, local_dy_xhat,
+                                      ops.const("axis0", 0, np.int32)], N=2, T=u_type,
+                 Tidx=INT32)
+    total = _all_reduce_sum(ops, "all_sums", packed, replicas, key, u_type)
+    parts = ops("split_sums", "Split", [ops.const("axis0_split", 0, np.int32), total],
+                num_split=2, T=u_type)
+    mean_dy = ops("mean_dy", "RealDiv", [f"{parts}:0", stats["count"]], T=u_type)
+    mean_dy_xhat = ops("mean_dy_xhat", "RealDiv", [f"{parts}:1", stats["count"]], T=u_type)
+    shape = stats["vector_shape"]
+    if shape is not None:
+        mean_dy = ops("mean_dy_b", "Reshape", [mean_dy, ops.const("vector_shape", shape,
+                                                                   np.int32)],
+                      T=u_type, Tshape=INT32)
+        mean_dy_xhat = ops("mean_dy_xhat_b", "Reshape", [
+            mean_dy_xhat, ops.const("vector_shape_2", shape, np.int32)], T=u_type,
+            Tshape=INT32)
+    inner = ops("inner", "Sub", [ops("dy_centered", "Sub", [dy, mean_dy], T=u_type),
+                                 ops("xhat_term", "Mul", [stats["xhat"], mean_dy_xhat],
+                                     T=u_type)], T=u_type)
+    dx = ops("dx", "Mul", [inner, ops("scale_rstd", "Mul", [stats["scale"], stats["rstd"]],
+                                      T=u_type)], T=u_type)
+    if x_type != u_type:
+        dx = ops("dx_cast", "Cast", [dx], SrcT=u_type, DstT=x_type)
+    empty = ops.const("reserve", np.zeros([0], np.float32 if u_type == FLOAT else np.float64),
+                      None)
+    outputs = [dx, local_dy_xhat, local_dy, empty, empty][: opdefs.num_outputs(ir, node)]
+    types = [x_type] + [u_type] * (len(outputs) - 1)
+    build.replace(node, "IdentityN", [t if ":" in t else f"{t}:0" for t in outputs],
+                  device=device, T=types)

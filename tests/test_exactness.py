@@ -1,0 +1,121 @@
+"""--sync-batch-norm and --consistent-random: the corpus's batch-norm and dropout recipes train
+like one device (losses, weights and moving statistics within 1e-4 after 3 steps), graphs
+without either are left alone, and the options say when there is nothing to do."""
+
+import pytest
+import tensorflow as tf
+from conftest import fixture_path
+from recipe_loop import load_feeds, load_manifest, recipe_meta, run_user_loop
+
+from graphxform import equivalence, metagraph, strategies
+from graphxform.errors import GraphxformError
+
+MANIFEST = load_manifest()
+INEXACT = sorted(name for name, entry in MANIFEST.items()
+                 if {"batch norm", "dropout"} & set(entry["inexact_because"]))
+BOTH = {"sync_batch_norm": True, "consistent_random": True}
+TOLERANCE = 1e-4
+
+
+def devices(replicas):
+    return [f"/device:CPU:{i}" for i in range(replicas)]
+
+
+@pytest.mark.parametrize("replicas", [2, 4])
+@pytest.mark.parametrize("name", INEXACT)
+def test_batch_norm_and_dropout_recipes_match_one_device(name, replicas, tmp_path):
+    entry, feeds = MANIFEST[name], load_feeds(name)
+    start = str(tmp_path / "start")
+    before = run_user_loop(recipe_meta(name), entry, feeds, 3, save_initial=start)
+    ir = metagraph.load(recipe_meta(name))
+    strategies.transform(ir, "allreduce", devices=devices(replicas), **BOTH)
+    config = tf.compat.v1.ConfigProto(device_count={"CPU": replicas})
+    after = run_user_loop(metagraph.to_metagraph(ir), entry, feeds, 3, restore=start,
+                          config=config)
+    for got, expected in zip(after.losses, before.losses):
+        assert got == pytest.approx(expected, rel=TOLERANCE)
+    floor = equivalence.scale_floor(before.variables, before.variables)
+    moving = [v for v in before.variables if "moving" in v]
+    assert moving or "batch norm" not in entry["inexact_because"]
+    for diff in equivalence.compare_variables(before.variables, after.variables, {}, floor):
+        assert diff.scaled <= TOLERANCE, f"{name}: {diff.name} differs by {diff.scaled:.2e}"
+        assert diff.replica_spread <= TOLERANCE, f"{name}: replicas of {diff.name} differ"
+
+
+def test_without_the_options_the_same_recipe_does_not_match(tmp_path):
+    """The check above can fail: without the options, batch norm statistics differ."""
+    name = "slim_bn_cnn"
+    entry, feeds = MANIFEST[name], load_feeds(name)
+    start = str(tmp_path / "start")
+    before = run_user_loop(recipe_meta(name), entry, feeds, 3, save_initial=start)
+    ir = metagraph.load(recipe_meta(name))
+    strategies.transform(ir, "allreduce", devices=devices(2))
+    after = run_user_loop(metagraph.to_metagraph(ir), entry, feeds, 3, restore=start,
+                          config=tf.compat.v1.ConfigProto(device_count={"CPU": 2}))
+    floor = equivalence.scale_floor(before.variables, before.variables)
+    worst = max(d.scaled for d in equivalence.compare_variables(
+        before.variables, after.variables, {}, floor))
+    assert worst > 1e-2
+
+
+@pytest.mark.parametrize("name", ["mlp_sgd", "embedding_adam", "rnn_while_legacy"])
+def test_graphs_without_batch_norm_or_random_ops_are_unchanged(name):
+    plain = metagraph.load(fixture_path(name))
+    strategies.transform(plain, "allreduce", devices=devices(2))
+    with_options = metagraph.load(fixture_path(name))
+    pipeline = strategies.transform(with_options, "allreduce", devices=devices(2), **BOTH)
+    assert str(with_options) == str(plain)
+    summaries = {t.name: t.summary for t in pipeline.timings}
+    assert summaries["sync-batch-norm"]["batch_norms_synchronised"] == 0
+    assert summaries["consistent-random"]["random_ops_rewritten"] == 0
+
+
+def test_apply_says_nothing_to_synchronise(run_cli, tmp_path):
+    code, out, err = run_cli("apply", fixture_path("mlp_sgd"), "--replicas", "2",
+                             "--sync-batch-norm", "--consistent-random",
+                             "-o", tmp_path / "out.meta")
+    assert code == 0, err
+    assert "sync-batch-norm: nothing to synchronise" in out
+    assert "consistent-random: nothing to synchronise" in out
+
+
+def test_apply_reports_what_it_synchronised(run_cli, tmp_path):
+    code, out, err = run_cli("apply", recipe_meta("keras_cnn_bn_dropout"), "--replicas", "2",
+                             "--sync-batch-norm", "--consistent-random",
+                             "-o", tmp_path / "out.meta")
+    assert code == 0, err
+    assert "1 batch norm(s) synchronised, 3 collectives per replica per step" in out
+    assert "consistent-random: 1 random op(s) draw the whole batch" in out
+
+
+@pytest.mark.parametrize("strategy", ["ps", "partitioned-ps"])
+def test_ps_strategies_refuse_the_options_in_one_line(strategy):
+    from graphxform import cluster
+    spec = cluster.Cluster({"ps": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"]})
+    with pytest.raises(GraphxformError, match="--sync-batch-norm is an option of --strategy "
+                                              "allreduce"):
+        strategies.transform(metagraph.load(fixture_path("mlp_sgd")), strategy, cluster=spec,
+                             sync_batch_norm=True)
+
+
+def test_moments_batch_norm_is_refused_naming_it():
+    with pytest.raises(GraphxformError, match="bn0/moving_mean.*tf.nn.moments"):
+        strategies.transform(metagraph.load(fixture_path("cnn_bn_momentum")), "allreduce",
+                             devices=devices(2), sync_batch_norm=True)
+
+
+def test_unseeded_random_op_is_listed():
+    v1 = tf.compat.v1
+    g = tf.Graph()
+    with g.as_default():
+        x = v1.placeholder(tf.float32, [None, 4], name="x")
+        w = v1.get_variable("w", [4, 1], initializer=v1.zeros_initializer())
+        noisy = tf.matmul(x * tf.random.uniform(tf.shape(x)), w)  # no seed anywhere
+        loss = tf.reduce_mean(tf.square(noisy), name="loss")
+        v1.train.GradientDescentOptimizer(0.1).minimize(
+            loss, global_step=v1.train.get_or_create_global_step())
+        meta = v1.train.export_meta_graph(graph=g)
+    ir = metagraph.from_metagraph(meta)
+    pipeline = strategies.transform(ir, "allreduce", devices=devices(2), consistent_random=True)
+    summary = {t.name: t.summary for t in pipeline.timings}["consistent-random"]
+    assert summary["unseeded_random_ops"] == ["random_uniform/RandomUniform"]
