@@ -126,18 +126,20 @@ def compare_series(name: str, expected: list, got: list) -> Difference:
                       scale=scale)
 
 
-def mismatch_reasons(ir: GraphIR, tg: training.TrainingGraph) -> list[str]:
+def mismatch_reasons(ir: GraphIR, tg: training.TrainingGraph, synced_batch_norm=False,
+                     consistent_random=False) -> list[str]:
     """Why a synchronous replicated graph cannot match the single-device one step for step,
-    each naming what it found and the option that would make it match."""
+    each naming what it found and the option that would make it match (none for what the
+    transformed graph already synchronised)."""
     reasons = []
     from_inputs = _fed_from_inputs(ir, tg)
     batch_norm = _batch_norm_evidence(ir, tg, from_inputs)
-    if batch_norm:
+    if batch_norm and not synced_batch_norm:
         reasons.append("batch norm in training mode: each replica normalises its slice with that "
                        "slice's own mean and variance and updates the moving averages from it "
                        f"({_some(batch_norm)}); --sync-batch-norm uses the global batch's")
     seeded, unseeded = _random_ops(ir, tg, from_inputs)
-    if seeded:
+    if seeded and not consistent_random:
         reasons.append("random ops run in the step (dropout, sampling) and each replica draws "
                        f"its own numbers for its slice ({_some(seeded)}); --consistent-random "
                        "gives each replica its slice of the single-device draw")
@@ -284,7 +286,9 @@ def compare(original: GraphIR, transformed: GraphIR, feeds_path: str | None = No
                              [a for _, a in step_losses[s.name]]) for s in tg.steps if s.loss]
     series += [compare_series(name, [b.fetches[name] for b in before],
                               [a.fetches[name] for a in after]) for name in fetches]
-    reasons = mismatch_reasons(original, tg)
+    reasons = mismatch_reasons(original, tg,
+                               synced_batch_norm=transformed.has_scope("sync_batch_norm/"),
+                               consistent_random=transformed.has_scope("consistent_random/"))
     plan = ClusterPlan.from_ir(transformed)
     if plan is not None and plan.is_async:
         reasons.append("--async: each worker applies its own gradient when it is ready, so "

@@ -20,7 +20,13 @@ those rows; the formulas above then give R times the single-device dx, which the
 mean of the weight gradients divides back. Both rewritten ops keep their names (an IdentityN
 of the new outputs), so the rest of the graph is untouched.
 
-The `moments` + `batch_normalization` form (tf.nn.moments) is refused for now, naming it."""
+The `moments` + `batch_normalization` form (tf.nn.moments, and tf_keras's non-fused batch
+norm) needs no formula of its own: its two Means over the batch (`moments/mean`, then
+`moments/variance` of the squared distance to that mean, which is so already two-pass) become
+global means: the replica's Sum and element count, all-reduced, divided. Their gradients
+(`<gradients>/<mean>_grad`: the upstream gradient broadcast, divided by the count) then
+broadcast the upstream gradient summed over all replicas and divide by the global count,
+which is the same R-times scaling as above."""
 
 from __future__ import annotations
 
@@ -47,13 +53,22 @@ class SyncBatchNorm(Pass):
 
     def run(self, ir, ctx):
         layers = _training_batch_norms(ir)
-        if not layers:
-            _refuse_moments(ctx)
+        moments = _moment_means(ir)
+        if not layers and not moments:
             return PassResult(modified=False, summary={"batch_norms_synchronised": 0})
         grads = _gradients_of(ir, layers)
         build = Builder(ir, self.name)
         replicas = len(ctx.devices)
-        keys = iter(range(INSTANCE_KEYS, INSTANCE_KEYS + 4 * len(layers) + 4))
+        keys = iter(range(INSTANCE_KEYS, INSTANCE_KEYS + 3 * len(layers) + 2 * len(moments)))
+        for mean, grad in moments:
+            forward_key, backward_key = next(keys), next(keys)
+            for i in range(replicas):
+                prefix = replica_prefix(i)
+                count = _rewrite_mean(ir, build, prefix + mean, ctx.devices[i], replicas,
+                                      forward_key)
+                if grad:
+                    _rewrite_mean_gradient(ir, build, prefix + grad, ctx.devices[i], replicas,
+                                           backward_key, count)
         for layer in layers:
             forward_keys = (next(keys), next(keys))
             backward_key = next(keys)
@@ -67,8 +82,9 @@ class SyncBatchNorm(Pass):
                     _rewrite_gradient(ir, build, replica_prefix(i) + grad, ctx.devices[i],
                                       replicas, backward_key, stats)
         return PassResult(modified=True, summary={
-            "batch_norms_synchronised": len(layers),
-            "collectives_per_replica": 2 * len(layers) + len([g for g in grads.values() if g])})
+            "batch_norms_synchronised": len(layers) + len(moments) // 2,
+            "collectives_per_replica": 2 * len(layers) + len([g for g in grads.values() if g])
+            + len(moments) + len([g for _, g in moments if g])})
 
 
 def _is_training_attr(attrs) -> bool:
@@ -97,14 +113,79 @@ def _gradients_of(ir, layers) -> dict:
     return found
 
 
-def _refuse_moments(ctx) -> None:
-    """The tf.nn.moments form has no fused op to rewrite: say so rather than leave it local."""
-    stats = [v.name for v in ctx.training.variables.values() if v.role == "statistic"]
-    if stats:
-        raise GraphxformError(
-            "--sync-batch-norm: the batch norm updating "
-            f"'{stats[0]}' is built from tf.nn.moments, which graphxform cannot synchronise "
-            "yet (only FusedBatchNorm, which tf_slim and tf_keras use on 4-D inputs)")
+def _moment_means(ir) -> list[tuple[str, str | None]]:
+    """(Mean, its gradient's scope) of every tf.nn.moments in replica 0 that averages over the
+    batch (axis 0 among its reduction indices), original names."""
+    from graphxform.training import gradient_scope
+    prefix = replica_prefix(0)
+    scopes = {gradient_scope(n[len(prefix):]) for n in ir.nodes_of({"RealDiv"})
+              if n.startswith(prefix)} - {None}
+    found = []
+    for node in sorted(ir.nodes_of({"Mean"})):
+        name = node[len(prefix):]
+        if not node.startswith(prefix) or not name.endswith(("moments/mean",
+                                                             "moments/variance")):
+            continue
+        if 0 not in _const_ints(ir, ir.input(node, 1)[0]):
+            continue
+        grads = [scope + name + "_grad/" for scope in sorted(scopes)
+                 if prefix + scope + name + "_grad/truediv" in ir]
+        found.append((name, grads[0] if grads else None))
+    return found
+
+
+def _const_ints(ir, node) -> list[int]:
+    from tensorflow.python.framework import tensor_util
+    if ir.op(node) != "Const":
+        return []
+    return [int(v) for v in np.ravel(tensor_util.MakeNdarray(ir.attrs(node)["value"].tensor))]
+
+
+def _rewrite_mean(ir, build, node, device, replicas, key) -> str:
+    """The Mean ``node`` over the batch becomes the global mean; returns the global count."""
+    attrs = ir.attrs(node)
+    dtype = attrs["T"].type
+    ops = _Ops(build, SCOPE + node + "/", device)
+    tensor, axes = ["{}:{}".format(*ir.input(node, k)) for k in (0, 1)]
+    keep = attrs["keep_dims"].b if "keep_dims" in attrs else False
+    local_sum = ops("local_sum", "Sum", [tensor, axes], T=dtype, Tidx=attrs["Tidx"].type,
+                    keep_dims=keep)
+    count = ops("local_count", "Cast", [ops("count_int", "FloorDiv", [
+        ops("size", "Size", [tensor], T=dtype, out_type=INT32),
+        ops("out_size", "Size", [local_sum], T=dtype, out_type=INT32)], T=INT32)],
+        SrcT=INT32, DstT=dtype)
+    flat = ops("flat", "Reshape", [local_sum, ops.const("flat_shape", [-1], np.int32)],
+               T=dtype, Tshape=INT32)
+    packed = ops("sums", "ConcatV2", [flat, ops("count_vector", "Reshape", [
+        count, ops.const("one_shape", [1], np.int32)], T=dtype, Tshape=INT32),
+        ops.const("axis0", 0, np.int32)], N=2, T=dtype, Tidx=INT32)
+    total = _all_reduce_sum(ops, "all_sums", packed, replicas, key, dtype)
+    parts = ops("split_sums", "SplitV", [total, ops("split_sizes", "Pack", [
+        ops("channels", "Size", [flat], T=dtype, out_type=INT32),
+        ops.const("one", 1, np.int32)], N=2, T=INT32, axis=0),
+        ops.const("axis0_split", 0, np.int32)], num_split=2, T=dtype, Tlen=INT32)
+    global_count = ops("global_count", "Reshape", [f"{parts}:1", ops.const(
+        "scalar", [], np.int32)], T=dtype, Tshape=INT32)
+    global_sum = ops("global_sum", "Reshape", [f"{parts}:0", ops("sum_shape", "Shape", [
+        local_sum], T=dtype, out_type=INT32)], T=dtype, Tshape=INT32)
+    mean = ops("mean", "RealDiv", [global_sum, global_count], T=dtype)
+    build.replace(node, "Identity", [mean], device=device, T=dtype)
+    return global_count
+
+
+def _rewrite_mean_gradient(ir, build, scope, device, replicas, key, count) -> None:
+    """In the Mean's gradient ``scope``: broadcast the upstream gradient summed over replicas,
+    and divide by the global count."""
+    broadcast, divide = scope + "BroadcastTo", scope + "truediv"
+    if broadcast not in ir or ir.input(divide, 0)[0] != broadcast:
+        raise GraphxformError(f"--sync-batch-norm: the gradient of '{scope[:-6]}' is not the "
+                              "broadcast-and-divide graphxform knows how to synchronise")
+    dtype = ir.attrs(divide)["T"].type
+    ops = _Ops(build, SCOPE + scope, device)
+    upstream = "{}:{}".format(*ir.input(broadcast, 0))
+    ir.set_input(broadcast, 0, _all_reduce_sum(ops, "all_upstream", upstream, replicas, key,
+                                               dtype) + ":0")
+    ir.set_input(divide, 1, count + ":0")
 
 
 class _Ops:

@@ -98,10 +98,21 @@ def test_ps_strategies_refuse_the_options_in_one_line(strategy):
                              sync_batch_norm=True)
 
 
-def test_moments_batch_norm_is_refused_naming_it():
-    with pytest.raises(GraphxformError, match="bn0/moving_mean.*tf.nn.moments"):
-        strategies.transform(metagraph.load(fixture_path("cnn_bn_momentum")), "allreduce",
-                             devices=devices(2), sync_batch_norm=True)
+@pytest.mark.parametrize("replicas", [2, 4])
+def test_moments_batch_norm_matches_and_verify_passes(run_cli, replicas):
+    """The tf.nn.moments form (cnn_bn_momentum's hand-written batch norm), through verify."""
+    code, out, err = run_cli("verify", fixture_path("cnn_bn_momentum"), "--replicas", replicas,
+                             "--sync-batch-norm", "--feeds", fixture_path("cnn_bn_momentum", ".npz"),
+                             "--batch-size", 16, "--steps", 3, "--rtol", TOLERANCE)
+    assert code == 0, out + err
+    assert "PASS" in out and "cannot match" not in out and "bn0/moving_mean" in out
+
+
+def test_verify_names_the_option_when_it_is_off(run_cli):
+    code, out, _ = run_cli("verify", fixture_path("cnn_bn_momentum"), "--replicas", 2,
+                           "--feeds", fixture_path("cnn_bn_momentum", ".npz"), "--batch-size",
+                           16, "--steps", 3)
+    assert "--sync-batch-norm" in out
 
 
 def test_unseeded_random_op_is_listed():
