@@ -113,11 +113,7 @@ def load_cluster(path: str | None = None, environ=None) -> tuple[Cluster, dict]:
     import os
     environ = os.environ if environ is None else environ
     if path:
-        try:
-            with open(path) as f:
-                text = f.read()
-        except OSError as e:
-            raise GraphxformError(f"{path}: cannot read: {e.strerror}") from None
+        text = _read_cluster_file(path)
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
@@ -136,9 +132,35 @@ def load_cluster(path: str | None = None, environ=None) -> tuple[Cluster, dict]:
         raise GraphxformError('TF_CONFIG: has no "cluster"')
     cluster = Cluster(config["cluster"], source="TF_CONFIG")
     task = config.get("task") or {}
+    if not isinstance(task, dict):
+        raise GraphxformError(f"TF_CONFIG: task {task!r} is not {{type, index}}")
     if task:
         try:
             cluster.require(task.get("type", ""), int(task.get("index", 0)))
         except (TypeError, ValueError):
             raise GraphxformError(f"TF_CONFIG: task {task!r} is not {{type, index}}") from None
     return cluster, task
+
+
+CLUSTER_FILE_LIMIT = 16 * 2**20  # a cluster of a million tasks is still a few MB of JSON
+
+
+def _read_cluster_file(path: str) -> str:
+    """A cluster file's text; what cannot be one (a pipe, /dev/zero, a huge or binary file)
+    is a one-line error, not a wait or a read that never ends."""
+    import os
+    import stat
+    try:
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode):
+            raise GraphxformError(f"{path}: not a regular file (a cluster is a JSON file)")
+        if st.st_size > CLUSTER_FILE_LIMIT:
+            raise GraphxformError(f"{path}: {st.st_size} bytes is too large for a cluster file")
+        with open(path, "rb") as f:
+            data = f.read(CLUSTER_FILE_LIMIT + 1)
+    except OSError as e:
+        raise GraphxformError(f"{path}: cannot read: {e.strerror}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise GraphxformError(f"{path}: not a JSON text file (not UTF-8)") from None

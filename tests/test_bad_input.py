@@ -105,6 +105,30 @@ def test_text_format_errors_quote_at_most_a_few_hundred_characters(run_cli, tmp_
     assert len(line) < 400 and "chars]" in line
 
 
+def test_bad_cluster_files_and_tf_configs(run_cli, tmp_path, monkeypatch):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    garbage = tmp_path / "garbage.json"
+    garbage.write_bytes(bytes(range(128, 256)))
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    ports = tmp_path / "ports.json"
+    ports.write_text('{"ps": ["127.0.0.1:99999"], "worker": ["127.0.0.1:2222"]}')
+    shared = tmp_path / "shared.json"
+    shared.write_text('{"ps": ["127.0.0.1:2222"], "worker": ["127.0.0.1:2222"]}')
+    for path, reason in ((garbage, "not a JSON text file (not UTF-8)"),
+                         ("/dev/zero", "not a regular file (a cluster is a JSON file)"),
+                         (fifo, "not a regular file (a cluster is a JSON file)"),
+                         (ports, "task address '127.0.0.1:99999' has no port in 1-65535"),
+                         (shared, "two tasks share the address 127.0.0.1:2222")):
+        code, _, err = run_cli("apply", MODEL, "--strategy", "ps", "--cluster", path)
+        line = one_line_error(code, err)
+        assert line.startswith(f"graphxform: error: {path}: ") and line.endswith(reason)
+    monkeypatch.setenv("TF_CONFIG", '{"cluster": {"ps": ["127.0.0.1:2222"], "worker": '
+                       '["127.0.0.1:2223"]}, "task": 5}')
+    code, _, err = run_cli("serve")
+    assert one_line_error(code, err).endswith("TF_CONFIG: task 5 is not {type, index}")
+
+
 # ---------------------------------------------------------------- options
 @pytest.mark.parametrize("args, message", [
     (["apply", MODEL, "--foo"], "no such option '--foo' (try 'graphxform apply --help')"),
