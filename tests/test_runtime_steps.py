@@ -1,0 +1,130 @@
+"""Runner runs what the user runs: every train op of the graph in order, each once per step (a
+GAN's d_train then g_train), a tensor step as a tensor; each step's loss by name; `run` prints
+them all and `verify` compares them step by step."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from graphxform import equivalence, metagraph, strategies, training
+from graphxform.errors import GraphxformError
+from graphxform.runtime import Feeds, Runner
+
+tf1 = tf.compat.v1
+
+
+def export(graph, path=None):
+    with graph.as_default():
+        ir = metagraph.from_metagraph(tf1.train.export_meta_graph(graph=graph))
+    if path:
+        metagraph.save(ir, str(path))
+    return ir
+
+
+def gan(path=None, probe=False):
+    """Two optimizers, two train ops. With ``probe``, each train op also appends its digit to
+    ``order`` (1 for d_train, 2 for g_train), so the value tells what ran and in which order."""
+    g = tf.Graph()
+    with g.as_default():
+        tf1.set_random_seed(3)
+        x = tf1.placeholder(tf.float32, [None, 2], name="x")
+        z = tf1.placeholder(tf.float32, [None, 3], name="z")
+        with tf1.variable_scope("generator"):
+            fake = tf.matmul(z, tf1.get_variable("w", [3, 2]))
+        with tf1.variable_scope("discriminator"):
+            d_w = tf1.get_variable("w", [2, 1])
+        real_logit, fake_logit = tf.matmul(x, d_w), tf.matmul(fake, d_w)
+        d_loss = tf.identity(tf.reduce_mean(tf.nn.softplus(-real_logit)) +
+                             tf.reduce_mean(tf.nn.softplus(fake_logit)), name="d_loss")
+        g_loss = tf.identity(tf.reduce_mean(tf.nn.softplus(-fake_logit)), name="g_loss")
+        d_vars = tf1.get_collection("trainable_variables", "discriminator")
+        g_vars = tf1.get_collection("trainable_variables", "generator")
+        d_update = tf1.train.GradientDescentOptimizer(0.1).minimize(d_loss, var_list=d_vars)
+        g_update = tf1.train.GradientDescentOptimizer(0.1).minimize(g_loss, var_list=g_vars)
+        if probe:
+            order = tf1.get_variable("order", [], initializer=tf1.zeros_initializer(),
+                                     trainable=False)
+            d_update = tf.group(d_update, order.assign(order * 10 + 1))
+            g_update = tf.group(g_update, order.assign(order * 10 + 2))
+        tf1.add_to_collection("train_op", tf.group(d_update, name="d_train"))
+        tf1.add_to_collection("train_op", tf.group(g_update, name="g_train"))
+    return export(g, path)
+
+
+def gan_feeds(path, rows=16):
+    rng = np.random.default_rng(0)
+    np.savez(str(path), x=rng.standard_normal((rows, 2)).astype(np.float32),
+             z=rng.standard_normal((rows, 3)).astype(np.float32))
+    return str(path)
+
+
+def tensor_step_graph():
+    """tf_slim's shape of a train op: the tensor ``train_op:0``, the loss after the update."""
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [None, 2], name="x")
+        loss = tf.reduce_mean(tf.square(tf.matmul(x, tf1.get_variable("w", [2, 1]))),
+                              name="loss")
+        step = tf1.train.get_or_create_global_step()
+        update = tf1.train.GradientDescentOptimizer(0.1).minimize(loss, global_step=step)
+        with tf.control_dependencies([update]):
+            tf1.add_to_collection("train_op", tf.identity(loss, name="train_op"))
+    return export(g)
+
+
+def test_every_step_runs_once_per_call_in_order(tmp_path):
+    ir = gan(probe=True)
+    feeds = Feeds(training.analyze(ir).inputs, gan_feeds(tmp_path / "f.npz"), 8)
+    with Runner(ir, fetches=["d_loss:0"]) as run:
+        run.initialize()
+        first = run.step(feeds.batch(0))
+        assert run.variable_values()["order"] == 12  # d_train, then g_train
+        run.step(feeds.batch(1))
+        assert run.variable_values()["order"] == 1212
+    assert list(first.losses) == ["d_train", "g_train"]
+    assert first.loss == first.losses["d_train"]
+    assert all(np.isfinite(v) for v in first.losses.values())
+    assert set(first.fetches) == {"d_loss:0"}  # read with the last step
+
+
+def test_a_tensor_step_runs_as_a_tensor():
+    ir = tensor_step_graph()
+    assert [s.name for s in training.analyze(ir).steps] == ["train_op:0"]
+    feeds = Feeds(training.analyze(ir).inputs, batch_size=4)
+    with Runner(ir) as run:
+        run.initialize()
+        result = run.step(feeds.batch(0))
+        run.step(feeds.batch(1))
+        assert run.variable_values()["global_step"] == 2
+    assert list(result.losses) == ["train_op:0"] and result.loss > 0
+
+
+def test_steps_of_another_graph_must_exist_here():
+    steps = training.analyze(gan()).steps
+    with pytest.raises(GraphxformError, match="has no 'd_train', a step the original graph runs"):
+        Runner(tensor_step_graph(), steps=steps)
+
+
+def test_run_prints_every_steps_loss(tmp_path, run_cli):
+    gan(tmp_path / "gan.meta")
+    code, out, err = run_cli("run", tmp_path / "gan.meta", "--steps", "2", "--feeds",
+                             gan_feeds(tmp_path / "f.npz"), "--batch-size", "8")
+    assert code == 0, err
+    lines = out.splitlines()
+    assert len(lines) == 2
+    assert lines[0].startswith("step 1  d_train loss ") and "  g_train loss " in lines[0]
+
+
+def test_verify_runs_the_same_steps_and_compares_each_loss(tmp_path):
+    ir = gan()
+    strategies.transform(ir, "allreduce", devices=["/device:CPU:0", "/device:CPU:1"])
+    report = equivalence.compare(gan(), ir, gan_feeds(tmp_path / "f.npz"), steps=3,
+                                 batch_size=8)
+    assert report.ok, equivalence.format_report(report)
+    assert list(report.step_losses) == ["d_train", "g_train"]
+    assert all(len(pairs) == 3 for pairs in report.step_losses.values())
+    assert report.losses == report.step_losses["d_train"]
+    assert [d.name for d in report.fetches] == ["d_loss:0", "g_loss:0"]
+    text = equivalence.format_report(report)
+    assert "step  train op  loss (original)  loss (transformed)" in text
+    assert sum(line.split()[1:2] == ["g_train"] for line in text.splitlines()) == 3
