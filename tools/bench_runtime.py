@@ -6,6 +6,11 @@ Two models (``--model``), each at one global batch for every contender, plain SG
 - ``cnn`` (default), the tf_cnn_benchmarks case: 32x32x3 images, three 3x3 ReLU convolutions
   (C, 2C, 4C filters, the last two with stride 2; C = 32 by default), global average pooling and a
   10-way softmax; 0.1M parameters against about 60 MFLOP per example, so compute dominates.
+- ``bncnn``: the ``cnn`` with a training-mode batch norm (fused, moving averages updated each
+  step) after each convolution instead of its bias. The emitted graph is measured twice: plain
+  (each replica normalises its own slice) and ``--sync-batch-norm`` ("emitted_sync": global
+  statistics, 3 collectives per batch norm per step), against MirroredStrategy with tf_keras
+  ``SyncBatchNormalization``, the peer's way to the same exactness.
 - ``mlp``: 784-H-H-10 (ReLU, softmax cross-entropy; H = 1024 by default), 1.9M parameters against
   11 MFLOP per example: the all-reduce and the per-replica weight updates weigh far more here.
 
@@ -56,7 +61,7 @@ RESULT_TAG = "BENCH_RUNTIME_RESULT "
 # ------------------------------------------------------------------ subprocess side
 
 def _input_shape(model: str) -> tuple:
-    return IMAGE if model == "cnn" else (FEATURES,)
+    return (FEATURES,) if model == "mlp" else IMAGE
 
 
 def _data(model: str, batch: int, seed: int = 0):
@@ -89,16 +94,17 @@ def build_graph(path: str, opts: dict) -> None:
     with g.as_default():
         x = v1.placeholder(tf.float32, [None, *_input_shape(opts["model"])], name="x")
         y = v1.placeholder(tf.int64, [None], name="y")
-        if opts["model"] == "cnn":
-            h = _cnn_layers(v1, tf, x, opts["width"])
-        else:
+        if opts["model"] == "mlp":
             h = _mlp_layers(v1, tf, x, opts["hidden"])
+        else:
+            h = _cnn_layers(v1, tf, x, opts["width"], batch_norm=opts["model"] == "bncnn")
         xent = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=h)
         loss = tf.identity(tf.reduce_mean(xent), name="loss")
         v1.add_to_collection(v1.GraphKeys.LOSSES, loss)
         global_step = v1.train.get_or_create_global_step()
         optimizer = v1.train.GradientDescentOptimizer(opts["lr"])
-        train_op = optimizer.minimize(loss, global_step=global_step)
+        with tf.control_dependencies(v1.get_collection(v1.GraphKeys.UPDATE_OPS)):
+            train_op = optimizer.minimize(loss, global_step=global_step)
         if train_op not in v1.get_collection(v1.GraphKeys.TRAIN_OP):
             v1.add_to_collection(v1.GraphKeys.TRAIN_OP, train_op)
         v1.train.export_meta_graph(filename=path, graph=g, clear_devices=True)
@@ -121,20 +127,39 @@ def _mlp_layers(v1, tf, x, hidden):
     return h
 
 
-def _cnn_layers(v1, tf, x, width):
-    """What tf_keras Conv2D(padding="same") x3, GlobalAveragePooling2D, Dense compute."""
+def _cnn_layers(v1, tf, x, width, batch_norm=False):
+    """What tf_keras Conv2D(padding="same") x3, GlobalAveragePooling2D, Dense compute; with
+    ``batch_norm``, a fused training-mode batch norm replaces each conv's bias (moving
+    averages updated through the UPDATE_OPS collection, as tf_slim and tf_keras do)."""
     h, n_in = x, IMAGE[2]
     for i, (n_out, stride) in enumerate(_conv_plan(width)):
         with v1.variable_scope(f"conv{i}"):
             kernel = _variable(v1, "kernel", [3, 3, n_in, n_out], v1.glorot_uniform_initializer())
-            bias = _variable(v1, "bias", [n_out], v1.zeros_initializer())
-            h = tf.nn.relu(tf.nn.conv2d(h, kernel, [1, stride, stride, 1], "SAME") + bias)
+            h = tf.nn.conv2d(h, kernel, [1, stride, stride, 1], "SAME")
+            if batch_norm:
+                h = _batch_norm(v1, tf, h, n_out)
+            else:
+                h = h + _variable(v1, "bias", [n_out], v1.zeros_initializer())
+            h = tf.nn.relu(h)
         n_in = n_out
     h = tf.reduce_mean(h, axis=[1, 2])
     with v1.variable_scope("dense"):
         kernel = _variable(v1, "kernel", [n_in, CLASSES], v1.glorot_uniform_initializer())
         bias = _variable(v1, "bias", [CLASSES], v1.zeros_initializer())
         return tf.matmul(h, kernel) + bias
+
+
+def _batch_norm(v1, tf, h, channels):
+    gamma = _variable(v1, "gamma", [channels], v1.ones_initializer())
+    beta = _variable(v1, "beta", [channels], v1.zeros_initializer())
+    moving = [v1.get_variable(name, [channels], use_resource=True, trainable=False,
+                              initializer=init)
+              for name, init in (("moving_mean", v1.zeros_initializer()),
+                                 ("moving_variance", v1.ones_initializer()))]
+    y, mean, variance = v1.nn.fused_batch_norm(h, gamma, beta, epsilon=1e-3, is_training=True)
+    for var, value in zip(moving, (mean, variance)):
+        v1.add_to_collection(v1.GraphKeys.UPDATE_OPS, var.assign_sub((var - value) * 0.01))
+    return y
 
 
 def _conv_plan(width: int) -> list[tuple[int, int]]:
@@ -217,6 +242,14 @@ def run_mirrored(opts: dict) -> dict:
 
 def _keras_layers(tf_keras, opts: dict) -> list:
     layers = tf_keras.layers
+    if opts["model"] == "bncnn":
+        blocks = []
+        for n, stride in _conv_plan(opts["width"]):
+            blocks += [layers.Conv2D(n, 3, strides=stride, padding="same", use_bias=False),
+                       layers.experimental.SyncBatchNormalization(epsilon=1e-3, momentum=0.99),
+                       layers.ReLU()]
+        return [tf_keras.Input(IMAGE), *blocks, layers.GlobalAveragePooling2D(),
+                layers.Dense(CLASSES)]
     if opts["model"] == "cnn":
         convs = [layers.Conv2D(n, 3, strides=stride, padding="same", activation="relu")
                  for n, stride in _conv_plan(opts["width"])]
@@ -230,7 +263,7 @@ def worker(kind: str, opts: dict) -> None:
     if kind == "build":
         build_graph(opts["path"], opts)
         result = {"path": opts["path"]}
-    elif kind in ("original", "emitted"):
+    elif kind in ("original", "emitted", "emitted_sync"):
         result = run_session(opts["path"], opts)
     elif kind == "mirrored":
         result = run_mirrored(opts)
@@ -253,7 +286,7 @@ def spawn(kind: str, opts: dict, timeout: float) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=("cnn", "mlp"), default="cnn")
+    parser.add_argument("--model", choices=("cnn", "bncnn", "mlp"), default="cnn")
     parser.add_argument("--devices", type=int, default=4, help="CPU devices = replicas")
     parser.add_argument("--batch", type=int, default=256, help="global batch, all contenders")
     parser.add_argument("--hidden", type=int, default=1024, help="MLP hidden width")
@@ -270,8 +303,9 @@ def main(argv=None) -> int:
                         help="intra_op_parallelism_threads for every contender")
     parser.add_argument("--out-dir", default=os.path.expanduser("~/.cache/graphxform-bench"),
                         help="where the original and emitted .meta files go")
-    parser.add_argument("--only", default="original,emitted,mirrored",
-                        help="comma-separated subset of contenders to run")
+    parser.add_argument("--only", default=None,
+                        help="comma-separated subset of contenders to run (default: original, "
+                        "emitted, mirrored; and emitted_sync for bncnn)")
     parser.add_argument("--timeout", type=float, default=600, help="seconds per subprocess")
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args(argv)
@@ -283,11 +317,16 @@ def main(argv=None) -> int:
     opts = {k: getattr(args, k) for k in ("model", "devices", "batch", "hidden", "width", "lr",
                                           "warmup", "steps", "repeats", "inter_op", "intra_op")}
     os.makedirs(args.out_dir, exist_ok=True)
-    size = args.width if args.model == "cnn" else args.hidden
+    size = args.hidden if args.model == "mlp" else args.width
     stem = os.path.join(args.out_dir, f"runtime-{args.model}{size}")
     original, emitted = stem + ".meta", stem + f".allreduce{args.devices}.meta"
-    what = (f"CNN 32x32x3, convs {'-'.join(str(n) for n, _ in _conv_plan(args.width))}"
-            if args.model == "cnn" else f"MLP {FEATURES}-{args.hidden}-{args.hidden}-{CLASSES}")
+    emitted_sync = stem + f".allreduce{args.devices}-syncbn.meta"
+    bn = args.model == "bncnn"
+    only = args.only or ("original,emitted,emitted_sync,mirrored" if bn
+                         else "original,emitted,mirrored")
+    what = (f"MLP {FEATURES}-{args.hidden}-{args.hidden}-{CLASSES}" if args.model == "mlp" else
+            f"CNN 32x32x3, convs {'-'.join(str(n) for n, _ in _conv_plan(args.width))}"
+            + (" with batch norm" if bn else ""))
     print(f"bench_runtime: {what}, SGD lr "
           f"{args.lr}, global batch {args.batch}, {args.devices} CPU devices, threads inter_op "
           f"{args.inter_op} intra_op {args.intra_op}, {os.cpu_count()} CPU cores; "
@@ -299,9 +338,14 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         ir = metagraph.load(original)
         options = {} if args.bucket_bytes is None else {"bucket_bytes": args.bucket_bytes}
-        strategies.transform(ir, "allreduce",
-                             devices=[f"/device:CPU:{i}" for i in range(args.devices)], **options)
+        devices = [f"/device:CPU:{i}" for i in range(args.devices)]
+        strategies.transform(ir, "allreduce", devices=devices, **options)
         metagraph.save(ir, emitted)
+        if bn:
+            synced = metagraph.load(original)
+            strategies.transform(synced, "allreduce", devices=devices, sync_batch_norm=True,
+                                 **options)
+            metagraph.save(synced, emitted_sync)
         print(f"original {original} ({len(metagraph.load(original))} nodes); emitted {emitted} "
               f"({len(ir)} nodes, transformed in {time.perf_counter() - t0:.2f} s)")
     except Exception as e:  # noqa: BLE001 - reported; the tool always exits 0
@@ -309,8 +353,8 @@ def main(argv=None) -> int:
         return 0
 
     results = {}
-    for kind in [k.strip() for k in args.only.split(",") if k.strip()]:
-        path = {"original": original, "emitted": emitted}.get(kind)
+    for kind in [k.strip() for k in only.split(",") if k.strip()]:
+        path = {"original": original, "emitted": emitted, "emitted_sync": emitted_sync}.get(kind)
         try:
             res = spawn(kind, dict(opts, path=path), args.timeout)
         except Exception as e:  # noqa: BLE001
@@ -327,7 +371,15 @@ def main(argv=None) -> int:
 
     print()
     verdicts = {}
-    if "emitted" in results:
+    if "emitted_sync" in results:
+        for other in ("emitted", "mirrored"):
+            if other in results:
+                ratio = results["emitted_sync"]["best"] / results[other]["best"]
+                verdicts[f"emitted_sync/{other}"] = {"ratio": ratio}
+                print(f"emitted_sync / {other:8s} = {ratio:.2f}x"
+                      + ("  (the cost of --sync-batch-norm)" if other == "emitted" else
+                         "  (against SyncBatchNormalization under MirroredStrategy)"))
+    if "emitted" in results and not bn:
         for other, budget, strict in (("original", ORIGINAL_BUDGET, False),
                                       ("mirrored", MIRRORED_BUDGET, True)):
             if other not in results:
