@@ -28,7 +28,9 @@ class ClusterPlan:
 
     ``steps`` maps "job:task" to the op that task runs once per step, ``losses`` maps
     "job:task" to the mean loss of that task's replicas, ``chief`` is "chief:0" or
-    "worker:0", ``chief_init`` is an op the chief runs once after initialising (or None)."""
+    "worker:0", ``chief_init`` is an op the chief runs once after initialising (or None).
+    ``train_ops`` are the original train ops (each kept under its name for one client); a graph
+    with several has no per-task ``steps`` yet and runs only with one client."""
 
     cluster: dict
     steps: dict
@@ -38,13 +40,14 @@ class ClusterPlan:
     strategy: str = "ps"
     staleness: int = 0
     is_async: bool = False
+    train_ops: list = dataclasses.field(default_factory=list)
 
     # ------------------------------------------------------------ (de)serialise
     def to_json(self) -> str:
         return json.dumps({"strategy": self.strategy, "cluster": self.cluster,
                            "chief": self.chief, "steps": self.steps, "losses": self.losses,
                            "chief_init": self.chief_init, "staleness": self.staleness,
-                           "async": self.is_async}, sort_keys=True)
+                           "async": self.is_async, "train_ops": self.train_ops}, sort_keys=True)
 
     @classmethod
     def from_json(cls, text, source: str = "graph") -> "ClusterPlan":
@@ -55,16 +58,20 @@ class ClusterPlan:
             raise GraphxformError(f"{where} is not valid JSON ({e})") from None
         if not isinstance(data, dict):
             raise GraphxformError(f"{where} is not a JSON object")
+        train_ops = data.get("train_ops") or []
+        if not isinstance(train_ops, list) or not all(isinstance(t, str) for t in train_ops):
+            raise GraphxformError(f"{where}: 'train_ops' is not a list of names")
         for key in ("cluster", "steps"):
-            if not isinstance(data.get(key), dict) or not data[key]:
+            empty_ok = key == "steps" and len(train_ops) > 1  # several: one client only
+            if not isinstance(data.get(key), dict) or not (data[key] or empty_ok):
                 raise GraphxformError(f"{where} has no '{key}'")
         Cluster(data["cluster"], source=where)  # the same checks as a cluster file
         plan = cls(cluster={j: list(t) for j, t in data["cluster"].items()},
                    steps=dict(data["steps"]), losses=dict(data.get("losses") or {}),
                    chief=data.get("chief") or "worker:0", chief_init=data.get("chief_init"),
                    strategy=data.get("strategy", "ps"), staleness=int(data.get("staleness", 0)),
-                   is_async=bool(data.get("async", False)))
-        if plan.chief not in plan.steps:
+                   is_async=bool(data.get("async", False)), train_ops=list(train_ops))
+        if plan.steps and plan.chief not in plan.steps:
             raise GraphxformError(f"{where}: the chief '{plan.chief}' has no step op")
         return plan
 
@@ -92,6 +99,16 @@ class ClusterPlan:
     # ------------------------------------------------------------ questions
     def job_sizes(self) -> dict:
         return {job: len(tasks) for job, tasks in self.cluster.items()}
+
+    def require_per_task(self, source: str = "the graph") -> None:
+        """One process per task runs one train op; refuse a graph with several (before any
+        process starts, rather than hang)."""
+        if len(self.train_ops) > 1:
+            raise GraphxformError(
+                f"{source} has {len(self.train_ops)} train ops ({', '.join(self.train_ops)}); "
+                "running it one process per task is not supported yet: run it with one client "
+                "(`graphxform verify`, or import_meta_graph and session.run each train op in "
+                "turn against a server of the cluster)")
 
     def is_chief(self, job: str, task: int) -> bool:
         return f"{job}:{task}" == self.chief

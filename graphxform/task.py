@@ -32,11 +32,14 @@ def tf_message(error) -> str:
 
 
 def plan_of(ir: GraphIR) -> ClusterPlan:
+    """The plan one process per task runs (`launch`, `run --cluster`); a one-line error for a
+    graph without one, or one only a single client can run."""
     plan = ClusterPlan.from_ir(ir)
     if plan is None:
         raise GraphxformError(f"{ir.source or 'the graph'} was not built for a cluster (no "
                               f"'{distributed.CLUSTER_COLLECTION}' collection; build it with "
                               "`graphxform apply --strategy ps --cluster F`)")
+    plan.require_per_task(ir.source or "the graph")
     return plan
 
 

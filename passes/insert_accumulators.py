@@ -1,25 +1,33 @@
 """insert-accumulators: one update per variable per step from every worker's gradient.
 
-Each worker first averages its own replicas' gradients (dense: AddN / R; sparse: values and
-indices concatenated, values / R). Then, on the variable's ps task, a ConditionalAccumulator (dense,
-MEAN over the W workers) or a SparseConditionalAccumulator (SUM, then / W: TF's sparse MEAN divides
-each row by how many workers touched it, which is not the batch mean) collects them; the update
-ops read `take` of all W workers, so each variable is updated once per step.
+Every born gradient the update region reads (share-variables' ``Aggregate``) is first averaged
+over each worker's own replicas (dense: AddN / R; sparse: values and indices concatenated, values
+/ R). Then, on the ps task of its variable, a ConditionalAccumulator (dense, MEAN over the W
+workers) or a SparseConditionalAccumulator (SUM, then / W: TF's sparse MEAN divides each row by
+how many workers touched it, which is not the batch mean; slices with any number of rows add up
+exactly) collects them. The region reads `take` of all W workers, so gradient post-processing and
+the optimizer run once per step on the cross-worker gradient, as on one device.
+
+Each step op S (a train op the user runs) keeps its name. What S did moves to `ps_sync/<S>`
+(the update, without any replica's work); S becomes the one-client entry point: it runs every
+worker's gradients into the accumulators and then the update, and a tensor step (tf_slim's
+`train_op/control_dependency`) gives the mean of its replicas' values (the loss). A control
+consumer of S (the read a resource `assign_add` leaves behind) waits on the new S.
 
 The emitted graph runs two ways:
-- one client (the drop-in contract): the original train op name runs every worker's part and the
-  update in one `session.run`;
-- one client per worker (between-graph, `graphxform run --cluster`): `ps_sync/<job>_<task>/step`
-  runs that task's part. The chief's step also takes, updates and releases one token per other
-  worker into `ps_sync/token_queue`; another worker's step ends by dequeuing a token, so no worker
-  runs a step ahead (`staleness` K pre-fills K tokens each and lets the accumulators accept
-  gradients up to K steps old).
+- one client (the drop-in contract): each original step name runs every worker's part and the
+  update in one `session.run`; several steps (a GAN's d_train and g_train) run in turn;
+- one client per task (`graphxform run --cluster`; a graph with one step only):
+  `ps_sync/<job>_<task>/step` runs that task's part. The chief's step also takes, updates and
+  releases one token per other worker into `ps_sync/token_queue`; another worker's step ends by
+  dequeuing a token, so no worker runs a step ahead (`staleness` K pre-fills K tokens each and
+  lets the accumulators accept gradients up to K steps old, counted by global_step).
 
-With `asynchronous`, nothing is aggregated: every worker gets its own copy of the optimizer's
-update region and applies its local mean gradient whenever it is ready.
+With `asynchronous`, nothing is aggregated: every worker gets its own copy of the update region
+and applies its local mean gradient whenever it is ready.
 
-What the runtime needs (step op per task, loss per worker, chief, chief_init) is written to the
-graph as a graphxform.distributed.ClusterPlan."""
+What the runtime needs (step op per task, loss per worker, chief, chief_init, the train ops) is
+written to the graph as a graphxform.distributed.ClusterPlan."""
 
 from __future__ import annotations
 
@@ -29,14 +37,27 @@ import numpy as np
 
 from graphxform import opdefs
 from graphxform.errors import GraphxformError
-from graphxform.ir import parse_tensor
+from graphxform.ir import colocation_targets, parse_tensor
 from graphxform.nodes import Builder, replica_prefix
 from graphxform.pipeline import Pass, PassResult
+from graphxform.training import REPLICA_SCOPE
 
 SYNC_SCOPE = "ps_sync/"
 ASYNC_SCOPE = "ps_async/"
 INT64 = 9  # DataType enum DT_INT64
 INT32 = 3
+HANDLE_FORWARDING = {"Enter", "RefEnter", "Identity", "RefIdentity"}
+FLOAT_TYPES = {1, 2, 14, 19}  # float32 float64 bfloat16 float16
+NEVER_STALE = np.iinfo(np.int64).max  # a local step no accumulator step ever passes
+
+
+@dataclasses.dataclass
+class _Step:
+    """A step op after `detach`: ``entry`` (its original name, what one client runs), ``core``
+    (what it did, with no replica's work) and its control inputs that are replica copies."""
+    entry: str
+    core: str
+    replica_controls: list
 
 
 @dataclasses.dataclass
@@ -52,101 +73,186 @@ class InsertAccumulators(Pass):
         if cross_edges is None or "share-variables" not in ctx.state:
             raise GraphxformError("insert-accumulators needs share-variables and replicate first")
         tg = ctx.training
-        train_op = tg.require_train_op(self.name)
-        if any(True for _ in ir.successors(train_op)):
-            raise GraphxformError(f"train op '{train_op}' has consumers; run the last op of the "
-                                  "step as the train op (--train-op)")
+        tg.require_train_op(self.name)
+        points = _points(ctx.state["share-variables"]["aggregates"])
+        step_ops = [s.op for s in tg.steps]
+        by_step = _check_cross_edges(cross_edges, points, set(step_ops))
+        if self.staleness and (tg.global_step is None or len(step_ops) > 1):
+            raise GraphxformError("--staleness counts steps by global_step: it needs a graph "
+                                  "with one train op and a global_step")
         workers = _Workers(ctx.devices, ctx.cluster)
-        grads = _gradient_tensors(tg)
-        for consumer, _, tensor in cross_edges:
-            if tensor not in grads:
-                raise GraphxformError(f"'{consumer}' runs once per step on a ps task but reads "
-                                      f"'{tensor}', which every replica computes and which is not "
-                                      "a gradient")
-        build = _Build(ir, Builder(ir, self.name), workers, tg)
+        build = _Build(ir, Builder(ir, self.name), workers, tg, self.staleness)
+        statistics = _statistics_from_first_replica(ir, tg, workers.count)
+        _tie_forwarded_reads(ir, tg)
+        steps = [build.detach(op, by_step.get(op, [])) for op in step_ops]
+        grad_edges = [e for e in cross_edges if e[0] not in by_step]
         if self.asynchronous:
-            steps = self._asynchronous(ir, ctx, build, cross_edges, grads, train_op)
+            region = ctx.state["share-variables"]["optimizer_region"]
+            plan_steps = self._asynchronous(ir, build, grad_edges, points, steps, region)
             chief_init = None
         else:
-            steps, chief_init = self._synchronous(ir, build, cross_edges, grads, train_op)
-        losses = build.worker_losses()
-        _write_plan(ir, ctx, workers, steps, losses, chief_init, self)
+            plan_steps, chief_init = self._synchronous(ir, build, grad_edges, points, steps)
+        losses = build.worker_losses() if plan_steps else {}
+        _write_plan(ir, ctx, workers, plan_steps, losses, chief_init, self,
+                    [s.name for s in tg.steps])
         return PassResult(modified=True, summary={
-            "workers": len(workers.tasks), "aggregated": len({grads[t][0] for _, _, t in
-                                                              cross_edges})})
+            "workers": len(workers.tasks), "steps": len(steps), "statistics": statistics,
+            "aggregated": len({points[t][0].name for _, _, t in grad_edges})})
 
-    def _synchronous(self, ir, build, cross_edges, grads, train_op):
-        workers, tg = build.workers, build.tg
-        accumulators = {}  # var name -> (handle, take outputs by gradient part)
-        applies = {w: [] for w in range(len(workers.tasks))}
-        for tensor in dict.fromkeys(t for _, _, t in cross_edges):
-            var = tg.variables[grads[tensor][0]]
-            if var.name not in accumulators:
-                accumulators[var.name] = build.accumulator(var, applies)
-        for consumer, port, tensor in cross_edges:
-            var_name, part = grads[tensor]
-            ir.set_input(consumer, port, accumulators[var_name][1][part])
-        update = ir.copy_nodes([train_op], SYNC_SCOPE, created_by=build.created_by)[train_op]
-        ir.remove_node(train_op)
-        done = build.after_update(update, [a[0] for a in accumulators.values()], self.staleness)
-        every_apply = [a for w in applies for a in applies[w]]
-        build.op(train_op, "NoOp", ["^" + n for n in [done] + every_apply])
+    def _synchronous(self, ir, build, grad_edges, points, steps):
+        workers = build.workers
+        accumulators = {}  # aggregate name -> _Accumulator
+        for consumer, port, tensor in grad_edges:
+            agg, part = points[tensor]
+            if agg.name not in accumulators:
+                accumulators[agg.name] = build.accumulator(agg)
+            ir.set_input(consumer, port, accumulators[agg.name].takes[part])
+        for step in steps:  # one client: the step runs every worker's applies it needs
+            upstream = ir.ancestors(step.core)
+            for acc in accumulators.values():
+                if acc.take in upstream:
+                    for apply in acc.applies:
+                        ir.add_control_input(step.entry, apply)
+        handles = [a.handle for a in accumulators.values()]
+        if len(steps) != 1:  # per-task plans run one step; `plan_of` refuses these graphs
+            return {}, None
+        (step,) = steps
+        done = build.after_update(step.core, handles, self.staleness)
         release = build.release(done, workers.token_takers())
-        steps = {}
+        plan = {}
         for w, task in enumerate(workers.tasks):
-            own = ["^" + a for a in applies[w]]
+            own = ["^" + a.applies[w] for a in accumulators.values()]
+            own += ["^" + c for c in build.own_controls(step, w)]
             if w == workers.chief:
-                steps[task] = build.op(build.scope(task) + "step", "NoOp",
-                                       own + ["^" + (release or done)])
+                plan[task] = build.op(build.scope(task) + "step", "NoOp",
+                                      own + ["^" + (release or done)])
             else:
                 token = build.op(build.scope(task) + "token", "QueueDequeueV2",
                                  [build.token_queue()] + own, component_types=[INT64],
                                  device=workers.device(w))
-                steps[task] = build.op(build.scope(task) + "step", "NoOp", ["^" + token])
+                plan[task] = build.op(build.scope(task) + "step", "NoOp", ["^" + token])
         if workers.chief is None:  # a chief job with no replicas of its own
-            steps[workers.chief_task] = build.op(build.scope(workers.chief_task) + "step",
-                                                 "NoOp", ["^" + (release or done)])
-        chief_init = build.chief_init([a[0] for a in accumulators.values()], self.staleness,
-                                      workers.token_takers())
-        return steps, chief_init
+            plan[workers.chief_task] = build.op(build.scope(workers.chief_task) + "step",
+                                                "NoOp", ["^" + (release or done)])
+        chief_init = build.chief_init(handles, self.staleness, workers.token_takers())
+        return plan, chief_init
 
-    def _asynchronous(self, ir, ctx, build, cross_edges, grads, train_op):
+    def _asynchronous(self, ir, build, grad_edges, points, steps, region):
         workers = build.workers
-        region = ctx.state["share-variables"]["optimizer_region"]
-        outside = [dst for n in region for dst in ir.successors(n) if dst not in region]
+        entries = {s.entry for s in steps}
+        region = (set(region) - entries) | {s.core for s in steps}
+        outside = sorted(dst for n in region for dst in ir.successors(n)
+                         if dst not in region and dst not in entries)
         if outside:
             raise GraphxformError(f"'{outside[0]}' waits on the optimizer's update; cannot give "
                                   "each worker its own update for --async")
-        steps, copies = {}, []
+        copies = {s.entry: [] for s in steps}
+        plan = {}
         for w, task in enumerate(workers.tasks):
             mapping = ir.copy_nodes(region, f"{ASYNC_SCOPE}{task.replace(':', '_')}/",
                                     created_by=build.created_by)
             local = {}
-            for consumer, port, tensor in cross_edges:
-                var_name, part = grads[tensor]
-                if (var_name, part) not in local:
-                    local.update(build.local_gradient(w, ctx.training.variables[var_name]))
-                ir.set_input(mapping[consumer], port, local[(var_name, part)])
-            copies.append(mapping[train_op])
-            steps[task] = build.op(build.scope(task) + "step", "NoOp", ["^" + mapping[train_op]])
+            for consumer, port, tensor in grad_edges:
+                agg, part = points[tensor]
+                if (agg.name, part) not in local:
+                    local.update(build.local_gradient(w, agg))
+                ir.set_input(mapping[consumer], port, local[(agg.name, part)])
+            for step in steps:
+                copies[step.entry].append(mapping[step.core])
+            if len(steps) == 1:
+                own = ["^" + c for c in build.own_controls(steps[0], w)]
+                plan[task] = build.op(build.scope(task) + "step", "NoOp",
+                                      ["^" + mapping[steps[0].core]] + own)
+        for step in steps:  # the entry reads the first worker's copy and waits on all
+            first, *rest = copies[step.entry]
+            ir.replace_all_uses_with(step.core, first, where=lambda n, e=step.entry: n == e)
+            for copy in rest:
+                ir.add_control_input(step.entry, copy)
         ir.remove_nodes(region)
-        build.op(train_op, "NoOp", ["^" + c for c in copies])
-        if workers.chief is None:
-            steps[workers.chief_task] = build.op(build.scope(workers.chief_task) + "step", "NoOp")
-        return steps
+        if plan and workers.chief is None:
+            plan[workers.chief_task] = build.op(build.scope(workers.chief_task) + "step", "NoOp")
+        return plan
 
 
-def _gradient_tensors(tg) -> dict:
-    """Gradient tensor name -> (variable, part) where part is 'dense', 'values' or 'indices'."""
+def _statistics_from_first_replica(ir, tg, replicas) -> int:
+    """A shared variable the step updates outside the optimizer from each replica's slice
+    (batch norm's moving mean and variance) is updated once per step, from replica 0's slice,
+    as allreduce keeps and saves replica 0's copy; the other replicas' updates go. An update
+    whose output something reads stays (the contract check then names the variable). Returns
+    how many updates went."""
+    removed = 0
+    for var in tg.variables.values():
+        if var.role != "statistic" or var.name not in ir:
+            continue
+        for update in var.updates:
+            for k in range(1, replicas):
+                copy = replica_prefix(k) + update
+                if copy not in ir or ir.consumers(copy):
+                    continue
+                for consumer in list(ir.control_consumers(copy)):
+                    ir.remove_control_input(consumer, copy)
+                removed += ir.remove_dead([copy], keep=lambda n: not REPLICA_SCOPE.match(n)) > 0
+    return removed
+
+
+def _tie_forwarded_reads(ir, tg) -> int:
+    """A replica's op that reads a shared variable through a forwarded handle (a read inside a
+    legacy while loop, behind an Enter) runs on the variable's ps task, where TF puts an op that
+    takes a resource; nodes colocated with it (the loop's gradient stacks) go there too instead
+    of keeping the replica's device and clashing with it. Returns how many nodes moved."""
+    tied = {}
+    for var in tg.variables.values():
+        if var.name not in ir:
+            continue
+        device = ir.node(var.name)["device"]
+        stack = [dst for dst, _ in ir.consumers(var.name)
+                 if REPLICA_SCOPE.match(dst) and ir.op(dst) in HANDLE_FORWARDING]
+        while stack:
+            node = stack.pop()
+            if node in tied:
+                continue
+            tied[node] = device
+            if ir.op(node) in HANDLE_FORWARDING:
+                stack += [dst for dst, _ in ir.consumers(node)]
+    if not tied:
+        return 0
+    for name in ir.nodes():
+        attrs = ir.attrs(name) if REPLICA_SCOPE.match(name) else {}
+        if "_class" in attrs:
+            for _, target in colocation_targets(attrs["_class"]):
+                if target in tied:
+                    tied[name] = tied[target]
+    for name, device in tied.items():
+        ir.node(name)["device"] = device
+    return len(tied)
+
+
+def _points(aggregates) -> dict:
+    """Gradient tensor -> (Aggregate, part) where part is 'dense', 'values' or 'indices'."""
     found = {}
-    for var in tg.trainable:
-        g = var.gradient
+    for agg in aggregates:
+        g = agg.gradient
         if g.kind == "dense":
-            found[g.tensor] = (var.name, "dense")
+            found[g.tensor] = (agg, "dense")
         else:
-            found[g.values] = (var.name, "values")
-            found[g.indices] = (var.name, "indices")
+            found[g.values] = (agg, "values")
+            found[g.indices] = (agg, "indices")
     return found
+
+
+def _check_cross_edges(cross_edges, points, step_ops) -> dict:
+    """Every once-per-step node that reads what each replica computes must read a born gradient
+    (aggregated here) or be a step op (which gets the replicas' mean). Returns the step ops'
+    edges by step."""
+    by_step = {}
+    for consumer, port, tensor in cross_edges:
+        if consumer in step_ops:
+            by_step.setdefault(consumer, []).append((consumer, port, tensor))
+        elif tensor not in points:
+            raise GraphxformError(f"'{consumer}' runs once per step on the aggregated gradients "
+                                  f"but reads '{tensor}', which every replica computes and "
+                                  "which is not a gradient")
+    return by_step
 
 
 class _Workers:
@@ -163,6 +269,7 @@ class _Workers:
                 self.replicas[task] = []
                 self.devices[task] = device
             self.replicas[task].append(k)
+        self.count = len(devices)
         has_chief_job = cluster is not None and bool(cluster.tasks("chief"))
         self.chief_task = "chief:0" if has_chief_job else self.tasks[0]
         self.chief = None if has_chief_job else 0
@@ -175,11 +282,20 @@ class _Workers:
         return len(self.tasks) - (0 if self.chief is None else 1)
 
 
+@dataclasses.dataclass
+class _Accumulator:
+    handle: str
+    take: str  # the take node
+    takes: dict  # gradient part -> tensor the region reads
+    applies: list  # per worker
+
+
 class _Build:
     """Node builders shared by the sync and async paths."""
 
-    def __init__(self, ir, builder, workers, tg):
+    def __init__(self, ir, builder, workers, tg, staleness=0):
         self.ir, self.builder, self.workers, self.tg = ir, builder, workers, tg
+        self.staleness = staleness
         self.created_by = builder.created_by
         self._queue = None
         self._local_steps = {}
@@ -197,22 +313,86 @@ class _Build:
     def _dtype(self, tensor):
         return opdefs.output_dtype(self.ir, *parse_tensor(tensor))
 
-    def local_gradient(self, w, var) -> dict:
-        """Worker w's mean gradient for ``var``: {(var, part): tensor}."""
+    # ------------------------------------------------------------------ steps
+    def detach(self, step_op, merged_edges) -> _Step:
+        """Move what ``step_op`` does to `ps_sync/<step_op>` (its core) and rebuild the step
+        under its own name as the one-client entry point (see the module docstring)."""
+        ir = self.ir
+        controls = [c for c in ir.control_inputs(step_op) if REPLICA_SCOPE.match(c)]
+        if merged_edges:
+            core, make_entry = self._detach_tensor_step(step_op, merged_edges, controls)
+        else:
+            core = ir.copy_nodes([step_op], SYNC_SCOPE, created_by=self.created_by)[step_op]
+            for control in controls:
+                ir.remove_control_input(core, control)
+            make_entry = self._entry_reading(step_op, core, controls)
+        ir.replace_all_uses_with(step_op, core)  # its consumers wait on the rebuilt step
+        ir.remove_node(step_op)
+        entry = make_entry()
+        ir.replace_all_uses_with(core, entry, where=lambda n: n != entry)
+        return _Step(entry, core, controls)
+
+    def _detach_tensor_step(self, step_op, merged_edges, controls):
+        """A step that gives a value computed by the replicas (tf_slim's Identity of the loss
+        with the update as control input): the core waits on what is not per replica; the
+        entry is the Identity of the replicas' mean."""
+        ir = self.ir
+        tensor = merged_edges[0][2]
+        if ir.op(step_op) != "Identity" or len(ir.inputs(step_op)) != 1:
+            raise GraphxformError(f"train op '{step_op}' ({ir.op(step_op)}) reads '{tensor}', "
+                                  "which every replica computes; only an Identity of it (a "
+                                  "loss with the update as control input) can be merged")
+        waits = [s for s, _ in ir.inputs(step_op) + [(c, 0) for c in ir.control_inputs(step_op)]
+                 if not REPLICA_SCOPE.match(s)]
+        core = self.op(SYNC_SCOPE + step_op, "NoOp", ["^" + w for w in waits])
+        value, dtype = self.replica_mean(SYNC_SCOPE + step_op + "/replica_mean", tensor)
+        return core, lambda: self.op(step_op, "Identity", [value, "^" + core] +
+                                     ["^" + c for c in controls], T=dtype)
+
+    def _entry_reading(self, step_op, core, controls):
+        """The entry for a step whose work all moved to ``core``: a NoOp, or the Identity of
+        its first output when it has outputs (a reference `assign_add` of global_step)."""
+        deps = ["^" + c for c in controls]
+        dtype = self._dtype(step_op) if opdefs.num_outputs(self.ir, step_op) else None
+        if dtype is None:
+            return lambda: self.op(step_op, "NoOp", ["^" + core] + deps)
+        dtype = dtype - 100 if dtype > 100 else dtype  # a ref output reads as its value
+        return lambda: self.op(step_op, "Identity", [core + ":0"] + deps, T=dtype)
+
+    def replica_mean(self, name, tensor):
+        """The mean over every replica of ``tensor`` (a float value each replica computes):
+        for a mean over equal slices of the batch, the mean over the whole batch."""
+        node, port = parse_tensor(tensor)
+        copies = [f"{replica_prefix(k)}{node}:{port}" for k in range(self.workers.count)]
+        dtype = self._dtype(copies[0])
+        if dtype not in FLOAT_TYPES:
+            raise GraphxformError(f"cannot merge '{tensor}' over replicas: not a float tensor")
+        stacked = self.op(name + "/stack", "Pack", copies, N=len(copies), T=dtype)
+        axis = self.const(name + "/axis", 0, np.int32)
+        return self.op(name, "Mean", [stacked, axis], T=dtype) + ":0", dtype
+
+    def own_controls(self, step: _Step, w: int) -> list:
+        """The step's control inputs that are worker w's replicas' copies."""
+        mine = {replica_prefix(k) for k in self.workers.replicas[self.workers.tasks[w]]}
+        return [c for c in step.replica_controls if REPLICA_SCOPE.match(c).group(0) in mine]
+
+    # ------------------------------------------------------------------ gradients
+    def local_gradient(self, w, agg) -> dict:
+        """Worker w's mean gradient for ``agg``: {(agg name, part): tensor}."""
         task = self.workers.tasks[w]
         device = self.workers.device(w)
         reps = self.workers.replicas[task]
-        scope = f"{var.name}/local_mean/{task.replace(':', '_')}/"
-        count = self.const(scope + "replicas", len(reps), np.dtype(_np(var.dtype)), device=device)
-        g = var.gradient
+        scope = f"{agg.name}/local_mean/{task.replace(':', '_')}/"
+        count = self.const(scope + "replicas", len(reps), np.dtype(_np(agg.dtype)), device=device)
+        g = agg.gradient
         if g.kind == "dense":
             copies = [replica_prefix(k) + g.tensor for k in reps]
             total = copies[0] if len(copies) == 1 else self.op(
-                scope + "sum", "AddN", copies, N=len(copies), T=var.dtype, device=device)
-            mean = self.op(scope + "mean", "RealDiv", [total, count], T=var.dtype, device=device)
-            return {(var.name, "dense"): mean + ":0"}
+                scope + "sum", "AddN", copies, N=len(copies), T=agg.dtype, device=device)
+            mean = self.op(scope + "mean", "RealDiv", [total, count], T=agg.dtype, device=device)
+            return {(agg.name, "dense"): mean + ":0"}
         out = {}
-        for part in ("values", "indices"):
+        for part in ("values", "indices"):  # replicas' slices may hold different row counts
             copies = [replica_prefix(k) + getattr(g, part) for k in reps]
             if len(copies) == 1:
                 out[part] = copies[0]
@@ -220,16 +400,23 @@ class _Build:
             axis = self.const(scope + f"{part}_axis", 0, np.int32, device=device)
             out[part] = self.op(scope + f"{part}_concat", "ConcatV2", copies + [axis],
                                 N=len(copies), T=self._dtype(copies[0]), device=device) + ":0"
-        values = self.op(scope + "mean", "RealDiv", [out["values"], count], T=var.dtype,
+        values = self.op(scope + "mean", "RealDiv", [out["values"], count], T=agg.dtype,
                          device=device)
-        return {(var.name, "values"): values + ":0", (var.name, "indices"): out["indices"]}
+        return {(agg.name, "values"): values + ":0", (agg.name, "indices"): out["indices"]}
 
     def local_step(self, w) -> str:
-        """The global step worker w read at the start of its step (0 without a global_step)."""
+        """The step worker w's gradients count as: with staleness, the global step it read at
+        the start of its step; without, one no accumulator ever finds stale (tokens already
+        keep every worker in its step, and a graph may have no global_step, or several steps
+        that do not all move it)."""
         if w not in self._local_steps:
             scope = self.scope(self.workers.tasks[w])
-            self._local_steps[w] = self._step_value(scope + "local_step", [],
-                                                    self.workers.device(w))
+            device = self.workers.device(w)
+            if self.staleness:
+                self._local_steps[w] = self._step_value(scope + "local_step", [], device)
+            else:
+                self._local_steps[w] = self.const(scope + "local_step", NEVER_STALE, np.int64,
+                                                  device=device)
         return self._local_steps[w]
 
     def _step_value(self, name, after, device=""):
@@ -247,52 +434,54 @@ class _Build:
             return read
         return self.op(name, "Cast", [read], SrcT=var.dtype, DstT=INT64, device=device)
 
-    def accumulator(self, var, applies):
-        """The accumulator of ``var``, one apply per worker; returns (handle, take by part)."""
-        device = self.ir.node(var.name)["device"]
-        scope = f"{var.name}/accumulator"
+    def accumulator(self, agg) -> _Accumulator:
+        """The accumulator of ``agg`` on its variable's ps task, with one apply per worker."""
+        device = self.ir.node(agg.anchor)["device"]
+        scope = f"{agg.name}/accumulator"
         n = len(self.workers.tasks)
         required = self.const(scope + "/workers", n, np.int32, device=device)
-        sparse = var.gradient.kind == "sparse"
+        sparse = agg.gradient.kind == "sparse"
         handle = self.op(scope, "SparseConditionalAccumulator" if sparse else
-                         "ConditionalAccumulator", dtype=var.dtype, shape=list(var.shape),
+                         "ConditionalAccumulator", dtype=agg.dtype, shape=list(agg.shape),
                          shared_name=scope, reduction_type="SUM" if sparse else "MEAN",
                          device=device)
+        applies = []
         for w, task in enumerate(self.workers.tasks):
-            local = self.local_gradient(w, var)
+            local = self.local_gradient(w, agg)
             name = f"{scope}/apply_{task.replace(':', '_')}"
             if not sparse:
-                applies[w].append(self.op(name, "AccumulatorApplyGradient",
-                                          [handle, self.local_step(w), local[(var.name, "dense")]],
-                                          dtype=var.dtype, device=device))
+                applies.append(self.op(name, "AccumulatorApplyGradient",
+                                       [handle, self.local_step(w), local[(agg.name, "dense")]],
+                                       dtype=agg.dtype, device=device))
                 continue
-            indices = local[(var.name, "indices")]
+            indices = local[(agg.name, "indices")]
             if self._dtype(indices) != INT64:
                 indices = self.op(f"{scope}/{task.replace(':', '_')}/indices_int64", "Cast",
                                   [indices], SrcT=self._dtype(indices), DstT=INT64,
                                   device=self.workers.device(w)) + ":0"
-            shape = self.const(f"{scope}/{task.replace(':', '_')}/shape", list(var.shape),
+            shape = self.const(f"{scope}/{task.replace(':', '_')}/shape", list(agg.shape),
                                np.int64, device=self.workers.device(w))
-            applies[w].append(self.op(name, "SparseAccumulatorApplyGradient",
-                                      [handle, self.local_step(w), indices,
-                                       local[(var.name, "values")], shape],
-                                      dtype=var.dtype, has_known_shape=True, device=device))
+            applies.append(self.op(name, "SparseAccumulatorApplyGradient",
+                                   [handle, self.local_step(w), indices,
+                                    local[(agg.name, "values")], shape],
+                                   dtype=agg.dtype, has_known_shape=True, device=device))
         if not sparse:
             take = self.op(scope + "/take", "AccumulatorTakeGradient", [handle, required],
-                           dtype=var.dtype, device=device)
-            return handle, {"dense": take + ":0"}
+                           dtype=agg.dtype, device=device)
+            return _Accumulator(handle, take, {"dense": take + ":0"}, applies)
         take = self.op(scope + "/take", "SparseAccumulatorTakeGradient", [handle, required],
-                       dtype=var.dtype, device=device)
+                       dtype=agg.dtype, device=device)
         values = self.op(scope + "/mean", "RealDiv", [take + ":1", self.const(
-            scope + "/workers_float", n, _np(var.dtype), device=device)], T=var.dtype,
+            scope + "/workers_float", n, _np(agg.dtype), device=device)], T=agg.dtype,
             device=device)
         indices = take + ":0"
-        wanted = self._dtype(replica_prefix(0) + var.gradient.indices)
+        wanted = self._dtype(replica_prefix(0) + agg.gradient.indices)
         if wanted != INT64:
             indices = self.op(scope + "/indices", "Cast", [indices], SrcT=INT64, DstT=wanted,
                               device=device) + ":0"
-        return handle, {"values": values + ":0", "indices": indices}
+        return _Accumulator(handle, take, {"values": values + ":0", "indices": indices}, applies)
 
+    # ------------------------------------------------------------------ per-task sync
     def after_update(self, update, handles, staleness) -> str:
         """What must finish before a step is over: the update and, with staleness, moving every
         accumulator's step to new_global_step - K so older gradients are dropped."""
@@ -311,7 +500,7 @@ class _Build:
         if self._queue is None:
             gs = self.tg.global_step
             device = self.ir.node(gs)["device"] if gs else self.ir.node(
-                self.tg.trainable[0].name)["device"]
+                self.tg.trainable[0].name)["device"] if self.tg.trainable else ""
             self._queue = self.op(SYNC_SCOPE + "token_queue", "FIFOQueueV2",
                                   component_types=[INT64], shapes=[[]], capacity=-1,
                                   shared_name=SYNC_SCOPE + "token_queue", device=device)
@@ -372,9 +561,9 @@ def _np(dtype_enum):
     return numpy_dtype(dtype_enum)
 
 
-def _write_plan(ir, ctx, workers, steps, losses, chief_init, options) -> None:
+def _write_plan(ir, ctx, workers, steps, losses, chief_init, options, train_ops) -> None:
     from graphxform.distributed import ClusterPlan
     ClusterPlan(cluster=ctx.cluster.as_dict() if ctx.cluster is not None else {}, steps=steps,
                 losses=losses, chief=workers.chief_task, chief_init=chief_init,
                 strategy=ctx.strategy or "ps", staleness=options.staleness,
-                is_async=options.asynchronous).write_to(ir.meta)
+                is_async=options.asynchronous, train_ops=list(train_ops)).write_to(ir.meta)

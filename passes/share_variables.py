@@ -1,12 +1,18 @@
 """share-variables: one copy of each variable, its slots and its optimizer update, on the ps task
 place-variables chose; every replica reads it.
 
-Runs before `replicate` and tells it what to leave single. Replicated is the per-example work:
-every node that depends on a batched input, except the optimizer's update region (its scope and
-the train op), which runs once per step. Everything else stays shared under its original name:
-variables and their initializers, reads, hyper-parameters, global_step. The update ops still read
-gradients that every replica computes; `replicate` records those edges and `insert-accumulators`
-turns each into an aggregation point."""
+Runs before `replicate` and tells it what to leave single. Per step, the *update region* is
+everything in the step's closure downstream of a born gradient (the tensor tf.gradients produced):
+gradient post-processing (clipping by global norm, loss-scale division, finite checks), the
+optimizer, what waits on the update (an ExponentialMovingAverage of the weights), and the step op
+itself. It runs once per step, on the aggregated gradients, so post-processing sees the
+cross-worker gradient as on one device; the parts tied to a variable run on its ps task, the rest
+in the client (the chief). Replicated is the per-example work: every other node that depends on a
+batched input. Everything else stays shared under its original name: variables and their
+initializers, reads, hyper-parameters, global_step.
+
+The region still reads the born gradients that every replica computes; `replicate` records those
+edges and `insert-accumulators` turns each into an aggregation point (``Aggregate``)."""
 
 from __future__ import annotations
 
@@ -18,7 +24,54 @@ from graphxform.errors import GraphxformError
 from graphxform.passes.replicate import shared_nodes
 from graphxform.pipeline import Pass, PassResult
 from graphxform import opdefs
-from graphxform.training import PLACEHOLDER_OPS, VARIABLE_OPS
+from graphxform.ir import parse_tensor
+from graphxform.training import PLACEHOLDER_OPS, VARIABLE_OPS, Gradient, gradient_scope
+
+
+@dataclasses.dataclass
+class Aggregate:
+    """A gradient every replica computes and the update region reads once per step.
+
+    ``name`` names its accumulator (``<name>/accumulator``): the variable, or a partitioned
+    variable whose whole gradient is aggregated before post-processing; ``anchor`` is the
+    variable node whose ps task holds the accumulator."""
+    name: str
+    gradient: Gradient
+    dtype: int
+    shape: tuple
+    anchor: str
+
+
+def aggregates(ctx) -> list[Aggregate]:
+    """Every gradient to aggregate: each trainable variable's born gradient (a shard's part of
+    it, when partition-variables split it before aggregation), and the whole born gradient of a
+    partitioned variable whose update reads it post-processed."""
+    tg = ctx.training
+    found = [Aggregate(v.name, v.gradient, v.dtype, v.shape, v.name) for v in tg.trainable]
+    partitioned = ctx.state.get("partition-variables", {})
+    for name, original in partitioned.get("whole_gradients", {}).items():
+        first_shard = partitioned["shards"][name][0][0]
+        found.append(Aggregate(name, original.gradient, original.dtype, original.shape,
+                               first_shard))
+    return found
+
+
+def update_region(ir, step_ops, born_nodes) -> set:
+    """Per step, the nodes of its closure that depend on a born gradient (through data or
+    control edges, outside gradients scopes), and the step op itself."""
+    region = set()
+    for step in step_ops:
+        closure = ir.ancestors(step)
+        frontier = [n for n in born_nodes if n in closure]
+        seen = set(frontier)
+        while frontier:
+            for dst in ir.successors(frontier.pop()):
+                if dst in closure and dst not in seen and not gradient_scope(dst):
+                    seen.add(dst)
+                    region.add(dst)
+                    frontier.append(dst)
+        region.add(step)
+    return region
 
 
 @dataclasses.dataclass
@@ -27,26 +80,31 @@ class ShareVariables(Pass):
 
     def run(self, ir, ctx):
         tg = ctx.training
-        train_op = tg.require_train_op(self.name)
-        if tg.optimizer is None or not tg.trainable:
-            raise GraphxformError("no optimizer update found: nothing to share on ps tasks")
+        tg.require_train_op(self.name)
+        points = aggregates(ctx)
+        if not points:
+            raise GraphxformError("no gradient of a trainable variable found: nothing to "
+                                  "aggregate on ps tasks")
         placement = ctx.state.get("place-variables", {}).get("devices", {})
         batched = [i.name for i in tg.inputs if i.batched]
         per_example = set()
         for name in batched:
             per_example |= nx.descendants(ir.g, name)
-        shard_updates = ctx.state.get("partition-variables", {}).get("update_nodes", set())
-        region = {n for n in per_example
-                  if n.startswith(tg.optimizer.scope) or n in shard_updates} | {train_op}
+        born = {parse_tensor(t)[0] for p in points for t in p.gradient.tensors}
+        region = update_region(ir, [s.op for s in tg.steps], born)
+        _pull_in_control_only(ir, region, per_example, _data_descendants(ir, batched))
         single = shared_nodes(ir, tg) | region
         snapshots = {r for v in tg.variables.values() for r in v.reads}
         replicated = {n for n in per_example - single if ir.op(n) not in PLACEHOLDER_OPS}
-        added = _pull_in_helpers(ir, replicated, region, snapshots)
+        frames = _loop_frames(ir)
+        added = (_pull_in_helpers(ir, replicated, region, snapshots)
+                 | _whole_loops(ir, frames, replicated, region))
         while added:  # what consumes a pulled-in node is per-replica work too
             grown = {d for n in added for d in nx.descendants(ir.g, n)} - single - replicated
             grown = {n for n in grown if ir.op(n) not in PLACEHOLDER_OPS | VARIABLE_OPS}
             replicated |= grown
-            added = _pull_in_helpers(ir, replicated, region, snapshots) | grown if grown else set()
+            added = (_pull_in_helpers(ir, replicated, region, snapshots)
+                     | _whole_loops(ir, frames, replicated, region) | grown) if grown else set()
         if not replicated:
             raise GraphxformError("nothing in the training step depends on a batched input; "
                                   "there is no per-replica work to distribute")
@@ -60,9 +118,65 @@ class ShareVariables(Pass):
                 if node and node in shared:
                     ir.node(node)["device"] = device
                     placed += 1
-        ctx.state[self.name] = {"shared": shared, "optimizer_region": region}
+        ctx.state[self.name] = {"shared": shared, "optimizer_region": region,
+                                "aggregates": points}
         return PassResult(modified=placed > 0, summary={
-            "shared_nodes": len(shared), "optimizer_region": len(region)})
+            "shared_nodes": len(shared), "update_region": len(region)})
+
+
+def _data_descendants(ir, sources) -> set:
+    """What depends on ``sources`` through data edges (not merely waits on them)."""
+    seen, stack = set(sources), list(sources)
+    while stack:
+        for dst, _ in ir.consumers(stack.pop()):
+            if dst not in seen:
+                seen.add(dst)
+                stack.append(dst)
+    return seen
+
+
+def _pull_in_control_only(ir, region, per_example, data_dependent) -> None:
+    """Inputs of the region that are per-example only because they wait on per-example work
+    (built under a control dependency on it: Adam's read of beta1_power under
+    `control_dependencies(model.updates)`) carry no replica's data: they run once, with the
+    region that reads them."""
+    stack = list(region)
+    while stack:
+        for src in ir.predecessors(stack.pop()):
+            if (src in region or src not in per_example or src in data_dependent
+                    or gradient_scope(src)):
+                continue
+            region.add(src)
+            stack.append(src)
+
+
+def _loop_frames(ir) -> list[set]:
+    """The nodes of each legacy while loop (Enter ... Exit), by frame."""
+    frames = {}
+    for enter in ir.nodes_of(("Enter", "RefEnter")):
+        members = frames.setdefault(ir.attrs(enter)["frame_name"].s, set())
+        stack = [enter]
+        while stack:
+            node = stack.pop()
+            if node in members:
+                continue
+            members.add(node)
+            if ir.op(node) not in ("Exit", "RefExit"):
+                stack.extend(ir.successors(node))
+    return list(frames.values())
+
+
+def _whole_loops(ir, frames, replicated, region) -> set:
+    """A legacy while loop runs in one frame: when part of it is per replica (its data), all of
+    it is (the trip counter, the reads of weights inside it), or the replicas' loops would share
+    nodes of a frame none of them is in. Returns the nodes added."""
+    added = set()
+    for members in frames:
+        if members & replicated:
+            added |= {n for n in members - replicated - region
+                      if ir.op(n) not in VARIABLE_OPS | PLACEHOLDER_OPS}
+    replicated |= added
+    return added
 
 
 def colocated_with(ir, name) -> list[str]:
@@ -75,12 +189,11 @@ def colocated_with(ir, name) -> list[str]:
 
 def _pull_in_helpers(ir, replicated, region, snapshots) -> set:
     """Replicate stateless helpers that only replicated nodes use (constants, shape arithmetic),
-    so each replica computes them locally, and anything colocated with a replicated node.
-    Returns the nodes added."""
+    so each replica computes them locally, and anything but a variable colocated with a
+    replicated node. Returns the nodes added."""
     def movable(n):  # a variable's own snapshot (`w/read`) stays with the variable
         return (n not in replicated and n not in region and n not in snapshots
-                and ir.op(n) not in VARIABLE_OPS and ir.op(n) not in PLACEHOLDER_OPS
-                and not opdefs.is_stateful(ir, ir.op(n)))
+                and ir.op(n) not in VARIABLE_OPS and ir.op(n) not in PLACEHOLDER_OPS)
 
     stack = [src for n in replicated for src in ir.predecessors(n)]
     stack += [n for n in ir.nodes() if n not in replicated
@@ -91,8 +204,9 @@ def _pull_in_helpers(ir, replicated, region, snapshots) -> set:
         if n not in ir or not movable(n):
             continue
         tied = colocated_with(ir, n)
-        forced = any(t in replicated for t in tied)
-        if not forced and (tied or not all(c in replicated for c in ir.successors(n))
+        forced = any(t in replicated for t in tied)  # a loop's gradient stack, say: per replica
+        if not forced and (tied or opdefs.is_stateful(ir, ir.op(n))
+                           or not all(c in replicated for c in ir.successors(n))
                            or not any(True for _ in ir.successors(n))):
             continue
         replicated.add(n)
