@@ -322,7 +322,7 @@ def save(ir: GraphIR, path: str) -> None:
 
 
 def check_output_path(path: str, source: str | None) -> None:
-    if source and os.path.exists(path) and os.path.samefile(path, source):
+    if source and _same_file(path, source):
         raise GraphxformError(f"{path}: output would overwrite the input; choose another -o")
     if _special_file(path):  # written in place
         return
@@ -331,6 +331,13 @@ def check_output_path(path: str, source: str | None) -> None:
         raise GraphxformError(f"{path}: output directory {parent} does not exist")
     if not os.access(parent, os.W_OK):
         raise GraphxformError(f"{path}: output directory {parent} is not writable")
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # either is missing (or unreadable): not one file
+        return False
 
 
 def write_atomic(path: str, data: bytes | str) -> None:

@@ -8,6 +8,7 @@ import socket
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -77,6 +78,15 @@ def test_every_command_refuses_bad_model_files_in_one_line(command, bad_models, 
         line = one_line_error(code, err, 2 if model.endswith("dir.meta") else 1)
         assert os.path.basename(model) in line, (args, line)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_missing_model_with_an_existing_output(run_cli, tmp_path):
+    out = tmp_path / "out.meta"
+    out.write_bytes(b"from an earlier run")
+    for command in (["apply", "--replicas", 2], ["viz"]):
+        code, _, err = run_cli(command[0], tmp_path / "missing.meta", *command[1:], "-o", out)
+        assert one_line_error(code, err).endswith("missing.meta: no such file")
+    assert out.read_bytes() == b"from an earlier run"
 
 
 def test_dev_zero_and_pipes_are_refused_before_reading(run_cli):
@@ -312,6 +322,10 @@ def test_stale_launch_dirs_are_swept_only_when_their_launcher_is_gone(tmp_path):
         (path / "cluster.json").write_text("{}")
     assert cleanup.sweep_launch_dirs(str(tmp_path)) == [str(dead)]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([alive.name, old_style.name])
+    # the name a launcher gives its dir (Launch._start) is one the sweep can read
+    made = tempfile.mkdtemp(prefix=cleanup.LAUNCH_PREFIX + cleanup.owner_tag(), dir=tmp_path)
+    os.rename(made, made.replace(f"-{os.getpid()}-", f"-{dead_pid()}-"))
+    assert len(cleanup.sweep_launch_dirs(str(tmp_path))) == 1
 
 
 # ---------------------------------------------------------------- children die with us
