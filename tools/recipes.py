@@ -65,12 +65,12 @@ POOL = recipe_loop.POOL_ROWS
 BATCH = 16
 CHECK_STEPS = 3
 DEFAULT_OUT = os.path.join("tests", "fixtures", "recipes")
+# Random ops whose draw depends on the batch (a mask per example) keep a recipe from matching
+# one device step for step. A seeded candidate sampler (nce_loss) is not among them: it draws
+# the same candidates for the whole batch, so every replica draws what one device draws.
 RANDOM_OPS = {
     "RandomUniform", "RandomUniformInt", "RandomStandardNormal", "TruncatedNormal",
     "RandomShuffle", "Multinomial", "RandomGamma", "RandomPoisson", "RandomPoissonV2",
-    "LogUniformCandidateSampler", "UniformCandidateSampler", "AllCandidateSampler",
-    "FixedUnigramCandidateSampler", "LearnedUnigramCandidateSampler",
-    "ThreadUnsafeUnigramCandidateSampler",
 }
 STATE_WRITE_WORDS = ("Assign", "Apply", "Scatter")  # op types that write a variable
 BATCH_NORM_OPS = {"FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3"}
@@ -203,8 +203,7 @@ WORD2VEC_BATCH = 16
              "cosine-similarity eval path and a Saver; tiny vocab/embedding; tf.Variable "
              "makes resource variables in TF 2.21 (reference ones in TF1)",
         has=["fixed_batch", "sparse", "random_sampler", "summaries", "saver",
-             "unnamed_placeholders", "no_global_step"],
-        inexact_because=["random candidate sampler (nce_loss)"])
+             "unnamed_placeholders", "no_global_step"])
 def word2vec_basic(rng):
     vocabulary_size, embedding_size, num_sampled = 32, 8, 4
     with tf.name_scope("inputs"):
