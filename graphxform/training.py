@@ -437,7 +437,7 @@ def _find_writers(ir, users, variables, closure, saver_scope) -> dict:
 
 
 def _update_scope(op_name: str, var: str) -> str:
-    marker = f"/update_{var}/"
+    marker = f"/update_{REPLICA_SCOPE.sub('', var)}/"
     index = op_name.find(marker)
     if index >= 0:
         return op_name[: index + len(marker)]
@@ -451,7 +451,8 @@ def _link_optimizer(ir, variables, writers) -> Optimizer | None:
     for name, found in writers.items():
         var = variables[name]
         applies = [(c, p) for c, p in found if is_apply_op(ir.op(c)) and p == 0]
-        scoped = [(c, p) for c, p in found if f"/update_{name}/" in c]
+        bare = REPLICA_SCOPE.sub("", name)  # a replica's copy is updated under its own name
+        scoped = [(c, p) for c, p in found if f"/update_{bare}/" in c]
         if not applies and not scoped:
             continue
         var.trainable = True
