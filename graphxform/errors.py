@@ -31,8 +31,8 @@ def clip(text: str, limit: int = QUOTE_LIMIT) -> str:
 # Lines of a TF error that say nothing about what failed.
 _TF_NOISE = re.compile(r"^(Graph execution error:|Detected at node|File \"|=+$|\[\[|"
                        r"\d+ root error\(s\) found|\d+ successful operations|"
-                       r"\d+ derived errors ignored)")
-_TF_ROOT_ERROR = re.compile(r"^\(\d+\)\s+(?:[A-Z_]+:\s+)?")  # "(0) INVALID_ARGUMENT: "
+                       r"\d+ derived errors ignored|From /job:\S*:$)")
+_TF_STATUS = re.compile(r"^(?:\(\d+\)\s+)?(?:[A-Z][A-Z_]+:\s+)?")  # "(0) INVALID_ARGUMENT: "
 _TF_NODE_LINE = re.compile(r"^Node: '([^']*)'")
 _TF_NODE_TAG = re.compile(r"\{\{node ([^}]+)\}\}")
 
@@ -43,7 +43,7 @@ def tf_error_line(error) -> str:
     "Graph execution error:" and a stack of where the node was built; the reason follows the
     ``Node: '...'`` line."""
     text = getattr(error, "message", None) or str(error)
-    lines = [line.strip() for line in text.splitlines()]
+    lines = [_TF_STATUS.sub("", line.strip()) for line in text.splitlines()]
     node = None
     for index, line in enumerate(lines):  # the reason follows the last of them
         match = _TF_NODE_LINE.match(line)
@@ -52,7 +52,6 @@ def tf_error_line(error) -> str:
     if node is not None:
         lines = lines[reason_from:]
     reason = next((line for line in lines if line and not _TF_NOISE.match(line)), "")
-    reason = _TF_ROOT_ERROR.sub("", reason)
     if node is None:
         op = getattr(error, "op", None)
         node = getattr(op, "name", None)

@@ -28,6 +28,7 @@ from graphxform.errors import GraphxformError
 
 PARENT_ENV = "GRAPHXFORM_PARENT_PID"
 STEP_LINE = re.compile(r"^step (\d+)\s+loss (\S+)")
+CHILD_ERROR = "graphxform: error: "  # how a child's `graphxform run/serve` reports its failure
 GRACE_S = 3.0
 KILLED_WAIT_S = 30.0  # after SIGKILL a process is gone at once unless stuck in the kernel
 START_SLACK_S = 60.0  # on top of --timeout, for children to import TF and connect
@@ -193,9 +194,7 @@ class Launch:
                 if self._on_line(child, payload, loss_keys):
                     last_progress = time.monotonic()
             elif kind == "err":
-                if payload.strip():
-                    child.last_error = payload.strip()
-                    self.warn(f"[{child.job} {child.task}] {payload}")
+                self._on_error_line(child, payload)
             for c in self.children:
                 code = c.proc.poll()
                 if code is None:
@@ -222,9 +221,8 @@ class Launch:
                 kind, c, payload = events.get(timeout=0.05)
             except queue.Empty:
                 continue
-            if kind == "err" and c is child and payload.strip():
-                child.last_error = payload.strip()
-                self.warn(f"[{c.job} {c.task}] {payload}")
+            if kind == "err" and c is child:
+                self._on_error_line(c, payload)
             elif kind == "eof" and c is child and payload == "err":
                 return
 
@@ -238,8 +236,20 @@ class Launch:
                 return
             if kind == "out":
                 self._on_line(child, payload, loss_keys)
-            elif kind == "err" and payload.strip():
-                self.warn(f"[{child.job} {child.task}] {payload}")
+            elif kind == "err":
+                self._on_error_line(child, payload)
+
+    def _on_error_line(self, child: Child, line: str) -> None:
+        """A child's stderr line, passed on; its own one-line error is not: it ends up in ours
+        (`worker 1 (...) stopped: exit code 1: <its error>`), so the user reads it once."""
+        text = line.strip()
+        if not text:
+            return
+        if text.startswith(CHILD_ERROR):
+            child.last_error = text[len(CHILD_ERROR):]
+            return
+        child.last_error = text
+        self.warn(f"[{child.job} {child.task}] {line}")
 
     def _on_line(self, child: Child, line: str, loss_keys) -> bool:
         """A child's stdout line; returns True when a step finished on some task."""

@@ -18,17 +18,12 @@ from graphxform.ir import GraphIR
 
 POLL_S = 0.2
 _REMOTE_TASK = re.compile(r"(?:From|remote target) /job:([^/\s]+)/replica:\d+/task:(\d+)")
-_BOILERPLATE = re.compile(r"^(Graph execution error:|=+|Detected at node|Node:|\s*\[\[)")
 
 
 def tf_message(error) -> str:
-    """The first line of a TF error that says something ("Graph execution error:" does not)."""
-    text = getattr(error, "message", None) or str(error)
-    for line in text.splitlines():
-        line = line.strip()
-        if line and not _BOILERPLATE.match(line):
-            return line
-    return type(error).__name__
+    """What TF said, in one line naming the node (see errors.tf_error_line)."""
+    from graphxform.errors import tf_error_line
+    return tf_error_line(error)
 
 
 def plan_of(ir: GraphIR) -> ClusterPlan:
@@ -237,7 +232,11 @@ class TaskRunner:
         step = (int(self._run(self.global_step, "reading global_step"))
                 if self.global_step is not None else self.steps_run)
         directory = os.path.dirname(os.path.abspath(prefix))
-        os.makedirs(directory, exist_ok=True)
+        try:
+            os.makedirs(directory, exist_ok=True)
+        except OSError as e:
+            raise GraphxformError(f"cannot save checkpoint {prefix}-{step}: cannot create "
+                                  f"{directory}: {e.strerror}") from None
         try:
             with self.graph.as_default():
                 return self.saver.save(self.session, prefix, global_step=step,

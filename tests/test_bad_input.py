@@ -3,6 +3,7 @@ exit code, no traceback, no "internal error", and nothing left behind; signals a
 no temp file and no child process."""
 
 import os
+import re
 import signal
 import socket
 import stat
@@ -194,6 +195,32 @@ def test_runtime_failure_names_node_and_reason(run_cli, tmp_path):
     code, out, err = run_cli("run", model, "--steps", 1)
     assert one_line_error(code, err) == ("graphxform: error: TensorFlow failed at node loss: "
                                          "loss blew up : Tensor had Inf values")
+
+
+class FakeTFError(Exception):
+    def __init__(self, message):
+        super().__init__(message)
+        self.message = message
+
+
+@pytest.mark.parametrize("message, line", [
+    ("Graph execution error:\n\nDetected at node 'save/RestoreV2' defined at (most recent call "
+     "last):\n    File \"x.py\", line 7, in <module>\nNode: 'save/RestoreV2'\n=====\n"
+     "DATA_LOSS: From /job:worker/replica:0/task:0:\nUnable to open table file g: not an "
+     "sstable\n\t [[{{node save/RestoreV2}}]]\nRecent warning and error logs:\n  W0000 ...",
+     "node save/RestoreV2: Unable to open table file g: not an sstable"),
+    ("Graph execution error:\n\nNode: 'r/g'\n2 root error(s) found.\n  (0) INVALID_ARGUMENT: "
+     "Incompatible shapes: [8,1] vs. [4,1]\n\t [[{{node r/g}}]]\n  (1) INVALID_ARGUMENT: "
+     "Incompatible shapes\n0 successful operations.\n0 derived errors ignored.",
+     "node r/g: Incompatible shapes: [8,1] vs. [4,1]"),
+    ("Graph execution error:\n\nassertion failed: [x > 0]\n\t [[{{function_node f}}{{node "
+     "Assert}}]]", "node Assert: assertion failed: [x > 0]"),
+    ("Graph execution error:", "FakeTFError"),
+    ("x" * 5000, "x" * 267 + " ...[4600 chars]... " + "x" * 133),
+], ids=["remote restore", "root errors", "in a function", "nothing said", "long"])
+def test_tf_errors_become_one_line_naming_the_node(message, line):
+    from graphxform.errors import tf_error_line
+    assert tf_error_line(FakeTFError(message)) == line
 
 
 def test_checkpoint_failures_say_what_tf_said(run_cli, tmp_path):
@@ -440,3 +467,23 @@ def test_viz_killed_takes_dot_with_it(tmp_path, fake_dot, sig):
     finally:
         viz.kill()
         viz.wait(timeout=10)
+
+
+@pytest.mark.slow
+def test_launch_reports_the_chiefs_checkpoint_failure_once(run_cli, tmp_path):
+    ps_model = tmp_path / "model.ps.meta"
+    cluster_file = tmp_path / "cluster.json"
+    cluster_file.write_text('{"ps": ["127.0.0.1:2222"], "worker": ["127.0.0.1:2223"]}')
+    code, _, err = run_cli("apply", MODEL, "--strategy", "ps", "--cluster", cluster_file, "-o",
+                           ps_model)
+    assert code == 0, err
+    garbage = tmp_path / "garbage"
+    garbage.write_bytes(b"not a checkpoint")
+    code, out, err = run_cli("launch", ps_model, "--steps", 1, "--timeout", 30, "--restore",
+                             garbage)
+    line = one_line_error(code, err)
+    assert line.startswith("graphxform: error: worker 0 (127.0.0.1:") and (
+        f"stopped: exit code 1: cannot restore checkpoint {garbage}: node save/RestoreV2: "
+        "Unable to open table file" in line)
+    for pid in map(int, re.findall(r"pid (\d+)", out)):
+        assert wait_gone(pid, 10), f"pid {pid} left behind"
