@@ -292,16 +292,21 @@ def test_outputs_go_through_symlinks_and_into_pipes_in_place(run_cli, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link.meta", "out.fifo", "real.meta"]
 
 
-def test_sigterm_while_writing_leaves_no_temp_file(run_cli, tmp_path, monkeypatch):
+@pytest.mark.parametrize("sig, message", [
+    (signal.SIGTERM, "graphxform: stopped by SIGTERM"), (signal.SIGHUP, "graphxform: stopped by "
+     "SIGHUP"), (signal.SIGINT, "graphxform: interrupted")], ids=["TERM", "HUP", "INT"])
+def test_a_signal_while_writing_leaves_no_temp_file(run_cli, tmp_path, monkeypatch, sig,
+                                                    message):
     real_fchmod = os.fchmod
 
-    def fchmod_then_sigterm(fd, mode):  # the temp file exists; the signal arrives now
+    def fchmod_then_signal(fd, mode):  # the temp file exists; the signal arrives now
         real_fchmod(fd, mode)
-        os.kill(os.getpid(), signal.SIGTERM)
-    monkeypatch.setattr(os, "fchmod", fchmod_then_sigterm)
+        os.kill(os.getpid(), sig)
+    monkeypatch.setattr(os, "fchmod", fchmod_then_signal)
     code, out, err = run_cli("apply", MODEL, "--replicas", 2, "-o", tmp_path / "out.meta")
-    assert code == 128 + signal.SIGTERM and err == "graphxform: stopped by SIGTERM\n"
+    assert code == 128 + sig and err == message + "\n"
     assert list(tmp_path.iterdir()) == []
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handlers put back
 
 
 def test_stale_temp_files_of_dead_runs_are_swept(run_cli, tmp_path):
