@@ -11,6 +11,7 @@ from graphxform.passes.merge_fetches import MergeFetches
 from graphxform.passes.partition_variables import PartitionVariables
 from graphxform.passes.place_variables import PlaceVariables
 from graphxform.passes.replicate import Replicate
+from graphxform.passes.replicated_all_reduce import ReplicatedAllReduce
 from graphxform.passes.rewire_consumers import RewireConsumers
 from graphxform.passes.share_variables import ShareVariables
 from graphxform.passes.split_inputs import SplitInputs
@@ -41,6 +42,34 @@ def allreduce(bucket_bytes: int = DEFAULT_BUCKET_BYTES, sparse_as_dense: bool = 
     ], verify=verify, dump_dir=dump_dir)
 
 
+def replicated(all_reduce_spec: str = "collective", gradient_repacking: int = 0,
+               agg_small_grads_max_bytes: int = 0, agg_small_grads_max_group: int = 10,
+               fetch_mean=(), fetch_concat=(), verify: bool = True, dump_dir: str | None = None,
+               sync_batch_norm: bool = False, consistent_random: bool = False) -> Pipeline:
+    """tf_cnn_benchmarks' replicated mode: as allreduce, with the gradients reduced as an
+    all-reduce spec says (graphxform.allreduce_spec), optionally repacked or aggregated."""
+    pipeline = allreduce(fetch_mean=fetch_mean, fetch_concat=fetch_concat, verify=verify,
+                         dump_dir=dump_dir, sync_batch_norm=sync_batch_norm,
+                         consistent_random=consistent_random)
+    at = next(i for i, p in enumerate(pipeline.passes) if isinstance(p, AllReduce))
+    pipeline.passes[at] = ReplicatedAllReduce(
+        spec=all_reduce_spec, gradient_repacking=gradient_repacking,
+        agg_small_grads_max_bytes=agg_small_grads_max_bytes,
+        agg_small_grads_max_group=agg_small_grads_max_group)
+    return pipeline
+
+
+def independent(fetch_mean=(), fetch_concat=(), verify: bool = True,
+                dump_dir: str | None = None) -> Pipeline:
+    """Every replica trains on its slice alone, no gradient exchange: a ceiling for scaling
+    measurements, not a drop-in replacement (replicas drift apart; the saver keeps replica 0)."""
+    pipeline = allreduce(fetch_mean=fetch_mean, fetch_concat=fetch_concat, verify=verify,
+                         dump_dir=dump_dir)
+    pipeline.passes = [p for p in pipeline.passes
+                       if not isinstance(p, (AllReduce, RewireConsumers))]
+    return pipeline
+
+
 def ps(ps_tasks: int = 1, staleness: int = 0, asynchronous: bool = False,
        fetch_mean=(), fetch_concat=(), verify: bool = True,
        dump_dir: str | None = None) -> Pipeline:
@@ -66,12 +95,14 @@ def partitioned_ps(ps_tasks: int = 1, partitions: int | None = None,
     """ps with every trainable variable of at least ``partition_min_bytes`` split along axis 0
     into ``partitions`` shards (default: one per ps task), placed like separate variables."""
     pipeline = ps(ps_tasks, staleness, asynchronous, fetch_mean, fetch_concat, verify, dump_dir)
-    pipeline.passes.insert(1, PartitionVariables(partitions=partitions or ps_tasks,
-                                                 min_bytes=partition_min_bytes))
+    shards = ps_tasks if partitions is None else partitions  # 0 reaches the pass, which refuses
+    pipeline.passes.insert(1, PartitionVariables(partitions=shards, min_bytes=partition_min_bytes))
     return pipeline
 
 
-STRATEGIES = {"allreduce": allreduce, "ps": ps, "partitioned-ps": partitioned_ps}
+STRATEGIES = {"allreduce": allreduce, "replicated": replicated, "independent": independent,
+              "ps": ps, "partitioned-ps": partitioned_ps}
+NOT_DROP_IN = {"independent"}  # documented as such: the contract check proves only the start
 CLUSTER_STRATEGIES = {"ps", "partitioned-ps"}  # strategies whose devices are a cluster's worker tasks
 
 
@@ -104,6 +135,7 @@ def transform(ir, strategy: str = "allreduce", devices=None, train_op: str | Non
                       cluster=cluster, strategy=strategy)
     pipeline = STRATEGIES[strategy](**options)
     pipeline.run(ir, ctx)
-    pipeline.contract = contract.check(ir, ctx.training, len(devices),
-                                       asynchronous=options.get("asynchronous", False))
+    pipeline.contract = contract.check(
+        ir, ctx.training, len(devices),
+        asynchronous=options.get("asynchronous", False) or strategy in NOT_DROP_IN)
     return pipeline

@@ -83,7 +83,7 @@ class InsertAccumulators(Pass):
         workers = _Workers(ctx.devices, ctx.cluster)
         build = _Build(ir, Builder(ir, self.name), workers, tg, self.staleness)
         statistics = _statistics_from_first_replica(ir, tg, workers.count)
-        _tie_forwarded_reads(ir, tg)
+        _tie_replica_reads(ir, tg)
         steps = [build.detach(op, by_step.get(op, [])) for op in step_ops]
         grad_edges = [e for e in cross_edges if e[0] not in by_step]
         if self.asynchronous:
@@ -195,18 +195,18 @@ def _statistics_from_first_replica(ir, tg, replicas) -> int:
     return removed
 
 
-def _tie_forwarded_reads(ir, tg) -> int:
-    """A replica's op that reads a shared variable through a forwarded handle (a read inside a
-    legacy while loop, behind an Enter) runs on the variable's ps task, where TF puts an op that
-    takes a resource; nodes colocated with it (the loop's gradient stacks) go there too instead
-    of keeping the replica's device and clashing with it. Returns how many nodes moved."""
+def _tie_replica_reads(ir, tg) -> int:
+    """A replica's op that takes a shared variable's handle (a gather from an embedding, a read
+    inside a legacy while loop behind an Enter) runs on the variable's ps task, where TF puts
+    any op that takes a resource; nodes colocated with it (a gradient's Shape of the gathered
+    rows, a loop's gradient stacks) go there too instead of keeping the replica's device and
+    clashing with it. Returns how many nodes moved."""
     tied = {}
     for var in tg.variables.values():
         if var.name not in ir:
             continue
         device = ir.node(var.name)["device"]
-        stack = [dst for dst, _ in ir.consumers(var.name)
-                 if REPLICA_SCOPE.match(dst) and ir.op(dst) in HANDLE_FORWARDING]
+        stack = [dst for dst, _ in ir.consumers(var.name) if REPLICA_SCOPE.match(dst)]
         while stack:
             node = stack.pop()
             if node in tied:

@@ -2,13 +2,19 @@
 so one big variable (an embedding) spreads over several ps tasks.
 
 Shards hold contiguous rows, as even as the rows allow (the first `rows % S` shards get one
-more). What the rest of the graph sees stays the same:
+more); a variable with fewer rows than partitions gets one shard per row, and one with a single
+row (a 1x1 kernel) stays whole, as does one used where its handle cannot be split (a read inside
+a legacy while loop or cond, through an Enter or a Switch): the summary names those and why.
+What the rest of the graph sees stays the same:
 - a read of the variable becomes the concatenation of the shards' reads;
 - an embedding lookup (ResourceGather) becomes a partitioned lookup: ids are routed to the shard
   that holds their row, gathered there, and stitched back in order;
 - the optimizer's update scope for the variable is copied once per shard, reading the shard and
-  its slots' shards; a dense gradient is split by rows, a sparse one routed per shard with its
-  indices made shard-local;
+  its slots' shards; the gradient it reads is split by rows (dense) or routed per shard with its
+  indices made shard-local (sparse). When the update reads the born gradient itself, each
+  replica splits it and each shard's part is aggregated on its own; when post-processing sits
+  between (clipping by global norm, loss-scale division), the whole born gradient is aggregated
+  (``whole_gradients`` in ``ctx.state``) and split after post-processing, once per step;
 - checkpoints keep the full variable under its original name (`drop-in-saver` concatenates the
   shards to save and slices them to restore), recorded in ``ctx.state``.
 
@@ -26,7 +32,7 @@ from graphxform.errors import GraphxformError
 from graphxform.ir import parse_tensor, tensor_name
 from graphxform.nodes import Builder
 from graphxform.pipeline import Pass, PassResult
-from graphxform.training import Gradient, Variable, _update_scope
+from graphxform.training import Gradient, Variable, _update_scope, gradient_scope
 
 INT32 = 3
 
@@ -47,23 +53,36 @@ class PartitionVariables(Pass):
         tg.require_train_op(self.name)
         if self.partitions < 1:
             raise GraphxformError(f"--partitions must be at least 1, not {self.partitions}")
-        chosen = [v for v in tg.trainable if len(v.shape) >= 1 and v.nbytes >= self.min_bytes]
-        if self.partitions == 1 or not chosen:
+        if self.partitions == 1:
             return PassResult(modified=False)
-        for var in chosen:
-            if var.shape[0] < self.partitions:
-                raise GraphxformError(f"variable '{var.name}' has {var.shape[0]} rows, fewer "
-                                      f"than --partitions {self.partitions}")
         build = Builder(ir, self.name)
         state = ctx.state.setdefault(self.name, {"shards": {}, "originals": {},
-                                                 "update_nodes": set()})
-        for var in chosen:
-            _Partition(ir, build, tg, var, shard_rows(var.shape[0], self.partitions),
-                       state).run()
+                                                 "update_nodes": set(), "whole_gradients": {},
+                                                 "replaced": set()})
+        chosen, kept_whole = [], {}
+        for var in list(tg.trainable):
+            if len(var.shape) < 1 or var.nbytes < self.min_bytes or var.shape[0] < 2:
+                continue  # small, a scalar, or a single row (a 1x1 kernel): one shard is whole
+            rows = shard_rows(var.shape[0], min(self.partitions, var.shape[0]))
+            partition = _Partition(ir, build, tg, var, rows, state)
+            why = partition.cannot_split()
+            if why:
+                kept_whole[var.name] = why
+            else:
+                chosen.append(partition)
+        for partition in chosen:
+            partition.run()
+        summary = {"kept_whole": kept_whole} if kept_whole else {}
+        if not chosen:
+            return PassResult(modified=False, summary=summary)
         _update_variable_defs(ir, state)
-        _drop_colocation(ir, set(state["shards"]))
-        return PassResult(modified=True, summary={"partitioned": len(chosen),
-                                                  "shards": self.partitions})
+        _drop_colocation(ir, set(state["shards"]) | state["replaced"])
+        return PassResult(modified=True, summary={**summary, "partitioned": len(chosen),
+                                                  "shards": sum(len(p.rows) for p in chosen)})
+
+
+SPLITTABLE_USES = {"ReadVariableOp", "Identity", "ResourceGather", "VariableShape",
+                   "VarIsInitializedOp"}
 
 
 class _Partition:
@@ -75,11 +94,27 @@ class _Partition:
         self.offsets = [int(x) for x in np.cumsum([0] + rows[:-1])]
         self.members = [var] + [tg.variables[s] for s in var.slots.values()]
 
-    def run(self):
+    def cannot_split(self) -> str | None:
+        """Why the variable stays whole, or None. Every use of it and its slots outside its
+        update must be one `_rewrite_uses` can split (a read inside a while loop or a cond,
+        through an Enter or a Switch of its handle, is not); its update must sit in an
+        `update_<var>` scope and read one gradient (or values and indices)."""
         scope = self._update_scope()
         if f"/update_{self.var.name}/" not in scope:
-            raise GraphxformError(f"cannot partition '{self.var.name}': its optimizer update is "
-                                  f"not in an 'update_{self.var.name}' scope")
+            return f"its optimizer update is not in an 'update_{self.var.name}' scope"
+        for member in self.members:
+            for consumer, _ in self.ir.consumers(member.name):
+                if consumer.startswith(scope) or consumer == member.initializer:
+                    continue
+                if self.ir.op(consumer) not in SPLITTABLE_USES:
+                    return f"'{consumer}' ({self.ir.op(consumer)}) uses {member.name}"
+        self.applied = self._applied_gradient()
+        if self.applied is None:
+            return "cannot tell which inputs of its update carry its gradient"
+        return None
+
+    def run(self):
+        self.whole = self._aggregated_whole()
         shards = {m.name: self._make_shards(m) for m in self.members}
         for member in self.members:
             self._rewrite_uses(member, shards[member.name])
@@ -129,7 +164,8 @@ class _Partition:
                 continue
             op = ir.op(consumer)
             if op in ("ReadVariableOp", "Identity") and port == 0:
-                self._replace(consumer, self._concat(f"{consumer}/partitioned", shards, member))
+                self._replace(consumer, self._concat(f"{consumer}/partitioned", shards, member,
+                                                     ir.control_inputs(consumer)))
             elif op == "ResourceGather" and port == 0:
                 self._replace(consumer, self._lookup(consumer, shards))
             elif op == "VariableShape":
@@ -150,10 +186,21 @@ class _Partition:
     def _replace(self, old, new):
         self.ir.replace_all_uses_with(old, new)
         self.ir.remove_dead([old], keep=lambda n: False)
+        self.state["replaced"].add(old)  # nodes colocated with it are no longer tied to it
 
-    def _concat(self, name, shards, member):
-        reads = [f"{s}/Read/ReadVariableOp" if member.kind == "resource" else f"{s}/read"
-                 for s in shards]
+    def _concat(self, name, shards, member, controls=()):
+        """The whole value: the shards' reads concatenated. A read that waited on something
+        (an ExponentialMovingAverage reads the weights after the update) gets shard reads that
+        wait on the same."""
+        if controls:
+            deps = ["^" + c for c in controls]
+            reads = [self.build.op(f"{name}/read_{k}", "ReadVariableOp", [s] + deps,
+                                   dtype=member.dtype) if member.kind == "resource" else
+                     self.build.op(f"{name}/read_{k}", "Identity", [s] + deps, T=member.dtype)
+                     for k, s in enumerate(shards)]
+        else:
+            reads = [f"{s}/Read/ReadVariableOp" if member.kind == "resource" else f"{s}/read"
+                     for s in shards]
         axis = self.build.const(name + "/axis", 0, np.int32)
         return self.build.op(name, "ConcatV2", reads + [axis], N=len(reads), T=member.dtype)
 
@@ -175,10 +222,10 @@ class _Partition:
     def _lookup(self, gather, shards):
         """A partitioned embedding lookup with the same result as ``gather``."""
         ir, build = self.ir, self.build
-        ids, _ = ir.input(gather, 1)
         ids = tensor_name(*ir.input(gather, 1))
         attr = ir.node(gather)["attr"]
         dtype, index_type = attr["dtype"].type, attr["Tindices"].type
+        self._live_gather_sizes(gather, ids, index_type)
         scope = f"{gather}/partitioned"
         flat_shape = build.const(scope + "/flat_shape", [-1], np.int32)
         flat = build.op(scope + "/flat_ids", "Reshape", [ids, flat_shape], T=index_type)
@@ -204,13 +251,64 @@ class _Partition:
         shape = build.op(scope + "/shape", "ConcatV2", [ids_shape, rest, axis], N=2, T=INT32)
         return build.op(scope, "Reshape", [stitched, shape], T=dtype)
 
+    def _live_gather_sizes(self, gather, ids, index_type):
+        """The gather's gradient holds the ids' size as a constant when TF knew it (fixed-size
+        ids); once the gather is gone nothing ties that constant to the ids, so it becomes
+        Size(ids), right whatever size the ids get (a batch split over replicas)."""
+        ir = self.ir
+        suffix = f"{gather}_grad/Size"
+        for name in [n for n in ir.nodes() if n.endswith(suffix) and ir.op(n) == "Const"
+                     and gradient_scope(n)]:
+            live = self.build.op(f"{name}/of_ids", "Size", [ids], T=index_type,
+                                 out_type=ir.attrs(name)["dtype"].type)
+            ir.replace_all_uses_with(name, live)
+            ir.remove_node(name)
+
     # ----------------------------------------------------------- gradient and update
     def _update_scope(self) -> str:
         return _update_scope(self.var.updates[0], self.var.name) if self.var.updates else "\0"
 
+    def _applied_gradient(self) -> Gradient:
+        """What the update reads of the gradient: the born gradient, or what post-processing
+        (clipping, loss-scale division) made of it. Found among the update scope's inputs from
+        outside it, as the tensors downstream of the born ones."""
+        ir, grad, scope = self.ir, self.var.gradient, self._update_scope()
+        self.scope_nodes = [n for n in ir.nodes() if n.startswith(scope)]
+        downstream, stack = set(), [parse_tensor(t)[0] for t in grad.tensors]
+        while stack:
+            node = stack.pop()
+            if node in downstream or node.startswith(scope):
+                continue
+            downstream.add(node)
+            stack.extend(dst for dst, _ in ir.consumers(node))
+        read = {}
+        for node in self.scope_nodes:
+            for src, port in ir.inputs(node):
+                if src in downstream and not src.startswith(scope):
+                    floating = opdefs.output_dtype(ir, src, port) == self.var.dtype
+                    read.setdefault("values" if floating else "indices", set()).add(
+                        tensor_name(src, port))
+        values, indices = read.get("values", set()), read.get("indices", set())
+        if grad.kind == "dense" and len(values) == 1 and not indices:
+            return Gradient("dense", tensor=values.pop())
+        if grad.kind == "sparse" and len(values) == 1 and len(indices) == 1:
+            return Gradient("sparse", values=values.pop(), indices=indices.pop())
+        return None
+
+    def _aggregated_whole(self) -> bool:
+        """Whether the born gradient is aggregated whole (and split after post-processing, once
+        per step) rather than split per replica into shard gradients: when the update reads it
+        post-processed, or something else reads it too (clipping by global norm)."""
+        born = self.var.gradient
+        if self.applied.tensors != born.tensors:
+            return True
+        scope = self._update_scope()
+        return any(not dst.startswith(scope) and not gradient_scope(dst)
+                   for t in born.tensors for dst, _ in self.ir.consumers(*parse_tensor(t)))
+
     def _route_gradient(self) -> list[dict]:
-        """Per shard, {original gradient tensor: the shard's part of it}."""
-        build, grad, n = self.build, self.var.gradient, len(self.rows)
+        """Per shard, {gradient tensor the update reads: the shard's part of it}."""
+        build, grad, n = self.build, self.applied, len(self.rows)
         scope = f"{self.var.name}/part_gradients"
         if grad.kind == "dense":
             sizes = build.const(scope + "/rows", self.rows, np.int32)
@@ -233,7 +331,7 @@ class _Partition:
         of the gradient. Returns {original node: copy} per shard."""
         ir = self.ir
         scope = self._update_scope()
-        nodes = [n for n in ir.nodes() if n.startswith(scope)]
+        nodes = self.scope_nodes
         copies = []
         for k in range(len(self.rows)):
             mapping = ir.copy_nodes(nodes, f"{self.var.name}/part_{k}/",
@@ -269,6 +367,8 @@ class _Partition:
         tg = self.tg
         del tg.variables[member.name]
         self.state["originals"][member.name] = member
+        if member is self.var and self.whole:
+            self.state["whole_gradients"][member.name] = member
         self.state["shards"][member.name] = list(zip(shards, self.offsets, self.rows))
         for k, shard in enumerate(shards):
             var = Variable(
@@ -281,10 +381,12 @@ class _Partition:
                 updates=[updates[k][u] for u in member.updates if u in updates[k]],
                 device=member.device)
             if member is self.var:
-                g = member.gradient
-                var.gradient = (Gradient("dense", tensor=grads[k][g.tensor]) if g.kind == "dense"
-                                else Gradient("sparse", values=grads[k][g.values],
-                                              indices=grads[k][g.indices]))
+                g = self.applied
+                if not self.whole:  # each shard's part is aggregated on its own
+                    var.gradient = (Gradient("dense", tensor=grads[k][g.tensor])
+                                    if g.kind == "dense" else
+                                    Gradient("sparse", values=grads[k][g.values],
+                                             indices=grads[k][g.indices]))
                 var.slots = {slot: f"{name}/part_{k}" for slot, name in member.slots.items()}
             else:
                 var.slot_of = f"{self.var.name}/part_{k}"
@@ -303,7 +405,8 @@ def _recolocate(ir, name, renames) -> None:
 
 
 def _drop_colocation(ir, gone) -> None:
-    """Nodes colocated with a variable that is now shards are no longer tied to it."""
+    """Nodes colocated with a variable that is now shards, or with a read or lookup of it that
+    became a concatenation or a partitioned lookup, are no longer tied to it."""
     for name in ir.nodes():
         attr = ir.node(name)["attr"]
         if "_class" not in attr:

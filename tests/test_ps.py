@@ -192,18 +192,26 @@ def test_partition_variables_shards_variables_slots_and_lookups():
         assert ir.node(acc)["device"] == ir.node(f"embedding/weights/part_{k}")["device"]
 
 
-def test_partition_variables_nothing_to_do_and_too_many_partitions(run_cli, cluster_file,
-                                                                   tmp_path):
+def test_partition_variables_nothing_to_do_more_partitions_than_rows_and_zero(run_cli,
+                                                                             cluster_file,
+                                                                             tmp_path):
     from graphxform.passes.partition_variables import PartitionVariables
     ir = metagraph.load(fixture_path("mlp_sgd"))
     ctx = PassContext(training=training.analyze(ir))
     assert not PartitionVariables(partitions=1).run(ir, ctx).modified
     assert not PartitionVariables(partitions=2, min_bytes=1 << 30).run(ir, ctx).modified
-    out_path = tmp_path / "out.meta"
+    with pytest.raises(GraphxformError, match="--partitions must be at least 1, not 0"):
+        PartitionVariables(partitions=0).run(ir, ctx)
+    out_path = tmp_path / "out.meta"  # more partitions than rows: one shard per row
+    code, out, err = run_cli("apply", fixture_path("mlp_sgd"), "--strategy", "partitioned-ps",
+                             "--cluster", cluster_file, "--partitions", 99, "-o", out_path)
+    assert code == 0, err
+    ir = metagraph.load(str(out_path))
+    assert [f"dense1/bias/part_{k}" in ir for k in range(4)] == [True, True, True, False]
+    assert f"dense0/kernel/part_{7}" in ir and f"dense0/kernel/part_{8}" not in ir
     code, _, err = run_cli("apply", fixture_path("mlp_sgd"), "--strategy", "partitioned-ps",
-                           "--cluster", cluster_file, "--partitions", 99, "-o", out_path)
-    assert code != 0 and "fewer than --partitions 99" in err and "Traceback" not in err
-    assert len(err.strip().splitlines()) == 1 and not out_path.exists()
+                           "--cluster", cluster_file, "--partitions", 0, "-o", tmp_path / "z")
+    assert code != 0 and "--partitions" in err and "Traceback" not in err
 
 
 def test_placement_on_a_graph_with_very_unequal_variables():
