@@ -1,9 +1,11 @@
 """Leave nothing behind, whatever way a command ends.
 
 - Temp files and directories we make are named for the process that made them
-  (``.graphxform-<pid>-<host>-XXXX.tmp`` beside an output, ``graphxform-launch-<pid>-<host>-XXXX``
-  in the temp dir), so a later run can tell one whose process is gone (killed with -9, or the
-  machine lost power) from one still being written, and sweep only the former.
+  (``.graphxform-<pid>-<host>-XXXX.tmp`` beside an output,
+  ``graphxform-launch-<pid>-<host>-XXXX`` in the temp dir), so a later run can tell one whose
+  process is gone (killed with -9, or the machine lost power) from one still being written,
+  and sweep only the former. TF's checkpoint temp files name no owner: they are swept from a
+  checkpoint directory once nobody has written them for a minute.
 - SIGTERM, SIGHUP and SIGINT unwind the command like Ctrl-C (``Terminated``), so the
   ``finally``/``except`` blocks that remove what is in flight run; the CLI exits 128 + signal.
   A handler runs when the main thread is back in Python: a long TF call finishes first.
