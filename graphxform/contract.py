@@ -11,10 +11,9 @@ What is proven, on the transformed graph (DESIGN.md, the drop-in contract, item 
 - every replica's copy of a variable starts equal: its initializer reads replica 0's initial
   value, or an initial value made of constants alone.
 
-"Replica-local" is computed by one forward sweep from what differs between replicas: the slices
-of the batch, unseeded random ops and input queues, through data edges, stopping at
-cross-replica ops. A variable written from a local value is local too, and so are its reads;
-the sweep repeats until nothing changes (batch-norm statistics, say, feed the next step).
+What differs between replicas, and which replicas' slices reach a value, is
+graphxform.replica_spread's analysis: a reduction may be a collective, or ops outside every
+replica that combine all replicas' values (tf_cnn_benchmarks' pscpu and xring).
 """
 
 from __future__ import annotations
@@ -22,17 +21,10 @@ from __future__ import annotations
 from graphxform.errors import GraphxformError
 from graphxform.ir import GraphIR, parse_tensor
 from graphxform.nodes import replica_prefix
+from graphxform.replica_spread import ReplicaSpread
 from graphxform.training import (VARIABLE_OPS, TrainingGraph, consumers_through_switches,
                                  is_mutating_op)
 
-CROSS_REPLICA_OPS = {"CollectiveReduceV2", "CollectiveReduce", "CollectiveGatherV2",
-                     "CollectiveGather", "CollectiveBcastRecv", "CollectiveBcastRecvV2",
-                     "NcclAllReduce", "AccumulatorTakeGradient",
-                     "ResourceAccumulatorTakeGradient", "SparseAccumulatorTakeGradient"}
-LOCAL_SOURCE_OPS = {"QueueDequeueV2", "QueueDequeueManyV2", "QueueDequeueUpToV2",
-                    "IteratorGetNext"}
-RANDOM_PREFIXES = ("Random", "TruncatedNormal", "Multinomial", "ParameterizedTruncatedNormal")
-SPLIT_SCOPE = "split_inputs/"
 
 
 class ContractError(GraphxformError):
@@ -46,7 +38,7 @@ def check(ir: GraphIR, tg: TrainingGraph, replicas: int, asynchronous: bool = Fa
     if not tg.steps or replicas < 1:
         return {"variables": 0}
     closure = _step_closure(ir, tg)
-    local = replica_local(ir)
+    spread = ReplicaSpread(ir, replicas)
     checked = 0
     for var in sorted(tg.variables.values(), key=lambda v: v.name):
         if not var.updates:
@@ -66,35 +58,50 @@ def check(ir: GraphIR, tg: TrainingGraph, replicas: int, asynchronous: bool = Fa
             if not var.trainable:  # statistics may differ per replica: verify names them
                 continue
             for write in writes:
-                culprit = _local_input(ir, write, local)
-                if culprit:
-                    reason = ("its gradient was not found where tf.gradients produced it, so it "
-                              "was not reduced" if var.gradient is None else
-                              "it reads a value that differs between replicas")
-                    raise ContractError(
-                        f"variable '{var.name}': '{write}' updates it from '{culprit}', which "
-                        f"each replica computes from its own slice of the batch ({reason}); "
-                        "the replicas would train apart")
+                _check_write(ir, var, write, spread)
             checked += 1
     if not asynchronous:
-        _check_shared_writes(ir, tg, closure, local)
+        _check_shared_writes(ir, closure, spread)
     _check_start(ir, tg, replicas)
     return {"variables": checked}
 
 
-def _check_shared_writes(ir: GraphIR, tg: TrainingGraph, closure: set, local: set) -> None:
+def _check_write(ir: GraphIR, var, write: str, spread: ReplicaSpread) -> None:
+    """A write of trainable ``var``'s copy reads nothing that differs between replicas, and
+    nothing that only some replicas' slices reach."""
+    for src, port in ir.inputs(write):
+        if ir.op(src) in VARIABLE_OPS:
+            continue
+        if src in spread.differs:
+            reason = ("its gradient was not found where tf.gradients produced it, so it was not "
+                      "reduced" if var.gradient is None else
+                      "it reads a value that differs between replicas")
+            raise ContractError(
+                f"variable '{var.name}': '{write}' updates it from '{src}:{port}', which each "
+                f"replica computes from its own slice of the batch ({reason}); the replicas "
+                "would train apart")
+        if not spread.covers_all(src):
+            raise ContractError(
+                f"variable '{var.name}': '{write}' updates it from '{src}:{port}', which only "
+                f"replicas {spread.replicas_of(src)}'s slices of the batch reach; the others' "
+                "data would be ignored")
+
+
+def _check_shared_writes(ir: GraphIR, closure: set, spread: ReplicaSpread) -> None:
     """A write that runs once per step, outside every replica (global_step's increment, a
-    shared variable's update), must not read one replica's local value."""
+    shared variable's update), must not read one replica's own value."""
     for name in sorted(closure):
         if name.startswith("replica_") or not is_mutating_op(ir.op(name)):
             continue
-        culprit = _local_input(ir, name, local)
-        if culprit:
-            written = ", ".join(_written_variables(ir, name)) or name
-            raise ContractError(
-                f"variable '{written}': '{name}' runs once per step but reads '{culprit}', "
-                "which replica 0 computes from its own slice of the batch; the other replicas' "
-                "slices would be ignored")
+        for src, port in ir.inputs(name):
+            if ir.op(src) in VARIABLE_OPS:
+                continue
+            if src in spread.differs or not spread.covers_all(src):
+                written = ", ".join(_written_variables(ir, name)) or name
+                raise ContractError(
+                    f"variable '{written}': '{name}' runs once per step but reads "
+                    f"'{src}:{port}', which only replicas {spread.replicas_of(src)}'s slices of "
+                    "the batch reach; the other replicas' data would be ignored")
 
 
 def _step_closure(ir: GraphIR, tg: TrainingGraph) -> set:
@@ -120,51 +127,13 @@ def _writes(ir: GraphIR, variable: str, closure: set) -> set:
             if dst in closure and is_mutating_op(ir.op(dst))}
 
 
-def _local_input(ir: GraphIR, write: str, local: set) -> str | None:
-    for src, port in ir.inputs(write):
-        if ir.op(src) not in VARIABLE_OPS and src in local:
-            return f"{src}:{port}"
-    return None
-
-
-def replica_local(ir: GraphIR) -> set:
-    """Nodes whose outputs may differ between replicas (see the module docstring)."""
-    seeds = [n for n in ir.nodes() if (n.startswith(SPLIT_SCOPE) and ir.op(n) in ("Split",
-                                                                                   "SplitV"))
-             or ir.op(n) in LOCAL_SOURCE_OPS or _unseeded_random(ir, n)]
-    local: set = set()
-    stack = list(seeds)
-    while stack:
-        node = stack.pop()
-        if node in local:
-            continue
-        local.add(node)
-        for dst, _ in ir.consumers(node):
-            if dst in local or ir.op(dst) in CROSS_REPLICA_OPS:
-                continue
-            if is_mutating_op(ir.op(dst)):
-                for variable in _written_variables(ir, dst):
-                    stack.extend(_reads(ir, variable))
-            stack.append(dst)
-    return local
-
-
 def _written_variables(ir: GraphIR, write: str) -> list[str]:
     return [src for src, _ in ir.inputs(write) if ir.op(src) in VARIABLE_OPS]
 
 
-def _reads(ir: GraphIR, variable: str) -> list[str]:
-    """What reads a variable's value (not ops that only write it)."""
-    return [dst for dst, _ in ir.consumers(variable) if not is_mutating_op(ir.op(dst))]
-
-
-def _unseeded_random(ir: GraphIR, node: str) -> bool:
-    op = ir.op(node)
-    if not op.startswith(RANDOM_PREFIXES) or op.startswith("RandomShuffleQueue"):
-        return False
-    attrs = ir.attrs(node)
-    return not (attrs["seed"].i if "seed" in attrs else 0) and not (
-        attrs["seed2"].i if "seed2" in attrs else 0)
+def replica_local(ir: GraphIR, replicas: int = 1) -> set:
+    """Nodes whose values may differ between replicas (graphxform.replica_spread)."""
+    return ReplicaSpread(ir, max(replicas, 1)).differs
 
 
 def _check_start(ir: GraphIR, tg: TrainingGraph, replicas: int) -> None:

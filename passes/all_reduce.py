@@ -61,9 +61,9 @@ class AllReduce(Pass):
         tg = ctx.training
         if len(ctx.devices) < 2:
             return PassResult(modified=False)
-        collectives = _Collectives(ir, self.name, ctx.devices)
+        collectives = Collectives(ir, self.name, ctx.devices)
         buckets, sparse, dense_bytes = 0, 0, 0
-        for step_dense, step_sparse in self._by_step(tg):
+        for step_dense, step_sparse in gradients_by_step(tg, self.sparse_as_dense):
             previous = [None] * len(ctx.devices)
             for bucket in self._buckets(reversed(step_dense)):  # last layers' are ready first
                 previous = collectives.reduce_bucket(buckets, bucket, previous)
@@ -80,28 +80,6 @@ class AllReduce(Pass):
             "collectives_per_replica": buckets + 3 * sparse,
             "dense_bytes_reduced": dense_bytes})
 
-    def _by_step(self, tg):
-        """Each step's (dense, sparse) gradients, every born gradient once (the first step
-        whose updates apply it)."""
-        seen, out = set(), []
-        steps = tg.steps or [None]
-        for step in steps:
-            dense, sparse = [], []
-            for var in tg.trainable:
-                grad = var.gradient
-                if (step is not None and not (set(var.updates) & step.closure)) \
-                        or tuple(grad.tensors) in seen:
-                    continue
-                seen.add(tuple(grad.tensors))
-                if grad.kind == "dense" or self.sparse_as_dense:
-                    dense.append(DenseGrad(var.name, grad.tensor if grad.kind == "dense" else None,
-                                           var.shape, var.dtype, var.nbytes or 1,
-                                           None if grad.kind == "dense" else grad))
-                else:
-                    sparse.append((var, grad))
-            out.append((dense, sparse))
-        return out
-
     def _buckets(self, grads):
         buckets, current, size = [], [], 0
         for g in grads:
@@ -115,7 +93,30 @@ class AllReduce(Pass):
         return buckets
 
 
-class _Collectives:
+def gradients_by_step(tg, sparse_as_dense: bool = False) -> list[tuple[list, list]]:
+    """Each step's (dense DenseGrads, sparse (variable, Gradient) pairs), every born gradient
+    once (in the first step whose updates apply it); sparse ones as dense with
+    ``sparse_as_dense``."""
+    seen, out = set(), []
+    for step in tg.steps or [None]:
+        dense, sparse = [], []
+        for var in tg.trainable:
+            grad = var.gradient
+            if (step is not None and not (set(var.updates) & step.closure)) \
+                    or tuple(grad.tensors) in seen:
+                continue
+            seen.add(tuple(grad.tensors))
+            if grad.kind == "dense" or sparse_as_dense:
+                dense.append(DenseGrad(var.name, grad.tensor if grad.kind == "dense" else None,
+                                       var.shape, var.dtype, var.nbytes or 1,
+                                       None if grad.kind == "dense" else grad))
+            else:
+                sparse.append((var, grad))
+        out.append((dense, sparse))
+    return out
+
+
+class Collectives:
     """The nodes of one all-reduce pass run: keys, buckets, gathers, and the rewires they
     leave for rewire-consumers."""
 

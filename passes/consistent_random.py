@@ -41,7 +41,7 @@ class ConsistentRandom(Pass):
         random_ops = sorted(n[len(prefix):] for n in ir.nodes_of(SHAPED_RANDOM_OPS)
                             if n.startswith(prefix))
         unseeded = [n for n in random_ops if _unseeded(ir.attrs(prefix + n))]
-        local = replica_local(ir)
+        local = replica_local(ir, len(ctx.devices))
         batched = [n for n in random_ops if n not in unseeded and ir.input(prefix + n, 0)[0]
                    in local]
         build = Builder(ir, self.name)
