@@ -253,6 +253,49 @@ def test_a_lone_task_fails_within_its_timeout_naming_what_it_waited_for(built):
         chief.close()
 
 
+RECIPES = os.path.join(os.path.dirname(__file__), "fixtures", "recipes")
+
+
+@pytest.mark.parametrize("recipe, train_op", [
+    ("ema_weights", "train_op"),  # an ExponentialMovingAverage of the weights after the step
+    ("clip_schedule_mlp", None),  # clip_by_global_norm between the gradients and the update
+    ("losses_regularized", None),
+])
+def test_each_task_runs_its_part_of_a_recipe_like_a_single_device(tmp_path, recipe, train_op):
+    """The per-task plan on graphs whose update region goes beyond the optimizer: each worker
+    in its own thread, every wait bounded, the mean of the workers' losses and the variables
+    after the steps as on one device."""
+    path = os.path.join(RECIPES, recipe)
+    original = metagraph.load(path + ".meta")
+    feeds = Feeds(training.analyze(original, train_op=train_op).inputs, path + ".npz", BATCH)
+    with Runner(original, train_op=train_op) as run:
+        run.initialize()
+        start = run.save(str(tmp_path / "start"))
+        losses = [run.step(feeds.batch(k)).loss for k in range(3)]
+        values = run.variable_values()
+    ir = metagraph.load(path + ".meta")
+    strategies.transform(ir, "ps", cluster=cluster.Cluster(SPEC), train_op=train_op)
+    found = distributed.local_cluster({"ps": 2, "worker": 2})
+    with distributed.InProcessCluster(found) as servers:
+        runners = [TaskRunner(ir, found, "worker", i, timeout_s=30,
+                              target=servers.target("worker", i)) for i in range(2)]
+        got = run_tasks(runners, feeds, 3, restore=start)
+        saved = runners[0].save(str(tmp_path / "after"))
+        for r in runners:
+            r.close()
+    assert_close(np.mean([got[r.name] for r in runners], axis=0), losses)
+    with Runner(metagraph.load(path + ".meta"), train_op=train_op) as run:
+        run.restore(saved)
+        for name, value in run.variable_values().items():
+            assert_close(value, values[name])
+
+
+def test_a_tf_error_without_words_is_named_by_its_type():
+    import tensorflow as tf
+    from graphxform.task import tf_message
+    assert tf_message(tf.errors.DeadlineExceededError(None, None, "")) == "DeadlineExceededError"
+
+
 def test_a_cluster_with_a_chief_job(tmp_path):
     spec = {**SPEC, "chief": ["127.0.0.1:2226"]}
     ir = ps_graph(spec)
