@@ -104,8 +104,7 @@ def _transform(model, options, no_verify=False, dump_dir=None):
             raise GraphxformError(f"--strategy {strategy} runs on local devices; --cluster is "
                                    "for ps")
         device_list = _devices(options["replicas"], options["devices"])
-        kwargs = {"bucket_bytes": options["bucket_bytes"],
-                  "sparse_as_dense": options["sparse_as_dense"]}
+        kwargs = _local_strategy_options(strategy, options)
     for flag in ("sync_batch_norm", "consistent_random"):
         if options.get(flag):
             kwargs[flag] = True
@@ -118,9 +117,44 @@ def _transform(model, options, no_verify=False, dump_dir=None):
     return original, ir, pipeline
 
 
+def _local_strategy_options(strategy: str, options: dict) -> dict:
+    """The options of the strategies that run on one process's devices."""
+    replicated = {"all_reduce_spec": options["all_reduce_spec"],
+                  "gradient_repacking": options["gradient_repacking"],
+                  "agg_small_grads_max_bytes": options["agg_small_grads_max_bytes"],
+                  "agg_small_grads_max_group": options["agg_small_grads_max_group"]}
+    if strategy == "replicated":
+        return replicated
+    given = [k for k, v in replicated.items() if v != REPLICATED_DEFAULTS[k]]
+    if given:
+        raise GraphxformError(f"--{given[0].replace('_', '-')} is an option of --strategy "
+                              "replicated")
+    if strategy == "independent":
+        return {}
+    return {"bucket_bytes": options["bucket_bytes"],
+            "sparse_as_dense": options["sparse_as_dense"]}
+
+
+REPLICATED_DEFAULTS = {"all_reduce_spec": None, "gradient_repacking": 0,
+                       "agg_small_grads_max_bytes": 0, "agg_small_grads_max_group": 10}
+
 strategy_options = [
     click.option("--strategy", default="allreduce", show_default=True,
-                 type=click.Choice(["allreduce", "ps", "partitioned-ps"]), help="How to distribute the training step."),
+                 type=click.Choice(["allreduce", "replicated", "independent", "ps",
+                                    "partitioned-ps"]),
+                 help="How to distribute the training step."),
+    click.option("--all-reduce-spec", default=None,
+                 help="replicated: tf_cnn_benchmarks' spec, e.g. pscpu, xring#2, "
+                 "pscpu:32k:xring, collective (default: collective)."),
+    click.option("--gradient-repacking", default=0, show_default=True,
+                 type=click.IntRange(min=0),
+                 help="replicated: concatenate the gradients, then reduce them in N packs."),
+    click.option("--agg-small-grads-max-bytes", default=0, show_default=True,
+                 type=click.IntRange(min=0),
+                 help="replicated: concatenate runs of gradients of at most this many bytes."),
+    click.option("--agg-small-grads-max-group", default=10, show_default=True,
+                 type=click.IntRange(min=1),
+                 help="replicated: at most this many small gradients to a group."),
     click.option("--replicas", type=int, help="Number of replicas (local CPU devices)."),
     click.option("--devices", help="Comma-separated TF device names, one per replica "
                  "(e.g. /device:GPU:0,/device:GPU:1)."),

@@ -289,11 +289,22 @@ def compare(original: GraphIR, transformed: GraphIR, feeds_path: str | None = No
     reasons = mismatch_reasons(original, tg,
                                synced_batch_norm=transformed.has_scope("sync_batch_norm/"),
                                consistent_random=transformed.has_scope("consistent_random/"))
+    if _exchanges_nothing(transformed):
+        reasons.append("the replicas never exchange gradients (--strategy independent): each "
+                       "trains on its own slice of the batch, a ceiling for scaling, not a "
+                       "drop-in replacement")
     plan = ClusterPlan.from_ir(transformed)
     if plan is not None and plan.is_async:
         reasons.append("--async: each worker applies its own gradient when it is ready, so "
                        "updates interleave in no fixed order")
     return Report(steps, rtol, variables, series, step_losses, reasons, floor)
+
+
+def _exchanges_nothing(transformed: GraphIR) -> bool:
+    """Replicated, yet no op combines the replicas' gradients."""
+    from graphxform.replica_spread import CROSS_REPLICA_OPS
+    return (transformed.has_scope("split_inputs/") and not transformed.nodes_of(CROSS_REPLICA_OPS)
+            and not transformed.has_scope("replicated/"))
 
 
 def _join_shards(got: dict, expected: dict) -> None:

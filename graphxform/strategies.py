@@ -3,6 +3,7 @@ the Python API call the same function."""
 
 from __future__ import annotations
 
+from graphxform import allreduce_spec
 from graphxform.passes.all_reduce import DEFAULT_BUCKET_BYTES, AllReduce
 from graphxform.passes.consistent_random import ConsistentRandom
 from graphxform.passes.drop_in_saver import DropInSaver
@@ -42,18 +43,19 @@ def allreduce(bucket_bytes: int = DEFAULT_BUCKET_BYTES, sparse_as_dense: bool = 
     ], verify=verify, dump_dir=dump_dir)
 
 
-def replicated(all_reduce_spec: str = "collective", gradient_repacking: int = 0,
+def replicated(all_reduce_spec: str | None = None, gradient_repacking: int = 0,
                agg_small_grads_max_bytes: int = 0, agg_small_grads_max_group: int = 10,
                fetch_mean=(), fetch_concat=(), verify: bool = True, dump_dir: str | None = None,
                sync_batch_norm: bool = False, consistent_random: bool = False) -> Pipeline:
     """tf_cnn_benchmarks' replicated mode: as allreduce, with the gradients reduced as an
     all-reduce spec says (graphxform.allreduce_spec), optionally repacked or aggregated."""
+    allreduce_spec.parse(all_reduce_spec or "collective")  # a malformed spec fails first
     pipeline = allreduce(fetch_mean=fetch_mean, fetch_concat=fetch_concat, verify=verify,
                          dump_dir=dump_dir, sync_batch_norm=sync_batch_norm,
                          consistent_random=consistent_random)
     at = next(i for i, p in enumerate(pipeline.passes) if isinstance(p, AllReduce))
     pipeline.passes[at] = ReplicatedAllReduce(
-        spec=all_reduce_spec, gradient_repacking=gradient_repacking,
+        spec=all_reduce_spec or "collective", gradient_repacking=gradient_repacking,
         agg_small_grads_max_bytes=agg_small_grads_max_bytes,
         agg_small_grads_max_group=agg_small_grads_max_group)
     return pipeline
