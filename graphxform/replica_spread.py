@@ -79,7 +79,7 @@ class ReplicaSpread:
         and the variables a write op gives its state to)."""
         ir = self.ir
         op = ir.op(node)
-        in_replica = bool(_REPLICA.search(node))
+        in_replica = self.all > 1 and bool(_REPLICA.search(node))  # one replica: all of it
         differs, coverage = False, 0
         if node.startswith(SPLIT_SCOPE) and op in ("Split", "SplitV"):
             coverage = self.all

@@ -91,3 +91,10 @@ def test_refuses_an_update_from_a_local_value():
     ir.set_input(update, 2, local)
     with pytest.raises(ContractError, match="variable 'dense1/bias'.*own slice of the batch"):
         contract.check(ir, tg, 2)
+
+
+def test_one_replica_is_proven():
+    """With one replica its slice is the whole batch: nothing differs between replicas."""
+    ir = metagraph.load(fixture_path("mlp_sgd"))
+    pipeline = strategies.transform(ir, "allreduce", devices=DEVICES[:1])
+    assert pipeline.contract["variables"] == 4
