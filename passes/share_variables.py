@@ -92,7 +92,9 @@ class ShareVariables(Pass):
             per_example |= nx.descendants(ir.g, name)
         born = {parse_tensor(t)[0] for p in points for t in p.gradient.tensors}
         region = update_region(ir, [s.op for s in tg.steps], born)
-        _pull_in_control_only(ir, region, per_example, _data_descendants(ir, batched))
+        data_dependent = _data_descendants(ir, batched)
+        _pull_in_control_only(ir, region, per_example, data_dependent)
+        _pull_in_waiting(ir, region, per_example, data_dependent)
         single = shared_nodes(ir, tg) | region
         snapshots = {r for v in tg.variables.values() for r in v.reads}
         replicated = {n for n in per_example - single if ir.op(n) not in PLACEHOLDER_OPS}
@@ -177,6 +179,20 @@ def _whole_loops(ir, frames, replicated, region) -> set:
                       if ir.op(n) not in VARIABLE_OPS | PLACEHOLDER_OPS}
     replicated |= added
     return added
+
+
+def _pull_in_waiting(ir, region, per_example, data_dependent) -> None:
+    """What waits on the region outside every step and carries no replica's data (the read a
+    resource `assign_add` leaves behind) runs once too, after the region, not once per
+    replica."""
+    stack = list(region)
+    while stack:
+        for dst in ir.successors(stack.pop()):
+            if (dst in region or dst not in per_example or dst in data_dependent
+                    or gradient_scope(dst)):
+                continue
+            region.add(dst)
+            stack.append(dst)
 
 
 def colocated_with(ir, name) -> list[str]:
