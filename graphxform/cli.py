@@ -52,20 +52,45 @@ def inspect(model, as_json, train_op, debug):
 
 
 @cli.command()
-@click.argument("model", type=click.Path(dir_okay=False))
-@click.option("-o", "--output", required=True, help="OUT.dot, OUT.svg, OUT.png or OUT.pdf.")
-@click.option("--depth", default=2, show_default=True, type=click.IntRange(min=1),
-              help="Name-scope levels drawn before collapsing into one box.")
-@click.option("--scope", default="", help="Draw only nodes under this name scope.")
-@click.option("--color", "color_by", type=click.Choice(["device", "pass"]), default="device",
-              show_default=True, help="Colour nodes by device or by the pass that created them.")
+@click.argument("model", type=click.Path())
+@click.option("-o", "--output", help="OUT.dot, OUT.svg, OUT.png, OUT.pdf or OUT.html.")
+@click.option("--format", "fmt", type=click.Choice(["dot", "svg", "png", "pdf", "html"]),
+              help="Output format (default: -o's extension; without -o, MODEL.<format>).")
+@click.option("--depth", type=click.IntRange(min=1),
+              help="Open this many name-scope levels (default: as many as --boxes allows).")
+@click.option("--boxes", default=150, show_default=True, type=click.IntRange(min=1),
+              help="Largest number of boxes the default picture opens scopes up to.")
+@click.option("--scope", default="", help="Draw only this name scope, opened as far as fits.")
+@click.option("--color-by", "--color", "color_by", default="device", show_default=True,
+              type=click.Choice(["device", "replica", "pass"]),
+              help="Colour boxes by device, by which replicas hold them, or by the pass that "
+              "made them.")
+@click.option("--no-fold", is_flag=True, help="Draw each replica's copies apart.")
+@click.option("--tensorboard", "tensorboard_dir", type=click.Path(file_okay=False),
+              help="Write TensorBoard event files into this directory (MODEL may be an "
+              "`apply --dump-dir`: one run per stage).")
 @debug_option
-def viz(model, output, depth, scope, color_by, debug):
-    """Draw a graph (collapsed name scopes, coloured by device)."""
-    from graphxform import metagraph, viz as viz_mod
+def viz(model, output, fmt, depth, boxes, scope, color_by, no_fold, tensorboard_dir, debug):
+    """Draw a graph: replicas folded into one box, name scopes collapsed to at most --boxes
+    boxes, parallel edges bundled; or write it for TensorBoard."""
+    from graphxform import metagraph
+    from graphxform.inspector import viz as viz_mod
+    if tensorboard_dir:
+        from graphxform.inspector import tensorboard
+        for run in tensorboard.write_model(model, tensorboard_dir):
+            click.echo(f"wrote {run}")
+        if not output and not fmt:
+            return
+    if not output and not fmt:
+        raise click.UsageError("give -o OUT (or --format, or --tensorboard DIR)")
+    if os.path.isdir(model):  # a --dump-dir is a model only for --tensorboard
+        raise click.BadParameter(f"File '{model}' is a directory.", param_hint="'MODEL'")
+    output = output or f"{os.path.splitext(model)[0]}.{fmt}"
     ir = metagraph.load(model)
+    viz_mod.output_format(output, fmt)
     metagraph.check_output_path(output, model)
-    note = viz_mod.write(ir, output, depth=depth, scope=scope, color_by=color_by)
+    note = viz_mod.write(ir, output, fmt, depth=depth, scope=scope, color_by=color_by,
+                         boxes=boxes, fold=not no_fold)
     click.echo(note or f"wrote {output}", err=bool(note))
 
 
