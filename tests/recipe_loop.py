@@ -115,3 +115,21 @@ def run_user_loop(meta, entry, feeds, steps=3, *, batch_size=None, restore=None,
 def _fetchable(graph, name):
     """A train op given as an op name (``d_train``) or a tensor (``train_op/x:0``)."""
     return graph.get_tensor_by_name(name) if ":" in name else graph.get_operation_by_name(name)
+
+
+def before_and_after(name, transform, replicas, tmp_path, steps=3):
+    """The user's loop on recipe ``name`` and on ``transform(GraphIR)``'s output, from one
+    checkpoint: (single-device LoopResult, transformed LoopResult). ``transform`` transforms
+    the loaded IR in place; the output runs with ``replicas`` CPU devices."""
+    import tensorflow as tf
+
+    from graphxform import metagraph
+    entry, feeds = load_manifest()[name], load_feeds(name)
+    start = str(pathlib.Path(tmp_path) / "start")
+    before = run_user_loop(recipe_meta(name), entry, feeds, steps, save_initial=start)
+    ir = metagraph.load(recipe_meta(name))
+    transform(ir)
+    config = tf.compat.v1.ConfigProto(device_count={"CPU": replicas})
+    after = run_user_loop(metagraph.to_metagraph(ir), entry, feeds, steps, restore=start,
+                          config=config)
+    return before, after

@@ -5,7 +5,7 @@ without either are left alone, and the options say when there is nothing to do."
 import pytest
 import tensorflow as tf
 from conftest import fixture_path
-from recipe_loop import load_feeds, load_manifest, recipe_meta, run_user_loop
+from recipe_loop import before_and_after, load_manifest, recipe_meta
 
 from graphxform import equivalence, metagraph, strategies
 from graphxform.errors import GraphxformError
@@ -24,14 +24,9 @@ def devices(replicas):
 @pytest.mark.parametrize("replicas", [2, 4])
 @pytest.mark.parametrize("name", INEXACT)
 def test_batch_norm_and_dropout_recipes_match_one_device(name, replicas, tmp_path):
-    entry, feeds = MANIFEST[name], load_feeds(name)
-    start = str(tmp_path / "start")
-    before = run_user_loop(recipe_meta(name), entry, feeds, 3, save_initial=start)
-    ir = metagraph.load(recipe_meta(name))
-    strategies.transform(ir, "allreduce", devices=devices(replicas), **BOTH)
-    config = tf.compat.v1.ConfigProto(device_count={"CPU": replicas})
-    after = run_user_loop(metagraph.to_metagraph(ir), entry, feeds, 3, restore=start,
-                          config=config)
+    entry = MANIFEST[name]
+    before, after = before_and_after(name, lambda ir: strategies.transform(
+        ir, "allreduce", devices=devices(replicas), **BOTH), replicas, tmp_path)
     for got, expected in zip(after.losses, before.losses):
         assert got == pytest.approx(expected, rel=TOLERANCE)
     floor = equivalence.scale_floor(before.variables, before.variables)
@@ -44,14 +39,8 @@ def test_batch_norm_and_dropout_recipes_match_one_device(name, replicas, tmp_pat
 
 def test_without_the_options_the_same_recipe_does_not_match(tmp_path):
     """The check above can fail: without the options, batch norm statistics differ."""
-    name = "slim_bn_cnn"
-    entry, feeds = MANIFEST[name], load_feeds(name)
-    start = str(tmp_path / "start")
-    before = run_user_loop(recipe_meta(name), entry, feeds, 3, save_initial=start)
-    ir = metagraph.load(recipe_meta(name))
-    strategies.transform(ir, "allreduce", devices=devices(2))
-    after = run_user_loop(metagraph.to_metagraph(ir), entry, feeds, 3, restore=start,
-                          config=tf.compat.v1.ConfigProto(device_count={"CPU": 2}))
+    before, after = before_and_after("slim_bn_cnn", lambda ir: strategies.transform(
+        ir, "allreduce", devices=devices(2)), 2, tmp_path)
     floor = equivalence.scale_floor(before.variables, before.variables)
     worst = max(d.scaled for d in equivalence.compare_variables(
         before.variables, after.variables, {}, floor))

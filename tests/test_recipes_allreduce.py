@@ -5,8 +5,7 @@ alternately, fetch the original loss names (tests/recipe_loop.py)."""
 
 import numpy as np
 import pytest
-import tensorflow as tf
-from recipe_loop import load_feeds, load_manifest, recipe_meta, run_user_loop
+from recipe_loop import before_and_after, load_manifest, recipe_meta
 
 from graphxform import equivalence, metagraph, strategies, training
 
@@ -16,21 +15,12 @@ INEXACT = sorted(name for name, entry in MANIFEST.items() if not entry["exact"])
 RTOL = 1e-5
 
 
-def transformed_meta(name, replicas):
-    ir = metagraph.load(recipe_meta(name))
-    strategies.transform(ir, "allreduce", devices=[f"/device:CPU:{i}" for i in range(replicas)])
-    return metagraph.to_metagraph(ir)
-
-
-def user_loops(name, replicas, tmp_path, steps=3):
-    """(single-device result, transformed result) of the user's loop from one checkpoint."""
-    entry, feeds = MANIFEST[name], load_feeds(name)
-    start = str(tmp_path / "start")
-    before = run_user_loop(recipe_meta(name), entry, feeds, steps, save_initial=start)
-    config = tf.compat.v1.ConfigProto(device_count={"CPU": replicas})
-    after = run_user_loop(transformed_meta(name, replicas), entry, feeds, steps, restore=start,
-                          config=config)
-    return before, after
+def user_loops(name, replicas, tmp_path):
+    """(single-device result, allreduce result) of the user's loop from one checkpoint."""
+    devices = [f"/device:CPU:{i}" for i in range(replicas)]
+    return before_and_after(name, lambda ir: strategies.transform(ir, "allreduce",
+                                                                  devices=devices),
+                            replicas, tmp_path)
 
 
 @pytest.mark.parametrize("replicas", [2, 4])

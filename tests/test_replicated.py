@@ -1,9 +1,8 @@
 """Strategies `replicated` (tf_cnn_benchmarks' all-reduce specs) and `independent`."""
 
 import pytest
-import tensorflow as tf
 from conftest import fixture_path
-from recipe_loop import load_feeds, load_manifest, recipe_meta, run_user_loop
+from recipe_loop import before_and_after, load_manifest
 
 from graphxform import allreduce_spec, equivalence, metagraph, strategies
 from graphxform.errors import GraphxformError
@@ -62,15 +61,10 @@ def test_gpu_only_specs_refused_on_cpus_naming_the_part(text):
 @pytest.mark.parametrize("spec", CPU_SPECS)
 @pytest.mark.parametrize("name", EXACT)
 def test_every_cpu_spec_matches_one_device_on_the_corpus(name, spec, tmp_path):
-    entry, feeds = MANIFEST[name], load_feeds(name)
-    start = str(tmp_path / "start")
-    before = run_user_loop(recipe_meta(name), entry, feeds, 3, save_initial=start)
-    ir = metagraph.load(recipe_meta(name))
     options = {"gradient_repacking": 3} if "#" in spec else {}
-    strategies.transform(ir, "replicated", devices=[f"/device:CPU:{i}" for i in range(2)],
-                         all_reduce_spec=spec, **options)
-    after = run_user_loop(metagraph.to_metagraph(ir), entry, feeds, 3, restore=start,
-                          config=tf.compat.v1.ConfigProto(device_count={"CPU": 2}))
+    before, after = before_and_after(name, lambda ir: strategies.transform(
+        ir, "replicated", devices=["/device:CPU:0", "/device:CPU:1"], all_reduce_spec=spec,
+        **options), 2, tmp_path)
     for got, expected in zip(after.losses, before.losses):
         assert got == pytest.approx(expected, rel=1e-5, abs=1e-7)
     floor = equivalence.scale_floor(before.variables, before.variables)
