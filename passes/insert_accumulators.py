@@ -92,6 +92,7 @@ class InsertAccumulators(Pass):
             chief_init = None
         else:
             plan_steps, chief_init = self._synchronous(ir, build, grad_edges, points, steps)
+        _recolocate_shared(ir, build.takes)
         losses = build.worker_losses() if plan_steps else {}
         _write_plan(ir, ctx, workers, plan_steps, losses, chief_init, self,
                     [s.name for s in tg.steps])
@@ -192,7 +193,45 @@ def _statistics_from_first_replica(ir, tg, replicas) -> int:
                 for consumer in list(ir.control_consumers(copy)):
                     ir.remove_control_input(consumer, copy)
                 removed += ir.remove_dead([copy], keep=lambda n: not REPLICA_SCOPE.match(n)) > 0
+    if removed:
+        _drop_missing_from_collections(ir)
     return removed
+
+
+def _recolocate_shared(ir, takes) -> int:
+    """A once-per-step node colocated with a node every replica now has a copy of (TF puts
+    clip_by_global_norm's L2Loss with the gradient it reads) is colocated with the take of that
+    gradient's accumulator, on the variable's ps task, or with nothing. Returns how many nodes
+    changed."""
+    changed = 0
+    for name in ir.nodes():
+        attrs = ir.attrs(name) if not REPLICA_SCOPE.match(name) else {}
+        if "_class" not in attrs:
+            continue
+        items = colocation_targets(attrs["_class"])
+        if all(target is None or target in ir for _, target in items):
+            continue
+        kept = [item if target is None or target in ir else
+                f"loc:@{takes[target]}".encode() if target in takes else None
+                for item, target in items]
+        attr = ir.node(name)["attr"]
+        del attr["_class"].list.s[:]
+        attr["_class"].list.s.extend(dict.fromkeys(k for k in kept if k))
+        if not attr["_class"].list.s:
+            del attr["_class"]
+        changed += 1
+    return changed
+
+
+def _drop_missing_from_collections(ir) -> None:
+    """Collections (`update_ops`) stop naming the updates that went."""
+    for col in ir.meta.collection_def.values():
+        if not col.HasField("node_list"):
+            continue
+        kept = [v for v in col.node_list.value if parse_tensor(v.lstrip("^"))[0] in ir]
+        if len(kept) != len(col.node_list.value):
+            del col.node_list.value[:]
+            col.node_list.value.extend(kept)
 
 
 def _tie_replica_reads(ir, tg) -> int:
@@ -299,6 +338,7 @@ class _Build:
         self.created_by = builder.created_by
         self._queue = None
         self._local_steps = {}
+        self.takes = {}  # born gradient node -> the take of its accumulator
 
     def op(self, *args, **kwargs):
         return self.builder.op(*args, **kwargs)
@@ -465,12 +505,12 @@ class _Build:
                                    [handle, self.local_step(w), indices,
                                     local[(agg.name, "values")], shape],
                                    dtype=agg.dtype, has_known_shape=True, device=device))
+        take = self.op(scope + "/take", "SparseAccumulatorTakeGradient" if sparse else
+                       "AccumulatorTakeGradient", [handle, required], dtype=agg.dtype,
+                       device=device)
+        self.takes.update((parse_tensor(t)[0], take) for t in agg.gradient.tensors)
         if not sparse:
-            take = self.op(scope + "/take", "AccumulatorTakeGradient", [handle, required],
-                           dtype=agg.dtype, device=device)
             return _Accumulator(handle, take, {"dense": take + ":0"}, applies)
-        take = self.op(scope + "/take", "SparseAccumulatorTakeGradient", [handle, required],
-                       dtype=agg.dtype, device=device)
         values = self.op(scope + "/mean", "RealDiv", [take + ":1", self.const(
             scope + "/workers_float", n, _np(agg.dtype), device=device)], T=agg.dtype,
             device=device)

@@ -23,6 +23,7 @@ passes after this one place, share and aggregate shards like any other variable.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 
 import numpy as np
@@ -60,11 +61,12 @@ class PartitionVariables(Pass):
                                                  "update_nodes": set(), "whole_gradients": {},
                                                  "replaced": set()})
         chosen, kept_whole = [], {}
+        names = _SortedNames(ir)
         for var in list(tg.trainable):
             if len(var.shape) < 1 or var.nbytes < self.min_bytes or var.shape[0] < 2:
                 continue  # small, a scalar, or a single row (a 1x1 kernel): one shard is whole
             rows = shard_rows(var.shape[0], min(self.partitions, var.shape[0]))
-            partition = _Partition(ir, build, tg, var, rows, state)
+            partition = _Partition(ir, build, tg, var, rows, state, names)
             why = partition.cannot_split()
             if why:
                 kept_whole[var.name] = why
@@ -85,12 +87,26 @@ SPLITTABLE_USES = {"ReadVariableOp", "Identity", "ResourceGather", "VariableShap
                    "VarIsInitializedOp"}
 
 
+class _SortedNames:
+    """The graph's node names, sorted once, so the nodes under a name scope are found without a
+    sweep over all of them per variable."""
+
+    def __init__(self, ir):
+        self.sorted = sorted(ir.nodes())
+
+    def under(self, scope: str) -> list[str]:
+        start = bisect.bisect_left(self.sorted, scope)
+        end = bisect.bisect_left(self.sorted, scope[:-1] + chr(ord(scope[-1]) + 1))
+        return self.sorted[start:end]
+
+
 class _Partition:
     """Everything that partitioning one trainable variable (and its slots) does."""
 
-    def __init__(self, ir, build, tg, var, rows, state):
+    def __init__(self, ir, build, tg, var, rows, state, names):
         self.ir, self.build, self.tg, self.var, self.rows, self.state = (
             ir, build, tg, var, rows, state)
+        self.names = names  # _SortedNames of the graph before partitioning
         self.offsets = [int(x) for x in np.cumsum([0] + rows[:-1])]
         self.members = [var] + [tg.variables[s] for s in var.slots.values()]
 
@@ -273,7 +289,7 @@ class _Partition:
         (clipping, loss-scale division) made of it. Found among the update scope's inputs from
         outside it, as the tensors downstream of the born ones."""
         ir, grad, scope = self.ir, self.var.gradient, self._update_scope()
-        self.scope_nodes = [n for n in ir.nodes() if n.startswith(scope)]
+        self.scope_nodes = self.names.under(scope)
         downstream, stack = set(), [parse_tensor(t)[0] for t in grad.tensors]
         while stack:
             node = stack.pop()
@@ -332,10 +348,9 @@ class _Partition:
         ir = self.ir
         scope = self._update_scope()
         nodes = self.scope_nodes
-        copies = []
-        for k in range(len(self.rows)):
-            mapping = ir.copy_nodes(nodes, f"{self.var.name}/part_{k}/",
-                                    created_by=self.build.created_by)
+        prefixes = [f"{self.var.name}/part_{k}/" for k in range(len(self.rows))]
+        copies = ir.copy_nodes_many(nodes, prefixes, created_by=self.build.created_by)
+        for k, mapping in enumerate(copies):
             renames = {m: shards[m][k] for m in shards}
             for original, copy in mapping.items():
                 for port, (src, src_port) in enumerate(ir.inputs(copy)):
@@ -346,7 +361,6 @@ class _Partition:
                         ir.set_input(copy, port, grads[k][tensor])
                 _recolocate(ir, copy, renames)
                 ir.node(copy)["attr"].pop("_output_shapes", None)  # shapes are the shard's now
-            copies.append(mapping)
             self.state["update_nodes"].update(mapping.values())
         for node in nodes:  # what waited on the update waits on every shard's
             for consumer in list(ir.control_consumers(node)):

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import networkx as nx
-
 from graphxform.errors import GraphxformError
 from graphxform.passes.replicate import shared_nodes
 from graphxform.pipeline import Pass, PassResult
@@ -87,9 +85,7 @@ class ShareVariables(Pass):
                                   "aggregate on ps tasks")
         placement = ctx.state.get("place-variables", {}).get("devices", {})
         batched = [i.name for i in tg.inputs if i.batched]
-        per_example = set()
-        for name in batched:
-            per_example |= nx.descendants(ir.g, name)
+        per_example = _descendants(ir, batched)
         born = {parse_tensor(t)[0] for p in points for t in p.gradient.tensors}
         region = update_region(ir, [s.op for s in tg.steps], born)
         data_dependent = _data_descendants(ir, batched)
@@ -102,7 +98,7 @@ class ShareVariables(Pass):
         added = (_pull_in_helpers(ir, replicated, region, snapshots)
                  | _whole_loops(ir, frames, replicated, region))
         while added:  # what consumes a pulled-in node is per-replica work too
-            grown = {d for n in added for d in nx.descendants(ir.g, n)} - single - replicated
+            grown = _descendants(ir, added) - single - replicated
             grown = {n for n in grown if ir.op(n) not in PLACEHOLDER_OPS | VARIABLE_OPS}
             replicated |= grown
             added = (_pull_in_helpers(ir, replicated, region, snapshots)
@@ -124,6 +120,18 @@ class ShareVariables(Pass):
                                 "aggregates": points}
         return PassResult(modified=placed > 0, summary={
             "shared_nodes": len(shared), "update_region": len(region)})
+
+
+def _descendants(ir, sources) -> set:
+    """What depends on any of ``sources`` through data or control edges (one sweep for all,
+    not one per source)."""
+    seen, stack = set(), list(sources)
+    while stack:
+        for dst in ir.successors(stack.pop()):
+            if dst not in seen:
+                seen.add(dst)
+                stack.append(dst)
+    return seen
 
 
 def _data_descendants(ir, sources) -> set:
