@@ -241,9 +241,11 @@ class Replica:
     """The copies one prefix of a ``copy_nodes_many`` call made, in order, and what they borrow:
     emit writes the copies that nothing changed since as one block (graphxform/wire.py)."""
 
-    __slots__ = ("mapping", "prefix", "device", "plans", "bases", "names", "copies", "touched")
+    __slots__ = ("mapping", "prefix", "device", "plans", "bases", "names", "copies", "touched",
+                 "outside")
 
-    def __init__(self, mapping: dict, prefix: str, device, plans: list, bases: list):
+    def __init__(self, mapping: dict, prefix: str, device, plans: list, bases: list,
+                 outside: list = ()):
         self.mapping = mapping  # original -> copy name (of replica 0's copy for first_only ones)
         self.prefix = prefix
         self.device = device  # every copy's device; None: the original's, or per copy
@@ -254,6 +256,15 @@ class Replica:
         # originals whose copy changed in place (node data, its own NodeDef) or went away;
         # copies whose in-edges changed are in GraphIR._dirty instead
         self.touched = set()
+        self.outside = outside  # the nodes outside the copied set that copies read, as made
+
+    def planned_otherwise(self, first: "Replica") -> list[int]:
+        """The indices at which this replica has a plan of its own rather than ``first``'s,
+        a replica of the same call (the copies that read ``first``'s first_only copies)."""
+        if self.plans is first.plans:
+            return []
+        return [k for k, (mine, theirs) in enumerate(zip(self.plans, first.plans))
+                if mine is not theirs]
 
 
 class _CopyShape:
@@ -360,7 +371,11 @@ class GraphIR:
         self._protos = {}
         self._dirty = set()  # nodes whose NodeDef input list no longer matches their in-edges
         self._unverified = set()  # nodes added or rewired since the last take_unverified()
+        self._rewired = set()  # of those, the ones whose in-edges changed once they existed
+        self._taken = False  # whether take_changes ran: before, every node is new to it
         self._unverified_copies = []  # Replicas made since then: all their copies are new
+        self._replicas = []  # every Replica made, in order (see replicas())
+        self._emit_cache = {}  # what emit keeps of the Replicas' blocks (graphxform/wire.py)
 
     # ---------------------------------------------------------------- reading
     def __contains__(self, name: str) -> bool:
@@ -405,11 +420,13 @@ class GraphIR:
     def inputs(self, name: str) -> list[tuple[str, int]]:
         """Data inputs as (src, src_port), in dst_port order."""
         found = []
-        for src, edges in self.g._pred[name].items():
+        pred = self.g._pred[name]
+        for src, edges in data_pairs(pred):
             for key, data in edges.items():
                 if key != CONTROL_KEY:
                     found.append((key, src, data["src_port"]))
-        found.sort()
+        if len(found) > 1:
+            found.sort()
         return [(src, port) for _, src, port in found]
 
     def input(self, name: str, dst_port: int) -> tuple[str, int]:
@@ -425,7 +442,8 @@ class GraphIR:
     def consumers(self, name: str, port: int | None = None) -> list[tuple[str, int]]:
         """Data consumers of node ``name`` (of its output ``port`` if given) as (dst, dst_port)."""
         found = []
-        for dst, edges in self.g._succ[name].items():
+        succ = self.g._succ[name]
+        for dst, edges in data_pairs(succ):
             for key, data in edges.items():
                 if key != CONTROL_KEY and (port is None or data["src_port"] == port):
                     found.append((dst, key))
@@ -481,20 +499,53 @@ class GraphIR:
         return [text for _, text in data] + controls
 
     def take_unverified(self) -> set[str]:
-        """Nodes added or rewired since the last call (every node of a freshly built IR), for
-        an incremental structural check; the record starts empty again. Removed nodes drop out."""
-        found, self._unverified = self._unverified, set()
-        node_table = self.g._node
+        """Nodes added or rewired since the last call (every node of a freshly built IR) and
+        the copies an incremental structural check must look at (see ``take_changes``); the
+        record starts empty again. Removed nodes drop out."""
+        changed, copies = self.take_changes()
+        return changed | copies
+
+    def take_changes(self) -> tuple[set[str], set[str]]:
+        """``take_unverified`` in two parts: the nodes whose in-edges changed once they
+        existed (every node, the first time), and the other nodes to check: those added, and
+        copies. Only the first part can close a cycle: the graph had none, and a cycle
+        through new nodes or copies needs an edge into an older node, which changed it.
+
+        Of the copies one ``copy_nodes_many`` call made, those of its first prefix are listed,
+        and of the other prefixes only the copies that changed in place since or were planned
+        otherwise (readers of ``first_only`` nodes): the rest hold the same NodeDef snapshot
+        as the first prefix's and the same in-edges with the prefix changed, so they are well
+        formed when those are. (A copy whose in-edges changed is in the first part.)"""
+        changed, self._unverified = self._unverified, set()
+        rewired, self._rewired = (self._rewired if self._taken else changed), set()
+        self._taken = True
+        node_table, copies, firsts = self.g._node, changed - rewired, {}
         for replica in self._unverified_copies:
-            found.update(name for name, copy in zip(replica.names, replica.copies)
-                         if copy is not None and node_table.get(name) is copy)
+            first = firsts.setdefault(id(replica.bases), replica)
+            if first is replica:
+                picked = zip(replica.names, replica.copies)
+            else:
+                picked = [(replica.names[k], replica.copies[k])
+                          for k in replica.planned_otherwise(first)]
+                for name in map(replica.mapping.__getitem__, replica.touched):
+                    data = node_table.get(name)
+                    if type(data) is BorrowedNode and data._replica is replica:
+                        picked.append((name, data))
+            copies.update(name for name, copy in picked
+                          if copy is not None and node_table.get(name) is copy)
         self._unverified_copies = []
-        return found
+        return rewired, copies
+
+    def replicas(self) -> list:
+        """Every ``Replica`` made so far, in order: what the copies borrow and which of them
+        changed since (emit and the TF import check read them; passes never need to)."""
+        return self._replicas
 
     def _touch(self, name: str) -> None:
         """``name``'s in-edges changed: its NodeDef inputs are stale and it needs verifying."""
         self._dirty.add(name)
         self._unverified.add(name)
+        self._rewired.add(name)
 
     # --------------------------------------------------------------- mutation
     def add_node(self, name: str, op: str, inputs: Iterable[str] = (), *, device: str = "",
@@ -652,6 +703,7 @@ class GraphIR:
                 data._touched()
         self._dirty.difference_update(names)
         self._unverified.difference_update(names)
+        self._rewired.difference_update(names)
         if hasattr(nx, "_clear_cache"):
             nx._clear_cache(self.g)
 
@@ -663,6 +715,7 @@ class GraphIR:
             data._touched()
         self._dirty.discard(name)
         self._unverified.discard(name)
+        self._rewired.discard(name)
 
     def remove_dead(self, roots: Iterable[str], keep: Callable[[str], bool]) -> int:
         """Remove ``roots`` and then their inputs, as long as nothing consumes them and
@@ -777,7 +830,8 @@ class GraphIR:
             for k, (prefix, device, mapping) in enumerate(zip(prefixes, devices, mappings)):
                 if k == 1 and first_only:
                     shape = shape.without(first_only, prefixes[0])
-                replica = Replica(mapping, prefix, device, shape.plans, shape.bases)
+                replica = Replica(mapping, prefix, device, shape.plans, shape.bases,
+                                  shape.extra)
                 if k >= 1 and first_only:
                     mapping.update((name, mappings[0][name]) for name in first_only)
                 self._copy_replica(shape, replica)
@@ -835,6 +889,7 @@ class GraphIR:
         g._node.update(zip(news, made))
         self._dirty.update(map(rename, shape.dirty))
         self._unverified_copies.append(replica)
+        self._replicas.append(replica)
         # one dict per copy each way is most of the cost of copying (see _adjacency)
         ins, outs = shape.made_edges()
         table = list(mapping.values())  # by index: the copies (or replica 0's), then extra
@@ -872,6 +927,18 @@ class GraphIR:
             if f"{base}_{i}" not in self.g:
                 return f"{base}_{i}"
         raise AssertionError  # unreachable
+
+
+def data_pairs(adjacent: dict):
+    """The (neighbour, key dict) pairs of ``adjacent`` (a node's pred or succ dict) that may
+    hold a data edge: a node with many neighbours is often waited on or waits on many
+    (batch norm updates on every gradient op), and those control-only pairs share one key
+    dict, which a C-level sweep leaves out. Callers still skip control keys."""
+    if len(adjacent) < _RUN:
+        return adjacent.items()
+    keep = list(map(operator.is_not, adjacent.values(), itertools.repeat(CONTROL_KEYS)))
+    return zip(itertools.compress(adjacent.keys(), keep),
+               itertools.compress(adjacent.values(), keep))
 
 
 def _adjacency(edges: list, names: list) -> list[dict]:

@@ -7,44 +7,80 @@ from __future__ import annotations
 
 from graphxform import opdefs
 from graphxform.errors import GraphxformError
-from graphxform.ir import CONTROL_KEY, GraphIR
+from graphxform.ir import CONTROL_KEY, CONTROL_KEYS, GraphIR, data_pairs
 
 LOOP_BACK_OPS = {"NextIteration", "RefNextIteration"}
 
 
-def structural_errors(ir: GraphIR, limit: int = 10, nodes=None) -> list[str]:
+def structural_errors(ir: GraphIR, limit: int = 10, nodes=None, seeds=None) -> list[str]:
     """Every data input names an existing output port, ports are dense, cycles only through
-    while-loop back edges. ``nodes``: check only these, and only cycles through them. Returns
-    up to ``limit`` messages."""
+    while-loop back edges. ``nodes``: check only these, and only cycles through ``seeds``
+    (default: ``nodes``). Returns up to ``limit`` messages."""
     g = ir.g
     checked = g if nodes is None else [n for n in nodes if n in g]
     errors = []
-    arity = {}
+    counts = _OutputCounts(ir)
     for name in checked:
-        errors += _input_errors(ir, name, arity)
+        errors += _input_errors(g, name, counts)
         if len(errors) >= limit:
             return errors[:limit]
-    unknown = sorted({g._node[n]["op"] for n, count in arity.items() if count is None})
+    unknown = sorted({g._node[n]["op"] for n, count in counts.items() if count is None})
     errors += [f"unknown op type {op}" for op in unknown[: limit - len(errors)]]
     if not errors:
-        within = None if nodes is None else _cycle_candidates(g, checked)
-        errors += _cycle_errors(ir, within)
+        if nodes is None:
+            errors += _cycle_errors(ir)
+        else:
+            seeds = checked if seeds is None else [n for n in seeds if n in g]
+            if seeds:
+                errors += _cycle_errors(ir, _cycle_candidates(g, seeds))
     return errors
 
 
-def _input_errors(ir: GraphIR, name: str, arity: dict) -> list[str]:
-    """What is wrong with ``name``'s data inputs; ``arity`` caches output counts (None: unknown
-    op) of the nodes read."""
-    g = ir.g
+_VARIES = -1  # an op whose output count depends on its attrs
+_UNREAD = object()
+
+
+class _OutputCounts(dict):
+    """Node name -> how many outputs it has (None: unknown op), read once per node; an op
+    whose output count does not depend on attrs (most) is read once per op type."""
+
+    def __init__(self, ir: GraphIR):
+        super().__init__()
+        self.ir = ir
+        self.by_op = {}
+
+    def __missing__(self, name: str):
+        op = self.ir.g._node[name]["op"]
+        count = self.by_op.get(op, _UNREAD)
+        if count is _UNREAD:
+            count = self.by_op[op] = _count_by_op(self.ir, op)
+        if count == _VARIES:
+            count = opdefs.num_outputs(self.ir, name)
+        self[name] = count
+        return count
+
+
+def _count_by_op(ir: GraphIR, op: str) -> int | None:
+    """The output count of every ``op`` node, ``_VARIES`` when attrs say, None when unknown."""
+    found = opdefs.op_def(ir, op)
+    if found is None:
+        return None
+    if any(arg.number_attr or arg.type_list_attr for arg in found.output_arg):
+        return _VARIES
+    return len(found.output_arg)
+
+
+def _input_errors(g, name: str, counts: _OutputCounts) -> list[str]:
+    """What is wrong with ``name``'s data inputs."""
     errors, ports = [], []
-    for src, keyed in g._pred[name].items():
+    for src, keyed in data_pairs(g._pred[name]):
+        if keyed is CONTROL_KEYS:
+            continue
         for key, edge in keyed.items():
             if key == CONTROL_KEY:
                 continue
             ports.append(key)
-            if src not in arity:
-                arity[src] = opdefs.num_outputs(ir, src)
-            count = arity[src]
+            count = counts[src]
             if count is not None and edge["src_port"] >= count:
                 errors.append(f"node '{name}' reads {src}:{edge['src_port']}, but "
                               f"{src} ({g._node[src]['op']}) has {count} output(s)")
@@ -53,54 +89,61 @@ def _input_errors(ir: GraphIR, name: str, arity: dict) -> list[str]:
     return errors
 
 
-class _Reach:
-    """A depth-first search through ``adj`` (succ or pred) from ``seeds``, a node per step,
-    optionally kept ``within`` a set."""
-
-    def __init__(self, adj, seeds, within=None):
-        self.adj, self.within = adj, within
-        self.seen = set(seeds)
-        self.stack = list(self.seen)
-
-    def step(self) -> bool:
-        if not self.stack:
-            return False
-        for nxt in self.adj[self.stack.pop()]:
-            if nxt not in self.seen and (self.within is None or nxt in self.within):
-                self.seen.add(nxt)
-                self.stack.append(nxt)
-        return True
-
-    def run(self) -> set:
-        while self.step():
-            pass
-        return self.seen
-
-
 def _cycle_candidates(g, seeds) -> set | None:
     """The nodes a cycle through a seed could use: those both reached from a seed and reaching
-    one. Searches down and up in step; the first to finish bounds the other, so a pass that
-    rewired a few nodes near the end (or the start) of a big graph costs little. None (every
-    node) when the seeds are a large share of the graph anyway."""
+    one. Searches down and up a level at a time, always on the side that has seen less; the
+    first to finish bounds the other, so a pass that rewired a few nodes near the end (or the
+    start) of a big graph costs little. None (every node) when the seeds are a large share of
+    the graph anyway."""
     if len(seeds) * 4 > len(g):
         return None
-    down, up = _Reach(g._succ, seeds), _Reach(g._pred, seeds)
-    while down.step() and up.step():
-        pass
-    if not down.stack:
-        return _Reach(g._pred, seeds, within=down.seen).run()
-    return _Reach(g._succ, seeds, within=up.seen).run()
+    down_seen, up_seen = set(seeds), set(seeds)
+    down, up = set(down_seen), set(up_seen)
+    while down and up:
+        if len(down_seen) <= len(up_seen):
+            down = _next_level(g._succ, down, down_seen)
+        else:
+            up = _next_level(g._pred, up, up_seen)
+    if not down:
+        return _closure(g._pred, seeds, within=down_seen)
+    return _closure(g._succ, seeds, within=up_seen)
+
+
+def _next_level(adj, level: set, seen: set, within: set | None = None) -> set:
+    """The neighbours (in ``adj``) of ``level`` not yet ``seen`` (and ``within``); adds them to
+    ``seen``. Set operations over whole levels run at C speed."""
+    found = set().union(*map(adj.__getitem__, level))
+    found -= seen
+    if within is not None:
+        found &= within
+    seen |= found
+    return found
+
+
+def _closure(adj, seeds, within: set) -> set:
+    """``seeds`` and every node reached from them through ``adj`` without leaving ``within``."""
+    seen = set(seeds)
+    level = set(seen)
+    while level:
+        level = _next_level(adj, level, seen, within)
+    return seen
 
 
 def _cycle_errors(ir: GraphIR, within: set | None = None) -> list[str]:
-    """Kahn's algorithm over the graph (or the nodes ``within``) minus while-loop back edges."""
+    """Kahn's algorithm over the graph (or the nodes ``within``) minus while-loop back edges,
+    counting each node's distinct inputs (several edges between two nodes wait together)."""
     g = ir.g
-    nodes = g._node
-    members = nodes if within is None else within
-    back = {n for n in members if nodes[n]["op"] in LOOP_BACK_OPS}
-    pending = {n: sum(len(keyed) for src, keyed in g._pred[n].items()
-                      if src in members and src not in back)
-               for n in members}
+    pred, succ = g._pred, g._succ
+    if within is None:
+        pending = dict(zip(pred, map(len, pred.values())))
+        back = set(ir.nodes_of(LOOP_BACK_OPS))
+    else:
+        pending = {n: len(pred[n].keys() & within) for n in within}
+        back = {n for n in within if g._node[n]["op"] in LOOP_BACK_OPS}
+    for node in back:
+        for dst in succ[node]:
+            if dst in pending:
+                pending[dst] -= 1
     ready = [n for n, count in pending.items() if count == 0]
     seen = 0
     while ready:
@@ -108,10 +151,10 @@ def _cycle_errors(ir: GraphIR, within: set | None = None) -> list[str]:
         seen += 1
         if node in back:
             continue
-        for dst, keyed in g._succ[node].items():
+        for dst in succ[node]:
             if dst in pending:
-                pending[dst] -= len(keyed)
-                if pending[dst] == 0:
+                left = pending[dst] = pending[dst] - 1
+                if not left:
                     ready.append(dst)
     if seen == len(pending):
         return []
@@ -123,21 +166,18 @@ def check_structure(ir: GraphIR, changed_only: bool = False) -> None:
     """Raise on structural errors. ``changed_only``: check the nodes added or rewired since the
     last such check (every node of a freshly loaded graph), as the pipeline does after each
     pass; the full check (the default) sees every node."""
-    nodes = ir.take_unverified() if changed_only else None
-    errors = structural_errors(ir, nodes=nodes)
+    if changed_only:
+        rewired, others = ir.take_changes()
+        errors = structural_errors(ir, nodes=rewired | others, seeds=rewired)
+    else:
+        errors = structural_errors(ir)
     if errors:
         raise GraphxformError("; ".join(errors))
 
 
-def check_imports(ir: GraphIR) -> None:
-    """The TF-level check: the emitted GraphDef imports into a fresh tf.Graph."""
-    import tensorflow as tf
-
-    from graphxform.metagraph import to_graphdef
-    graph_def = to_graphdef(ir)
-    try:
-        with tf.Graph().as_default():
-            tf.graph_util.import_graph_def(graph_def, name="")
-    except (ValueError, tf.errors.OpError) as e:
-        first = str(e).strip().splitlines()[0]
-        raise GraphxformError(f"TensorFlow rejects the graph: {first}") from None
+def check_imports(ir: GraphIR) -> dict:
+    """The TF-level check: TensorFlow's importer accepts the graph emit writes. Copies that
+    are byte for byte another replica's are proven alike instead of imported again (see
+    graphxform/import_check.py). Returns what was imported."""
+    from graphxform import import_check
+    return import_check.check(ir)

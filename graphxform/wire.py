@@ -81,17 +81,27 @@ class NodeEncoder:
         self.ir = ir
         self.provenance_attr = provenance_attr
         self._marks = {"": b"", None: b""}  # created_by -> its provenance attr entry
-        self._blocks = {}  # (id(plans), prefix length, device length) -> see _block
-        self._made = {}  # (id(bases), prefix and device lengths, ...) -> see _parts
+        # Blocks hold only what never changes once copies are made (their plans, their
+        # bases), so they serve every later emit of the IR (the TF import check, then save);
+        # the IR keeps its Replicas, so the ids in the keys stay theirs.
+        blocks, made = ir._emit_cache.setdefault(provenance_attr, ({}, {}))
+        self._blocks = blocks  # (id(plans), prefix length, device length) -> see _block
+        self._made = made  # (id(bases), prefix and device lengths, ...) -> see _parts
 
-    def nodes(self) -> list:
-        """The node fields in graph order (bytes-like), ready to join."""
+    def nodes(self, left_out: dict | None = None) -> list:
+        """The node fields in graph order (bytes-like), ready to join.
+
+        ``left_out`` (name -> name): write none of its nodes, and where a node reads one, have
+        it read the node it maps to instead (the TF import check leaves out copies TF sees as
+        their representatives: graphxform/import_check.py). A replica with copies left out,
+        or whose copies read one, is written a copy at a time."""
         ir, out = self.ir, []
-        node_table, protos, dirty = ir.g._node, ir._protos, ir._dirty
+        node_table, protos, dirty, pred = ir.g._node, ir._protos, ir._dirty, ir.g._pred
         for name in dirty:  # copies whose in-edges changed are written on their own
             data = node_table.get(name)
             if type(data) is BorrowedNode:
                 data._touched()
+        gone = (left_out or {}).keys()
         small = _VARINTS
         append = out.append
         written = done = None  # the replica written last, and all written so far
@@ -101,25 +111,42 @@ class NodeEncoder:
                     written, done = data._replica, done or set()
                     if id(written) not in done:  # its copies are together unless moved
                         done.add(id(written))
-                        self._replica(written, out)
+                        self._replica(written, out, left_out)
                 continue
-            body = self._own(name, protos[name], data, dirty)
+            if not gone or gone.isdisjoint(pred[name]):
+                body = self._own(name, protos[name], data, dirty)
+            else:
+                body = self._swapped(name, data, left_out)
             size = len(body)
             append(GRAPH_NODE)
             append(small[size] if size < 128 else varint(size))
             append(body)
         return out
 
-    def _replica(self, replica, out: list) -> None:
+    def _replica(self, replica, out: list, left_out: dict | None = None) -> None:
         """Append the node fields of every copy ``replica`` still has, in order: runs of
         copies that nothing changed since they were made as slices of the replica's block,
-        the others (``replica.touched``) one by one."""
+        the others (``replica.touched``) one by one. See ``nodes`` for ``left_out``."""
         node_table, names, copies = self.ir.g._node, replica.names, replica.copies
+        gone = (left_out or {}).keys()
+        alone = self._copy
+        if gone:
+            if not (gone.isdisjoint(replica.outside) and gone.isdisjoint(names)):
+                for name, copy in zip(names, copies):
+                    if copy is not None and node_table.get(name) is copy and name not in gone:
+                        out.append(node_field(self._swapped(name, copy, left_out)))
+                return
+            pred = self.ir.g._pred
+
+            def alone(name, copy):  # a changed copy may read a node left out
+                if gone.isdisjoint(pred[name]):
+                    return self._copy(name, copy)
+                return self._swapped(name, copy, left_out)
         block = self._block(replica)
         if block is None:
             for name, copy in zip(names, copies):
                 if copy is not None and node_table.get(name) is copy:
-                    out.append(node_field(self._copy(name, copy)))
+                    out.append(node_field(alone(name, copy)))
             return
         segments, starts, device_stand_in, index = block
         filled = replica.prefix.encode().join(segments)
@@ -130,7 +157,7 @@ class NodeEncoder:
             if starts[k] > starts[start]:
                 out.append(view[starts[start]:starts[k]])
             if copies[k] is not None and node_table.get(names[k]) is copies[k]:
-                out.append(node_field(self._copy(names[k], copies[k])))
+                out.append(node_field(alone(names[k], copies[k])))
             start = k + 1
         if starts[-1] > starts[start]:
             out.append(view[starts[start]:])
@@ -226,6 +253,59 @@ class NodeEncoder:
             proto.input.extend(self.ir.edge_inputs(name))
             dirty.discard(name)
         return proto.SerializeToString() + self._mark(data["created_by"])
+
+    def _swapped(self, name, data, left_out: dict) -> bytes:
+        """The NodeDef bytes of ``name`` with each input whose node is in ``left_out`` naming
+        the node it maps to instead (a control input once)."""
+        swapped, controls = [], set()
+        for text in self._inputs(name, data):
+            if text[0] == "^":
+                text = "^" + left_out.get(text[1:], text[1:])
+                if text in controls:
+                    continue
+                controls.add(text)
+            else:
+                node = parse_tensor(text)[0]
+                if node in left_out:
+                    text = left_out[node] + text[len(node):]
+            swapped.append(text)
+        mark = self._mark(data["created_by"])
+        if type(data) is BorrowedNode and data._proto is None:
+            plan = data._plan
+            if data["op"] == plan[1].op:
+                replica = data._replica
+                return copy_bytes(plan, replica.prefix, dict.__getitem__(data, "device"),
+                                  replica.mapping, swapped) + mark
+            proto = data.fill(type(plan[1])())  # its op changed: a NodeDef for the moment
+        else:
+            proto = self._node_def(name, data)
+        if proto.op != data["op"]:
+            proto.op = data["op"]
+        if proto.device != data["device"]:
+            proto.device = data["device"]
+        kept = list(proto.input)  # the NodeDef is the node's: lend it the swapped inputs
+        del proto.input[:]
+        proto.input.extend(swapped)
+        try:
+            return proto.SerializeToString() + mark
+        finally:
+            del proto.input[:]
+            proto.input.extend(kept)
+
+    def _inputs(self, name, data) -> list[str]:
+        """``name``'s input list as emit writes it."""
+        if name in self.ir._dirty:
+            return self.ir.edge_inputs(name)
+        if type(data) is BorrowedNode and data._proto is None:
+            plan, replica = data._plan, data._replica
+            texts = plan[2]
+            return renamed_inputs(texts, plan[4], replica.mapping, replica.prefix) if texts else []
+        return list(self._node_def(name, data).input)
+
+    def _node_def(self, name, data):
+        if type(data) is BorrowedNode:
+            return data._proto
+        return self.ir._protos[name]
 
     def _mark(self, created_by) -> bytes:
         mark = self._marks.get(created_by)

@@ -1,0 +1,289 @@
+"""Prove that TensorFlow accepts an output graph while importing only part of it.
+
+A full ``tf.import_graph_def`` of a replicated graph costs many times more than building it:
+TF checks every copy of every node and Python wraps each op and tensor. Most of that repeats
+itself. A copy that nothing changed since ``GraphIR.copy_nodes_many`` made it has the NodeDef
+of the same call's copy of that original for the call's first prefix (its *representative*)
+with another prefix and device; emit writes both from one block of bytes (graphxform/wire.py).
+Call it a *twin* when its representative is unchanged too. What TF's importer checks of a node
+(its op and attrs, the dtypes of its inputs, shape inference from its inputs' shapes and
+constant values, any recorded ``_output_shapes``) then comes out the same for a twin and its
+representative, as long as their inputs look the same to TF: the same node, a twin and its
+representative, or two nodes to which TF gives the same dtype, shape, resource handle data and
+constant value. So ``check``:
+
+1. finds the twins (``find_twins``);
+2. imports every other node with TF's C importer, without Python op wrappers; a node that reads
+   a twin reads its representative instead;
+3. compares, for each node a twin reads that is not a twin itself (the *frontier*: a copy fed
+   its replica's slice of the batch, a rewired gradient), what TF inferred for it and for its
+   representative's counterpart; when anything differs, or has no counterpart, it imports the
+   whole graph instead;
+4. does what TF's Python importer adds to the C one: every device string parses; and, since
+   twins are left out of the import, it checks itself that every ``loc:@`` colocation names
+   a node of the graph.
+
+So a graph TF would reject is rejected whichever replica holds the fault: a fault in a twin
+is a fault in its representative, which is imported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import operator
+
+from graphxform import wire
+from graphxform.errors import QUOTE_LIMIT, GraphxformError, clip
+from graphxform.ir import CONTROL_KEYS, BorrowedNode, GraphIR, paused_gc
+
+
+@dataclasses.dataclass
+class Twins:
+    of: dict = dataclasses.field(default_factory=dict)  # twin -> its representative
+    # (node a twin reads that is not one, its representative's counterpart or None)
+    frontier: list = dataclasses.field(default_factory=list)
+
+
+def check(ir: GraphIR) -> dict:
+    """Raise GraphxformError naming what TF rejects in the graph ``metagraph.to_bytes(ir)``
+    writes. Returns what was done: nodes imported, twins left out, frontier pairs, and
+    whether the whole graph was imported."""
+    with paused_gc():  # it reads and writes objects by the ten thousand, frees few
+        _check_devices({data["device"] for data in ir.g._node.values()})
+        _check_colocation(ir)
+        twins = find_twins(ir)
+        whole = not twins.of or any(rep is None for _, rep in twins.frontier)
+        if not whole:
+            imported = _import(ir, _node_fields(ir, twins.of),
+                               [name for pair in twins.frontier for name in pair])
+            whole = not _frontier_agrees(imported, len(twins.frontier))
+        if whole:
+            imported = _import(ir, _node_fields(ir, None), [])
+        del imported
+    left_out = 0 if whole else len(twins.of)
+    return {"imported": len(ir) - left_out, "twins": left_out,
+            "frontier": len(twins.frontier), "whole": whole}
+
+
+def find_twins(ir: GraphIR) -> Twins:
+    """The twins of the graph (see the module docstring) and their frontier.
+
+    The replicas of one ``copy_nodes_many`` call share its first replica's plans, except
+    where the later ones read the first's copies of first_only nodes: those plans are shared
+    by the later replicas alone, and the first replica that has them represents the rest."""
+    node_table, succ = ir.g._node, ir.g._succ
+    changed = _changed_copies(ir)
+    twins, firsts, seconds, present = Twins(), {}, {}, {}
+    for replica in ir.replicas():
+        present[id(replica)] = _present(node_table, replica)
+        first = firsts.setdefault(id(replica.bases), replica)
+        second = seconds.setdefault(id(replica.plans), replica)
+        if first is replica:
+            continue
+        index = {plan[0]: k for k, plan in enumerate(first.plans)}
+        unchanged = _unchanged(present[id(replica)], changed[id(replica)], index)
+        reps = [first] * len(unchanged)
+        alike = list(map(operator.and_, unchanged,
+                         _unchanged(present[id(first)], changed[id(first)], index)))
+        if second is not replica:
+            theirs = _unchanged(present[id(second)], changed[id(second)], index)
+        for k in replica.planned_otherwise(first):
+            reps[k] = second
+            alike[k] = second is not replica and unchanged[k] and theirs[k]
+        mine = {replica.names[k]: reps[k].names[k]
+                for k in itertools.compress(range(len(alike)), alike)}
+        twins.of.update(mine)
+        if not mine:
+            continue
+        for k in itertools.compress(range(len(alike)), map(operator.not_, alike)):
+            name = replica.names[k]
+            if present[id(replica)][k] and _read_as_data(succ[name], mine):
+                rep = reps[k] if reps[k] is not replica else None
+                counterpart = rep.names[k] if rep is not None and present[id(rep)][k] else None
+                twins.frontier.append((name, counterpart))
+    return twins
+
+
+def _unchanged(present: list, changed: set, index: dict) -> list[bool]:
+    """Per original: whether a replica's copy of it is there and unchanged since made."""
+    flags = list(present)
+    for orig in changed:
+        flags[index[orig]] = False
+    return flags
+
+
+def _present(node_table: dict, replica) -> list[bool]:
+    """Per original: whether ``replica``'s copy of it was made and is still in the graph."""
+    return list(map(operator.and_,
+                    map(operator.is_, map(node_table.get, replica.names), replica.copies),
+                    map(operator.is_not, replica.copies, itertools.repeat(None))))
+
+
+def _changed_copies(ir: GraphIR) -> dict:
+    """id(Replica) -> the originals whose copy changed in place or has in-edges of its own."""
+    changed = {id(replica): set(replica.touched) for replica in ir.replicas()}
+    node_table = ir.g._node
+    for name in ir._dirty:
+        data = node_table.get(name)
+        if type(data) is BorrowedNode:
+            changed[id(data._replica)].add(data._plan[0])
+    return changed
+
+
+def _read_as_data(consumers: dict, among: dict) -> bool:
+    """Whether a node of ``among`` reads the node whose consumers are ``consumers`` through a
+    data edge."""
+    return any(dst in among and keys is not CONTROL_KEYS and any(key >= 0 for key in keys)
+               for dst, keys in consumers.items())
+
+
+def _node_fields(ir: GraphIR, left_out: dict | None) -> list:
+    """The GraphDef node fields emit writes, without ``left_out`` (see wire.NodeEncoder)."""
+    from graphxform.metagraph import PROVENANCE_ATTR
+    return wire.NodeEncoder(ir, PROVENANCE_ATTR).nodes(left_out)
+
+
+class _Imported:
+    """A graph TF's C importer made, with the operations asked for by name."""
+
+    def __init__(self, graph, operations: list):
+        self.graph, self.operations = graph, operations
+
+
+def _import(ir: GraphIR, nodes: list, wanted: list) -> _Imported:
+    """Import the GraphDef of ``nodes`` (node fields) and ``ir``'s library and versions into a
+    new graph with TF's C importer; raise naming what TF rejects."""
+    import tensorflow as tf
+    from tensorflow.python.client import pywrap_tf_session as c_api
+    from tensorflow.python.framework import ops
+    data = b"".join(nodes) + ir.meta.graph_def.SerializeToString()
+    graph = ops.Graph()
+    options = c_api.TF_NewImportGraphDefOptions()
+    buffer = c_api.TF_NewBufferFromString(data)
+    try:
+        c_api.TF_ImportGraphDefOptionsSetValidateColocationConstraints(options, False)
+        for name in wanted:
+            c_api.TF_ImportGraphDefOptionsAddReturnOperation(options, name)
+        results = c_api.TF_GraphImportGraphDefWithResults(graph, buffer, options)
+        try:
+            operations = c_api.TF_ImportGraphDefResultsReturnOperations(results)
+        finally:
+            c_api.TF_DeleteImportGraphDefResults(results)
+    except tf.errors.OpError as e:
+        raise GraphxformError("TensorFlow rejects the graph: "
+                              f"{clip(_first_line(e.message), 2 * QUOTE_LIMIT)}") from None
+    finally:
+        c_api.TF_DeleteBuffer(buffer)
+        c_api.TF_DeleteImportGraphDefOptions(options)
+    return _Imported(graph, operations)
+
+
+def _first_line(text: str) -> str:
+    return (str(text).strip().splitlines() or [""])[0]
+
+
+def _frontier_agrees(imported: _Imported, pairs: int) -> bool:
+    """Whether each frontier node (even positions of ``imported.operations``) looks to TF as
+    its counterpart (the odd ones) does: per output, dtype, shape, resource handle data and
+    constant value."""
+    operations = imported.operations
+    return all(_outputs(imported.graph, operations[2 * k]) ==
+               _outputs(imported.graph, operations[2 * k + 1]) for k in range(pairs))
+
+
+def _outputs(graph, c_op) -> list:
+    """What TF inferred for each output of ``c_op``, comparably."""
+    from tensorflow.python.client import pywrap_tf_session as c_api
+    from tensorflow.python.framework import c_api_util, ops
+    op = ops.Operation._from_c_op(c_op=c_op, g=graph)
+    found = []
+    for port, tensor in enumerate(op.outputs):
+        output = c_api_util.tf_output(c_op, port)
+        try:
+            value = c_api.TF_TryEvaluateConstant_wrapper(graph, output)
+        except Exception:  # noqa: BLE001 - TF could not fold it: no constant to compare
+            value = None
+        found.append((int(c_api.TF_OperationOutputType(output)),
+                      None if tensor.shape.rank is None else tensor.shape.as_list(),
+                      c_api.GetHandleShapeAndType(graph, output),
+                      None if value is None else (value.dtype.str, value.shape,
+                                                  value.tobytes())))
+    return found
+
+
+def _check_devices(devices) -> None:
+    """Every device string parses, as TF's Python importer requires."""
+    from tensorflow.python.framework import device_spec
+    for device in sorted(d for d in devices if d):
+        try:
+            device_spec.DeviceSpecV2.from_string(device)
+        except (ValueError, TypeError) as e:
+            raise GraphxformError(f"TensorFlow rejects the graph: device '{clip(device)}': "
+                                  f"{clip(_first_line(e))}") from None
+
+
+def _check_colocation(ir: GraphIR) -> None:
+    """Every ``loc:@X`` in a ``_class`` attr names a node of the graph, as TF's importer
+    requires (its own check would see only the nodes imported). A copy that nothing changed
+    colocates with what its plan says: targets kept as they are, the same for every replica,
+    and copied ones under the replica's prefix; those are checked a replica at a time."""
+    node_table = ir.g._node
+    for name, proto in ir._protos.items():
+        if "_class" in proto.attr:
+            _colocated(node_table, [name], _targets(proto.attr["_class"].list.s))
+    by_plans = {}  # id(plans) -> (the originals with a _class by index, and their targets)
+    for replica in ir.replicas():
+        plans, names, copies, touched = replica.plans, replica.names, replica.copies, replica.touched
+        if id(plans) not in by_plans:
+            by_plans[id(plans)] = _plans_targets(plans)
+        colocated, kept, copied = by_plans[id(plans)]
+        present = [k for k in colocated
+                   if copies[k] is not None and node_table.get(names[k]) is copies[k]]
+        own = {k for k in present if plans[k][0] in touched and copies[k]._proto is not None}
+        for k in own:  # changed in place, with its own NodeDef
+            attr = copies[k]._proto.attr
+            _colocated(node_table, [names[k]],
+                       _targets(attr["_class"].list.s) if "_class" in attr else [])
+        rest = [k for k in present if k not in own] if own else present
+        _colocated(node_table, [names[k] for k in rest],
+                   [target for k in rest for target in kept[k]])
+        _colocated(node_table, [names[k] for k in rest],
+                   [replica.prefix + node for k in rest for node in copied[k]])
+
+
+def _plans_targets(plans: list) -> tuple[list, dict, dict]:
+    """The indices of the plans whose copies have a ``_class``, and per index its targets
+    kept as they are and its copied targets (see ``_plan_targets``)."""
+    colocated = [k for k, plan in enumerate(plans) if plan[3] or "_class" in plan[1].attr]
+    kept, copied = {}, {}
+    for k in colocated:
+        kept[k], copied[k] = _plan_targets(plans[k])
+    return colocated, kept, copied
+
+
+def _plan_targets(plan: tuple) -> tuple[list[str], list[str]]:
+    """A copy plan's colocation targets: those every copy keeps, and the copied nodes whose
+    copy in the same replica it colocates with."""
+    snapshot, colocation = plan[1], plan[3] or []
+    kept = _targets(snapshot.attr["_class"].list.s) if "_class" in snapshot.attr else []
+    kept += _targets([item for item, node in colocation if node is None])
+    return kept, [node.decode() for _, node in colocation if node is not None]
+
+
+def _targets(items) -> list[str]:
+    return [item[5:].decode(errors="replace") for item in items if item.startswith(b"loc:@")]
+
+
+def _colocated(node_table: dict, holders: list[str], targets: list[str]) -> None:
+    """Raise if a target (of one of ``holders``) is not a node of the graph."""
+    missing = next(itertools.filterfalse(node_table.__contains__, targets), None)
+    if missing is not None:
+        raise GraphxformError(f"TensorFlow rejects the graph: {_holder(holders)} colocated "
+                              f"with '{clip(missing)}', which is not in the graph")
+
+
+def _holder(holders: list[str]) -> str:
+    if len(holders) == 1:
+        return f"node '{holders[0]}' is"
+    return f"one of {len(holders)} nodes ('{holders[0]}', ...) is"

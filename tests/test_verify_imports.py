@@ -1,0 +1,111 @@
+"""The TF-level check (verify.check_imports, which `apply` runs by default) imports only part
+of a replicated graph: these tests break the output on purpose, in replica 0, in another
+replica and in a node shared by all, and expect every break rejected."""
+
+import numpy as np
+import pytest
+from conftest import fixture_path
+
+from graphxform import import_check, metagraph, strategies, verify
+from graphxform.errors import GraphxformError
+
+REPLICAS = 3
+
+
+@pytest.fixture
+def transformed():
+    ir = metagraph.load(fixture_path("mlp_sgd"))
+    strategies.transform(ir, "allreduce", devices=[f"/device:CPU:{i}" for i in range(REPLICAS)])
+    return ir
+
+
+def set_attr_int(ir, name, key):
+    """A wrong attr type: ``key`` (a type attr) set to an int."""
+    from tensorflow.core.framework import attr_value_pb2
+    ir.node(name)["attr"][key].CopyFrom(attr_value_pb2.AttrValue(i=1))
+
+
+def set_const(ir, name, values):
+    import tensorflow as tf
+    value = ir.node(name)["attr"]["value"]
+    dtype = tf.dtypes.as_dtype(value.tensor.dtype).as_numpy_dtype
+    value.tensor.CopyFrom(tf.make_tensor_proto(np.array(values, dtype=dtype)))
+
+
+def in_replica(k):
+    """What each break does to replica ``k``: its first layer's Relu, and for the shape
+    contradiction, the shape a gradient Reshape reshapes a scalar to. In replicas > 0 that
+    Reshape is left out of the import (it is replica 0's twin); the Const it reads is not."""
+    p = f"replica_{k}/"
+    return {
+        "wrong attr type": lambda ir: set_attr_int(ir, p + "dense0/Relu", "T"),
+        "dtype mismatch": lambda ir: ir.set_input(p + "dense0/Relu", 0, "y"),
+        "missing output port": lambda ir: ir.set_input(p + "dense0/Relu", 0,
+                                                       p + "dense0/add:3"),
+        "shape contradiction": lambda ir: set_const(
+            ir, p + "gradients/Mean_grad/Reshape/shape", [2]),
+    }
+
+
+SHARED = {  # the split of the batch across replicas: one node, read by every replica
+    "wrong attr type": lambda ir: set_attr_int(ir, "split_inputs/x/split", "T"),
+    "dtype mismatch": lambda ir: ir.set_input("split_inputs/x/split", 1, "y"),
+    "missing output port": lambda ir: ir.set_input("split_inputs/x/split", 1, "x:4"),
+    "shape contradiction": lambda ir: set_const(ir, "split_inputs/x/axis", 7),
+}
+
+WHERE = {"replica 0": in_replica(0), "another replica": in_replica(2), "shared": SHARED}
+BREAKS = sorted(SHARED)
+
+
+def test_an_intact_output_is_accepted_importing_one_replica(transformed):
+    info = verify.check_imports(transformed)
+    assert not info["whole"]
+    assert info["twins"] > 0 and info["imported"] + info["twins"] == len(transformed)
+    replica_2 = [n for n in transformed.nodes() if n.startswith("replica_2/")]
+    assert sum(1 for n in replica_2 if n in import_check.find_twins(transformed).of) > \
+        len(replica_2) / 2
+
+
+@pytest.mark.parametrize("where", sorted(WHERE))
+@pytest.mark.parametrize("broken", BREAKS)
+def test_a_broken_output_is_rejected(transformed, where, broken):
+    WHERE[where][broken](transformed)
+    with pytest.raises(GraphxformError, match="TensorFlow rejects the graph"):
+        verify.check_imports(transformed)
+
+
+def test_a_twin_fed_a_different_value_is_imported_with_the_whole_graph(transformed):
+    """replica_2's Fill of the loss gradient is unchanged (a twin of replica_0's), but the
+    value it reads now differs: TF could infer it differently, so the whole graph is imported
+    (and accepted: the graph is valid)."""
+    set_const(transformed, "replica_2/gradients/grad_ys_0/Const", 2.0)
+    info = verify.check_imports(transformed)
+    assert info["whole"] and info["twins"] == 0
+
+
+def test_a_changed_node_equal_to_its_representative_keeps_the_twins(transformed):
+    set_const(transformed, "replica_2/gradients/Mean_grad/Reshape/shape", [1])
+    info = verify.check_imports(transformed)
+    assert not info["whole"] and info["frontier"] > 0
+
+
+def test_colocation_with_a_missing_node_is_rejected(transformed):
+    value = transformed.node("split_inputs/x/split")["attr"]["_class"]
+    value.list.s.append(b"loc:@nowhere")
+    with pytest.raises(GraphxformError, match="colocated with 'nowhere'"):
+        verify.check_imports(transformed)
+
+
+def test_a_malformed_device_is_rejected(transformed):
+    transformed.node("replica_1/dense0/Relu")["device"] = "/job:worker/garbage:1"
+    with pytest.raises(GraphxformError, match="device '/job:worker/garbage:1'"):
+        verify.check_imports(transformed)
+
+
+@pytest.mark.parametrize("name", ["cnn_bn_momentum", "embedding_adam", "rnn_while_legacy"])
+def test_fixtures_replicated_are_accepted(name):
+    ir = metagraph.load(fixture_path(name))
+    strategies.transform(ir, "allreduce", devices=[f"/device:CPU:{i}" for i in range(REPLICAS)])
+    info = verify.check_imports(ir)
+    assert info["twins"] > 0
