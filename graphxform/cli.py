@@ -13,7 +13,7 @@ import traceback
 import click
 
 from graphxform import cleanup
-from graphxform.distributed import DEFAULT_TIMEOUT_S
+from graphxform.runtime.servers import DEFAULT_TIMEOUT_S
 from graphxform.errors import GraphxformError, clip
 
 EXIT_ERROR = 1
@@ -274,6 +274,11 @@ def apply(model, output, no_verify, dump_dir, debug, **options):
     proven = getattr(pipeline, "contract", {}).get("variables", 0)
     click.echo(f"  contract: {proven} variable copies proven to update once per step from "
                "cross-replica values, replicas start equal")
+    unmerged = summary.get("unmerged", [])
+    if unmerged:
+        more = f" and {len(unmerged) - 3} more" if len(unmerged) > 3 else ""
+        click.echo(f"  note: {len(unmerged)} original names could not be merged across replicas "
+                   f"and give replica 0's value: {', '.join(unmerged[:3])}{more}")
     for t in pipeline.timings:
         idle = not t.modified and not any(t.summary.values())  # sync-init plans, changes nothing
         click.echo(f"  {t.name:18} {t.seconds * 1000:8.1f} ms" + ("  (nothing to do)" if idle
@@ -315,18 +320,18 @@ def run(model, steps, feeds, batch_size, restore, save_to, fetches, train_op, cl
     """Train MODEL (original or transformed) for some steps, printing the loss. A ps graph runs
     one task of its cluster: `--cluster F --job worker --task I` (or TF_CONFIG)."""
     from graphxform import metagraph
-    from graphxform.runtime import Feeds, Runner
+    from graphxform.runtime.local import Feeds, Runner
     ir = metagraph.load(model)
     for checkpoint in (restore, save_to):  # what a saver killed mid-save left there
         if checkpoint:
             cleanup.sweep_checkpoint_temps(checkpoint)
     if _on_cluster(ir, cluster_file, job, task_index):
-        from graphxform import task as task_mod
+        from graphxform.runtime import task as task_mod
         found, job, task_index = task_mod.resolve_task(cluster_file, job, task_index)
         task_mod.run_task(ir, found, job, task_index, steps, feeds=feeds, batch_size=batch_size,
                           restore=restore, save=save_to, fetches=fetches, timeout_s=timeout,
                           echo=_echo_flush)
-        from graphxform.launch import finish_child
+        from graphxform.runtime.launch import finish_child
         finish_child()
         return
     with Runner(ir, train_op=train_op, fetches=fetches) as runner:
@@ -364,7 +369,7 @@ def _progress(steps: int):
 def _on_cluster(ir, cluster_file, job, task_index) -> bool:
     """Whether `run` runs one task of a cluster: --cluster/--job/--task, or a ps graph with
     TF_CONFIG set; a ps graph with neither is an error (it names no local devices)."""
-    from graphxform.distributed import ClusterPlan
+    from graphxform.plan import ClusterPlan
     if cluster_file or job or task_index is not None:
         return True
     if ClusterPlan.from_ir(ir) is None:
@@ -428,10 +433,10 @@ def verify_command(model, steps, feeds, batch_size, fetches, rtol, debug, **opti
 @debug_option
 def serve(cluster_file, job, task_index, cpus, debug):
     """Start one task's TensorFlow gRPC server (a ps task) and block until SIGTERM/Ctrl-C."""
-    from graphxform import task as task_mod
+    from graphxform.runtime import task as task_mod
     found, job, task_index = task_mod.resolve_task(cluster_file, job, task_index)
     task_mod.serve(found, job, task_index, cpus, echo=_echo_flush)
-    from graphxform.launch import finish_child
+    from graphxform.runtime.launch import finish_child
     finish_child()
 
 
@@ -455,8 +460,8 @@ def launch(model, steps, feeds, batch_size, cluster_file, restore, save_to, time
     loss over workers per step, and tear everything down."""
     from graphxform import metagraph
     from graphxform.cluster import load_cluster
-    from graphxform.launch import Launch
-    from graphxform.task import plan_of
+    from graphxform.runtime.launch import Launch
+    from graphxform.runtime.task import plan_of
     plan = plan_of(metagraph.load(model))
     found = load_cluster(cluster_file)[0] if cluster_file else None
     for path in (feeds, restore):

@@ -163,7 +163,7 @@ def count_replicas(ir: GraphIR) -> int:
 
 def client_task(ir: GraphIR) -> str:
     """Where unplaced nodes run: the chief (the one client of the drop-in contract)."""
-    from graphxform.distributed import ClusterPlan
+    from graphxform.plan import ClusterPlan
     plan = ClusterPlan.from_ir(ir)
     return plan.chief if plan is not None and plan.chief else "localhost:0"
 

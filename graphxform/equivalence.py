@@ -21,11 +21,12 @@ import tempfile
 
 import numpy as np
 
-from graphxform import distributed, training
-from graphxform.distributed import ClusterPlan
+from graphxform import training
+from graphxform.plan import ClusterPlan
 from graphxform.ir import GraphIR
 from graphxform.nodes import replica_prefix
-from graphxform.runtime import Feeds, Runner, cpus_by_job, needed_inputs
+from graphxform.runtime import servers
+from graphxform.runtime.local import Feeds, Runner, cpus_by_job, needed_inputs
 
 FLOOR_FRACTION = 1e-2  # of the RMS of the trainable variables: the smallest scale a variable gets
 TINY = 1e-12  # the scale of last resort (a model whose variables are all zero)
@@ -328,11 +329,11 @@ def _transformed_runner(transformed: GraphIR, fetches, steps):
         with Runner(transformed, fetches=fetches, steps=steps) as run:
             yield run
         return
-    cluster = distributed.local_cluster(plan.job_sizes())
+    cluster = servers.local_cluster(plan.job_sizes())
     job, task = plan.chief.split(":")
-    with distributed.InProcessCluster(cluster, cpus=cpus_by_job(transformed)) as servers:
-        config = distributed.session_config(job, int(task), chief=True)
-        with Runner(transformed, fetches=fetches, target=servers.target(job, int(task)),
+    with servers.InProcessCluster(cluster, cpus=cpus_by_job(transformed)) as running:
+        config = servers.session_config(job, int(task), chief=True)
+        with Runner(transformed, fetches=fetches, target=running.target(job, int(task)),
                     config=config, steps=steps) as run:
             yield run
 

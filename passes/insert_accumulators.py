@@ -27,7 +27,7 @@ With `asynchronous`, nothing is aggregated: every worker gets its own copy of th
 and applies its local mean gradient whenever it is ready.
 
 What the runtime needs (step op per task, loss per worker, chief, chief_init, the train ops) is
-written to the graph as a graphxform.distributed.ClusterPlan."""
+written to the graph as a graphxform.plan.ClusterPlan."""
 
 from __future__ import annotations
 
@@ -602,7 +602,7 @@ def _np(dtype_enum):
 
 
 def _write_plan(ir, ctx, workers, steps, losses, chief_init, options, train_ops) -> None:
-    from graphxform.distributed import ClusterPlan
+    from graphxform.plan import ClusterPlan
     ClusterPlan(cluster=ctx.cluster.as_dict() if ctx.cluster is not None else {}, steps=steps,
                 losses=losses, chief=workers.chief_task, chief_init=chief_init,
                 strategy=ctx.strategy or "ps", staleness=options.staleness,

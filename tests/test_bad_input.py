@@ -15,7 +15,8 @@ import time
 import pytest
 
 from conftest import fixture_path
-from graphxform import cleanup, launch, metagraph
+from graphxform import cleanup, metagraph
+from graphxform.runtime import launch
 
 MODEL = fixture_path("mlp_sgd")
 

@@ -20,11 +20,12 @@ import numpy as np
 import pytest
 
 from conftest import fixture_path
-from graphxform import cluster, distributed, metagraph, strategies, training
-from graphxform.distributed import CLUSTER_COLLECTION, ClusterPlan
+from graphxform import cluster, metagraph, strategies, training
+from graphxform.plan import CLUSTER_COLLECTION, ClusterPlan
+from graphxform.runtime import servers
 from graphxform.errors import GraphxformError
 from graphxform.runtime import Feeds, Runner
-from graphxform.task import TaskRunner
+from graphxform.runtime.task import TaskRunner
 
 SPEC = {"ps": ["127.0.0.1:2222", "127.0.0.1:2223"],
         "worker": ["127.0.0.1:2224", "127.0.0.1:2225"]}
@@ -171,25 +172,25 @@ def test_cluster_plan_round_trip_and_bad_plans(built):
 
 
 def test_local_cluster_files_and_session_configs(tmp_path):
-    found = distributed.local_cluster({"ps": 2, "worker": 2})
+    found = servers.local_cluster({"ps": 2, "worker": 2})
     addresses = found.tasks("ps") + found.tasks("worker")
     assert all(a.startswith("127.0.0.1:") for a in addresses)
-    assert len({distributed.port_of(a) for a in addresses}) == 4
-    path = distributed.write_cluster(str(tmp_path / "c.json"), found)
+    assert len({servers.port_of(a) for a in addresses}) == 4
+    path = servers.write_cluster(str(tmp_path / "c.json"), found)
     assert cluster.load_cluster(path)[0].as_dict() == found.as_dict()
     with pytest.raises(GraphxformError, match="at least one ps task"):
-        distributed.local_cluster({"ps": 0, "worker": 1})
-    assert distributed.grpc_target("localhost:5") == "grpc://127.0.0.1:5"
-    worker = distributed.session_config("worker", 1, chief=False, timeout_s=7)
+        servers.local_cluster({"ps": 0, "worker": 1})
+    assert servers.grpc_target("localhost:5") == "grpc://127.0.0.1:5"
+    worker = servers.session_config("worker", 1, chief=False, timeout_s=7)
     assert list(worker.device_filters) == ["/job:ps", "/job:worker/task:1"]
     assert worker.operation_timeout_in_ms == 7000 and not worker.isolate_session_state
-    assert not distributed.session_config("worker", 0, chief=True).device_filters
+    assert not servers.session_config("worker", 0, chief=True).device_filters
     assert "GRPC_FAIL_FAST" in os.environ  # set before any RPC (unless the user set it)
 
 
 def test_a_worker_sees_only_the_ps_tasks_and_itself(built):
     meta = metagraph.to_metagraph(built["ir"])
-    assert distributed.visible_to(meta.graph_def, "worker", 1) > 0
+    assert servers.visible_to(meta.graph_def, "worker", 1) > 0
     devices = {n.device for n in meta.graph_def.node if n.device}
     assert not any(d.startswith("/job:worker/task:0") for d in devices)
     assert any(d.startswith("/job:worker/task:1") for d in devices)
@@ -199,11 +200,11 @@ def test_a_worker_sees_only_the_ps_tasks_and_itself(built):
 # ---------------------------------------------------------------- in-process servers
 def test_tasks_on_in_process_servers_match_single_device_and_save_atomically(built, tmp_path):
     ir = built["ir"]
-    found = distributed.local_cluster({"ps": 2, "worker": 2})
+    found = servers.local_cluster({"ps": 2, "worker": 2})
     feeds = Feeds(training.analyze(ir).inputs, fixture_path("mlp_sgd", ".npz"), BATCH)
-    with distributed.InProcessCluster(found) as servers:
+    with servers.InProcessCluster(found) as running:
         runners = [TaskRunner(ir, found, "worker", i, timeout_s=30,
-                              target=servers.target("worker", i)) for i in range(2)]
+                              target=running.target("worker", i)) for i in range(2)]
         losses = run_tasks(runners, feeds, STEPS, restore=built["start"])
         chief = runners[0]
         assert chief.chief and not runners[1].chief
@@ -231,17 +232,17 @@ def test_tasks_on_in_process_servers_match_single_device_and_save_atomically(bui
 
 def test_a_lone_task_fails_within_its_timeout_naming_what_it_waited_for(built):
     ir = built["ir"]
-    found = distributed.local_cluster({"ps": 2, "worker": 2})
+    found = servers.local_cluster({"ps": 2, "worker": 2})
     feeds = Feeds(training.analyze(ir).inputs, fixture_path("mlp_sgd", ".npz"), BATCH)
-    with distributed.InProcessCluster(found) as servers:
+    with servers.InProcessCluster(found) as running:
         worker = TaskRunner(ir, found, "worker", 1, timeout_s=1,
-                            target=servers.target("worker", 1))
+                            target=running.target("worker", 1))
         t0 = time.monotonic()
         with pytest.raises(GraphxformError, match=r"worker 1 \(127.0.0.1:\d+\): the chief "
                                                   r"\(worker 0\) has not initialised"):
             worker.prepare()
         chief = TaskRunner(ir, found, "worker", 0, timeout_s=1,
-                           target=servers.target("worker", 0))
+                           target=running.target("worker", 0))
         chief.prepare()
         worker.prepare()
         with pytest.raises(GraphxformError, match="step 1 timed out after 1 s"):
@@ -275,10 +276,10 @@ def test_each_task_runs_its_part_of_a_recipe_like_a_single_device(tmp_path, reci
         values = run.variable_values()
     ir = metagraph.load(path + ".meta")
     strategies.transform(ir, "ps", cluster=cluster.Cluster(SPEC), train_op=train_op)
-    found = distributed.local_cluster({"ps": 2, "worker": 2})
-    with distributed.InProcessCluster(found) as servers:
+    found = servers.local_cluster({"ps": 2, "worker": 2})
+    with servers.InProcessCluster(found) as running:
         runners = [TaskRunner(ir, found, "worker", i, timeout_s=30,
-                              target=servers.target("worker", i)) for i in range(2)]
+                              target=running.target("worker", i)) for i in range(2)]
         got = run_tasks(runners, feeds, 3, restore=start)
         saved = runners[0].save(str(tmp_path / "after"))
         for r in runners:
@@ -292,17 +293,17 @@ def test_each_task_runs_its_part_of_a_recipe_like_a_single_device(tmp_path, reci
 
 def test_a_tf_error_without_words_is_named_by_its_type():
     import tensorflow as tf
-    from graphxform.task import tf_message
+    from graphxform.runtime.task import tf_message
     assert tf_message(tf.errors.DeadlineExceededError(None, None, "")) == "DeadlineExceededError"
 
 
 def test_a_cluster_with_a_chief_job(tmp_path):
     spec = {**SPEC, "chief": ["127.0.0.1:2226"]}
     ir = ps_graph(spec)
-    found = distributed.local_cluster({"ps": 2, "worker": 2, "chief": 1})
+    found = servers.local_cluster({"ps": 2, "worker": 2, "chief": 1})
     feeds = Feeds(training.analyze(ir).inputs, fixture_path("mlp_sgd", ".npz"), BATCH)
-    with distributed.InProcessCluster(found) as servers:
-        runners = [TaskRunner(ir, found, job, task, timeout_s=30, target=servers.target(job, task))
+    with servers.InProcessCluster(found) as running:
+        runners = [TaskRunner(ir, found, job, task, timeout_s=30, target=running.target(job, task))
                    for job, task in (("chief", 0), ("worker", 0), ("worker", 1))]
         losses = run_tasks(runners, feeds, 2)
         assert runners[0].chief and losses[runners[0].name] == [None, None]
@@ -365,14 +366,14 @@ def test_run_and_launch_refuse_what_cannot_run(run_cli, built, tmp_path, monkeyp
 
 # ---------------------------------------------------------------- processes
 def test_serve_from_tf_config_blocks_until_sigterm(tmp_path):
-    found = distributed.local_cluster({"ps": 1, "worker": 1})
-    port = distributed.port_of(found.tasks("ps")[0])
+    found = servers.local_cluster({"ps": 1, "worker": 1})
+    port = servers.port_of(found.tasks("ps")[0])
     env = dict(os.environ, TF_CONFIG=json.dumps({"cluster": found.as_dict(),
                                                  "task": {"type": "ps", "index": 0}}))
     with process(cli("serve"), env) as (proc, lines):
         line = wait_for_line(lines, r"serving", 60)
         assert line == f"serving ps 0 (127.0.0.1:{port}) at grpc://127.0.0.1:{port}"
-        assert distributed.reachable(f"127.0.0.1:{port}") and proc.poll() is None
+        assert servers.reachable(f"127.0.0.1:{port}") and proc.poll() is None
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 0
     assert port_free(port)

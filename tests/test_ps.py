@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 
 from conftest import fixture_path
-from graphxform import cluster, distributed, metagraph, strategies, training
+from graphxform import cluster, metagraph, strategies, training
+from graphxform.plan import ClusterPlan
+from graphxform.runtime import servers
 from graphxform.errors import GraphxformError
 from graphxform.passes.place_variables import balance
 from graphxform.pipeline import PassContext, Pipeline
@@ -58,7 +60,7 @@ def test_ps_graph_shape():
         assert ir.node(var + "/accumulator")["device"] == ir.node(var)["device"]
     updates = [n for n in ir.nodes() if ir.op(n) == "ResourceApplyAdam"]
     assert len(updates) == 2  # one update per dense variable per step, not one per replica
-    plan = distributed.ClusterPlan.from_ir(ir)
+    plan = ClusterPlan.from_ir(ir)
     assert plan.chief == "worker:0" and set(plan.steps) == {"worker:0", "worker:1"}
     assert plan.steps["worker:1"] in ir and ir.op("ps_sync/worker_1/token") == "QueueDequeueV2"
     assert set(plan.losses) == {"worker:0", "worker:1"}
@@ -66,20 +68,20 @@ def test_ps_graph_shape():
 
 def test_chief_job_gets_a_step_without_replicas():
     ir = transform_ps("mlp_sgd", {**SPEC, "chief": ["127.0.0.1:2226"]})
-    plan = distributed.ClusterPlan.from_ir(ir)
+    plan = ClusterPlan.from_ir(ir)
     assert plan.chief == "chief:0" and set(plan.steps) == {"chief:0", "worker:0", "worker:1"}
     assert not any(ir.node(n)["device"].startswith("/job:chief") for n in ir.nodes())
 
 
 def test_staleness_prefills_tokens_and_async_copies_the_update():
     ir = transform_ps("mlp_sgd", staleness=2)
-    assert distributed.ClusterPlan.from_ir(ir).chief_init == "ps_sync/chief_init"
+    assert ClusterPlan.from_ir(ir).chief_init == "ps_sync/chief_init"
     assert ir.op("dense0/kernel/accumulator/set_global_step") == "AccumulatorSetGlobalStep"
     ir = transform_ps("mlp_sgd", asynchronous=True)
     assert not any(ir.op(n) == "ConditionalAccumulator" for n in ir.nodes())
     applies = [n for n in ir.nodes() if ir.op(n) == "ResourceApplyGradientDescent"]
     assert len(applies) == 2 * 4  # each worker updates each variable itself
-    assert distributed.ClusterPlan.from_ir(ir).is_async
+    assert ClusterPlan.from_ir(ir).is_async
 
 
 def test_async_verify_says_why_it_cannot_match(run_cli, cluster_file):
@@ -99,9 +101,9 @@ def test_checkpoint_from_ps_graph_restores_into_the_original(tmp_path, name, str
     strategies.transform(ir, strategy, cluster=cluster.Cluster(SPEC), **options)
     original = metagraph.load(fixture_path(name))
     feeds = Feeds(training.analyze(original).inputs, fixture_path(name, ".npz"))
-    with distributed.InProcessCluster(distributed.local_cluster({"ps": 2, "worker": 2})) as c:
+    with servers.InProcessCluster(servers.local_cluster({"ps": 2, "worker": 2})) as c:
         with Runner(ir, target=c.target("worker", 0),
-                    config=distributed.session_config("worker", 0, chief=True)) as run:
+                    config=servers.session_config("worker", 0, chief=True)) as run:
             run.initialize()
             run.step(feeds.batch(0))
             saved = run.variable_values()

@@ -15,7 +15,8 @@ import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from recipe_loop import load_manifest, recipe_meta  # noqa: E402
 
-from graphxform import cluster, distributed, equivalence, metagraph, strategies  # noqa: E402
+from graphxform import cluster, equivalence, metagraph, strategies  # noqa: E402
+from graphxform.plan import ClusterPlan  # noqa: E402
 from graphxform.errors import GraphxformError  # noqa: E402
 
 v1 = tf.compat.v1
@@ -239,7 +240,7 @@ def test_two_train_ops_run_in_turn_match_single_device(strategy, tmp_path):
                         train_op=["d_train", "g_train"])
     for step in ("d_train", "g_train"):
         assert step in ir and "ps_sync/" + step in ir
-    plan = distributed.ClusterPlan.from_ir(ir)
+    plan = ClusterPlan.from_ir(ir)
     assert plan.train_ops == ["d_train", "g_train"] and plan.steps == {}
 
 

@@ -10,9 +10,11 @@ import time
 
 import numpy as np
 
-from graphxform import distributed, metagraph, training
+from graphxform import metagraph, training
 from graphxform.cluster import Cluster
-from graphxform.distributed import ClusterPlan, describe
+from graphxform.plan import CLUSTER_COLLECTION, ClusterPlan
+from graphxform.runtime import servers
+from graphxform.runtime.servers import describe
 from graphxform.errors import GraphxformError
 from graphxform.ir import GraphIR
 
@@ -32,7 +34,7 @@ def plan_of(ir: GraphIR) -> ClusterPlan:
     plan = ClusterPlan.from_ir(ir)
     if plan is None:
         raise GraphxformError(f"{ir.source or 'the graph'} was not built for a cluster (no "
-                              f"'{distributed.CLUSTER_COLLECTION}' collection; build it with "
+                              f"'{CLUSTER_COLLECTION}' collection; build it with "
                               "`graphxform apply --strategy ps --cluster F`)")
     plan.require_per_task(ir.source or "the graph")
     return plan
@@ -56,7 +58,7 @@ class TaskRunner:
     server is started here. ``timeout_s`` bounds every blocking op and every wait."""
 
     def __init__(self, ir: GraphIR, cluster: Cluster, job: str, task: int,
-                 timeout_s: float = distributed.DEFAULT_TIMEOUT_S, target: str | None = None,
+                 timeout_s: float = servers.DEFAULT_TIMEOUT_S, target: str | None = None,
                  fetches=()):
         import tensorflow as tf
         tf1 = tf.compat.v1
@@ -75,13 +77,13 @@ class TaskRunner:
         self.steps_run = 0
         self.server = None
         if target is None:
-            self.server = distributed.start_server(cluster, job, self.task,
+            self.server = servers.start_server(cluster, job, self.task,
                                                    cpus_needed(ir, job, self.task))
-            target = distributed.grpc_target(cluster.require(job, self.task))
+            target = servers.grpc_target(cluster.require(job, self.task))
         self.target = target
         meta = metagraph.to_metagraph(ir)
         if not self.chief:
-            distributed.visible_to(meta.graph_def, job, self.task)
+            servers.visible_to(meta.graph_def, job, self.task)
         self.graph = tf.Graph()
         with self.graph.as_default():
             try:
@@ -103,7 +105,7 @@ class TaskRunner:
                 self.local_init_op = tf1.local_variables_initializer()
                 if self.saver is None:
                     self.saver = tf1.train.Saver(allow_empty=True)
-        self.session = tf1.Session(target, graph=self.graph, config=distributed.session_config(
+        self.session = tf1.Session(target, graph=self.graph, config=servers.session_config(
             job, self.task, self.chief, timeout_s))
 
     # ---------------------------------------------------------------- life cycle
@@ -122,7 +124,7 @@ class TaskRunner:
             needed = [(j, t) for j, ts in self.cluster.jobs.items() for t in range(len(ts))]
         else:
             needed = [("ps", t) for t in range(len(self.cluster.tasks("ps")))]
-        distributed.wait_for_tasks(self.cluster, needed, self.timeout_s)
+        servers.wait_for_tasks(self.cluster, needed, self.timeout_s)
 
     def prepare(self, restore: str | None = None):
         """The chief initialises (or restores) every variable and runs chief_init; the others
@@ -188,10 +190,10 @@ class TaskRunner:
         if isinstance(error, (tf.errors.DeadlineExceededError, tf.errors.UnavailableError,
                               tf.errors.AbortedError, tf.errors.CancelledError,
                               tf.errors.InternalError, tf.errors.UnknownError)):
-            lost = distributed.unreachable_tasks(self.cluster)
+            lost = servers.unreachable_tasks(self.cluster)
             if not lost:  # a task killed this instant may still hold its port briefly
                 time.sleep(0.5)
-                lost = distributed.unreachable_tasks(self.cluster)
+                lost = servers.unreachable_tasks(self.cluster)
             if lost:
                 who = ", ".join(describe(self.cluster, j, t) for j, t in lost)
                 return f"{self.name}: {who} stopped answering ({what}: {type(error).__name__})"
@@ -279,15 +281,15 @@ def serve(cluster: Cluster, job: str, task: int, cpus: int = 1, echo=print) -> N
     """Start this task's server and block until SIGTERM or SIGINT."""
     import signal
     import threading
-    from graphxform.launch import exit_with_parent
+    from graphxform.runtime.launch import exit_with_parent
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set())
                 for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        distributed.start_server(cluster, job, task, cpus)
+        servers.start_server(cluster, job, task, cpus)
         exit_with_parent()
         echo(f"serving {describe(cluster, job, task)} at "
-             f"{distributed.grpc_target(cluster.require(job, task))}")
+             f"{servers.grpc_target(cluster.require(job, task))}")
         while not stop.wait(0.5):
             pass
     finally:
@@ -298,12 +300,12 @@ def serve(cluster: Cluster, job: str, task: int, cpus: int = 1, echo=print) -> N
 def run_task(ir: GraphIR, cluster: Cluster, job: str, task: int, steps: int,
              feeds: str | None = None, batch_size: int | None = None,
              restore: str | None = None, save: str | None = None, fetches=(),
-             timeout_s: float = distributed.DEFAULT_TIMEOUT_S, echo=print) -> list:
+             timeout_s: float = servers.DEFAULT_TIMEOUT_S, echo=print) -> list:
     """`graphxform run OUT --cluster F --job J --task I`: this task's part of K steps, printing
     "step k  loss X" (its replicas' mean loss); the chief initialises or restores and saves.
     Returns the losses."""
-    from graphxform.launch import exit_with_parent
-    from graphxform.runtime import Feeds
+    from graphxform.runtime.launch import exit_with_parent
+    from graphxform.runtime.local import Feeds
     exit_with_parent()
     runner = TaskRunner(ir, cluster, job, task, timeout_s=timeout_s, fetches=fetches)
     losses = []

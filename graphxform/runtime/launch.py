@@ -21,9 +21,11 @@ import tempfile
 import threading
 import time
 
-from graphxform import cleanup, distributed
+from graphxform import cleanup
 from graphxform.cluster import Cluster
-from graphxform.distributed import ClusterPlan, describe
+from graphxform.plan import ClusterPlan
+from graphxform.runtime import servers
+from graphxform.runtime.servers import describe
 from graphxform.errors import GraphxformError
 
 PARENT_ENV = "GRAPHXFORM_PARENT_PID"
@@ -78,7 +80,7 @@ class Launch:
 
     def __init__(self, model: str, plan: ClusterPlan, cluster: Cluster | None = None,
                  steps: int = 10, feeds: str | None = None, batch_size: int | None = None,
-                 timeout_s: float = distributed.DEFAULT_TIMEOUT_S, save: str | None = None,
+                 timeout_s: float = servers.DEFAULT_TIMEOUT_S, save: str | None = None,
                  restore: str | None = None, debug: bool = False, echo=print, warn=None):
         self.model, self.plan, self.steps = model, plan, steps
         self.feeds, self.batch_size, self.timeout_s = feeds, batch_size, timeout_s
@@ -86,7 +88,7 @@ class Launch:
         self.echo = echo
         self.warn = warn or (lambda text: print(text, file=sys.stderr))
         if cluster is None:
-            cluster = distributed.local_cluster(plan.job_sizes())
+            cluster = servers.local_cluster(plan.job_sizes())
         else:
             _require_local(cluster)
             plan.check_cluster(cluster)
@@ -116,7 +118,7 @@ class Launch:
     def _start(self) -> None:
         cleanup.sweep_launch_dirs()
         self.tmp = tempfile.mkdtemp(prefix=cleanup.LAUNCH_PREFIX + cleanup.owner_tag())
-        cluster_file = distributed.write_cluster(os.path.join(self.tmp, "cluster.json"),
+        cluster_file = servers.write_cluster(os.path.join(self.tmp, "cluster.json"),
                                                  self.cluster)
         env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
         env.update({"PYTHONUNBUFFERED": "1", PARENT_ENV: str(os.getpid())})

@@ -1,6 +1,6 @@
-"""Parameter-server clusters on TensorFlow's own gRPC runtime: the plan a `ps` graph carries
-(collection ``graphxform_cluster``), free local ports, cluster files, the servers of a cluster
-started in this process, and the ConfigProto a task's server and session use.
+"""Clusters on TensorFlow's own gRPC runtime: free local ports, cluster files, the servers of a
+cluster started in this process, and the ConfigProto a task's server and session use (the plan
+each task runs is graphxform/plan.py's data).
 
 TensorFlow's gRPC server always listens on 0.0.0.0:PORT (hard-coded in grpc_server_lib.cc);
 every address graphxform writes or connects to is 127.0.0.1."""
@@ -8,7 +8,6 @@ every address graphxform writes or connects to is 127.0.0.1."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import re
 import socket
@@ -17,118 +16,8 @@ import time
 from graphxform.cluster import Cluster
 from graphxform.errors import GraphxformError
 
-CLUSTER_COLLECTION = "graphxform_cluster"
 LOCALHOST = "127.0.0.1"
 DEFAULT_TIMEOUT_S = 120.0
-
-
-@dataclasses.dataclass
-class ClusterPlan:
-    """What a `ps` graph was built for and how each task runs its part of a step.
-
-    ``steps`` maps "job:task" to the op that task runs once per step, ``losses`` maps
-    "job:task" to the mean loss of that task's replicas, ``chief`` is "chief:0" or
-    "worker:0", ``chief_init`` is an op the chief runs once after initialising (or None).
-    ``train_ops`` are the original train ops (each kept under its name for one client); a graph
-    with several has no per-task ``steps`` yet and runs only with one client."""
-
-    cluster: dict
-    steps: dict
-    losses: dict
-    chief: str = "worker:0"
-    chief_init: str | None = None
-    strategy: str = "ps"
-    staleness: int = 0
-    is_async: bool = False
-    train_ops: list = dataclasses.field(default_factory=list)
-
-    # ------------------------------------------------------------ (de)serialise
-    def to_json(self) -> str:
-        return json.dumps({"strategy": self.strategy, "cluster": self.cluster,
-                           "chief": self.chief, "steps": self.steps, "losses": self.losses,
-                           "chief_init": self.chief_init, "staleness": self.staleness,
-                           "async": self.is_async, "train_ops": self.train_ops}, sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text, source: str = "graph") -> "ClusterPlan":
-        where = f"{source}: collection '{CLUSTER_COLLECTION}'"
-        try:
-            data = json.loads(text)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise GraphxformError(f"{where} is not valid JSON ({e})") from None
-        if not isinstance(data, dict):
-            raise GraphxformError(f"{where} is not a JSON object")
-        train_ops = data.get("train_ops") or []
-        if not isinstance(train_ops, list) or not all(isinstance(t, str) for t in train_ops):
-            raise GraphxformError(f"{where}: 'train_ops' is not a list of names")
-        for key in ("cluster", "steps"):
-            empty_ok = key == "steps" and len(train_ops) > 1  # several: one client only
-            if not isinstance(data.get(key), dict) or not (data[key] or empty_ok):
-                raise GraphxformError(f"{where} has no '{key}'")
-        Cluster(data["cluster"], source=where)  # the same checks as a cluster file
-        plan = cls(cluster={j: list(t) for j, t in data["cluster"].items()},
-                   steps=dict(data["steps"]), losses=dict(data.get("losses") or {}),
-                   chief=data.get("chief") or "worker:0", chief_init=data.get("chief_init"),
-                   strategy=data.get("strategy", "ps"), staleness=int(data.get("staleness", 0)),
-                   is_async=bool(data.get("async", False)), train_ops=list(train_ops))
-        if plan.steps and plan.chief not in plan.steps:
-            raise GraphxformError(f"{where}: the chief '{plan.chief}' has no step op")
-        return plan
-
-    @classmethod
-    def from_meta(cls, meta, source: str = "graph") -> "ClusterPlan | None":
-        """The plan in a MetaGraphDef, or None when it has none (not a `ps` graph)."""
-        if CLUSTER_COLLECTION not in meta.collection_def:
-            return None
-        values = meta.collection_def[CLUSTER_COLLECTION].bytes_list.value
-        if len(values) != 1:
-            raise GraphxformError(f"{source}: collection '{CLUSTER_COLLECTION}' should hold "
-                                  f"one JSON string, not {len(values)}")
-        return cls.from_json(values[0], source)
-
-    @classmethod
-    def from_ir(cls, ir) -> "ClusterPlan | None":
-        return cls.from_meta(ir.meta, ir.source or "graph")
-
-    def write_to(self, meta) -> None:
-        """Store this plan in a MetaGraphDef (replacing any plan there)."""
-        col = meta.collection_def[CLUSTER_COLLECTION]
-        col.Clear()
-        col.bytes_list.value.append(self.to_json().encode())
-
-    # ------------------------------------------------------------ questions
-    def job_sizes(self) -> dict:
-        return {job: len(tasks) for job, tasks in self.cluster.items()}
-
-    def require_per_task(self, source: str = "the graph") -> None:
-        """One process per task runs one train op; refuse a graph with several (before any
-        process starts, rather than hang)."""
-        if len(self.train_ops) > 1:
-            raise GraphxformError(
-                f"{source} has {len(self.train_ops)} train ops ({', '.join(self.train_ops)}); "
-                "running it one process per task is not supported yet: run it with one client "
-                "(`graphxform verify`, or import_meta_graph and session.run each train op in "
-                "turn against a server of the cluster)")
-
-    def is_chief(self, job: str, task: int) -> bool:
-        return f"{job}:{task}" == self.chief
-
-    def step_of(self, job: str, task: int) -> str:
-        key = f"{job}:{task}"
-        if key not in self.steps:
-            raise GraphxformError(f"{job} {task} has no part in the training step (tasks that "
-                                  f"run steps: {', '.join(sorted(self.steps))}); ps tasks only "
-                                  "`graphxform serve`")
-        return self.steps[key]
-
-    def check_cluster(self, cluster: Cluster) -> None:
-        """The graph's devices name jobs and task indices: a cluster must have the same ones."""
-        ours = self.job_sizes()
-        theirs = {job: len(tasks) for job, tasks in cluster.jobs.items()}
-        if ours != theirs:
-            describe = lambda sizes: ", ".join(f"{n} {j}" for j, n in sorted(sizes.items()))
-            raise GraphxformError(f"{cluster.source}: the cluster has {describe(theirs)} tasks "
-                                  f"but the graph was built for {describe(ours)}")
 
 
 # ---------------------------------------------------------------- addresses and files
