@@ -234,7 +234,8 @@ def _check_colocation(ir: GraphIR) -> None:
             _colocated(node_table, [name], _targets(proto.attr["_class"].list.s))
     by_plans = {}  # id(plans) -> (the originals with a _class by index, and their targets)
     for replica in ir.replicas():
-        plans, names, copies, touched = replica.plans, replica.names, replica.copies, replica.touched
+        plans, names, copies = replica.plans, replica.names, replica.copies
+        touched = replica.touched
         if id(plans) not in by_plans:
             by_plans[id(plans)] = _plans_targets(plans)
         colocated, kept, copied = by_plans[id(plans)]

@@ -53,6 +53,27 @@ class PassTiming:
     verify_seconds: float = 0.0  # the structural check alone
 
 
+def refuse_oversized_output(model: str, replicas: int) -> None:
+    """Refuse, before any work, an output that would pass the 2 GiB protobuf can hold
+    (TensorFlow could not read it back): estimated as the model file's size times
+    ``replicas``, since every replica copies the training step."""
+    from graphxform.metagraph import PROTOBUF_LIMIT
+    size = os.path.getsize(model)
+    estimate = size * max(replicas, 1)
+    if estimate > PROTOBUF_LIMIT:
+        raise GraphxformError(f"{model}: the output would be about {_size(estimate)} "
+                              f"({replicas} replicas of {_size(size)}), more than the "
+                              f"{_size(PROTOBUF_LIMIT + 1)} protobuf can hold; use fewer "
+                              "replicas")
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes} bytes"
+
+
 class Pipeline:
     """Runs passes in order. Verifies the IR after each (``verify=False`` skips it; only the
     nodes a pass added or rewired are checked, and cycles through them), records
@@ -67,6 +88,8 @@ class Pipeline:
     def run(self, ir: GraphIR, ctx: PassContext | None = None) -> GraphIR:
         from graphxform import verify as verify_mod
         ctx = ctx or PassContext()
+        if ir.source and os.path.isfile(ir.source):
+            refuse_oversized_output(ir.source, ctx.replicas)
         self.timings = []
         if self.dump_dir:
             os.makedirs(self.dump_dir, exist_ok=True)

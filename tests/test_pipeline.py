@@ -62,3 +62,17 @@ def test_no_verify_lets_it_through():
     ir = metagraph.load(fixture_path("mlp_sgd"))
     Pipeline([BreakPorts()], verify=False).run(ir)
     assert "broken" in ir
+
+
+def test_an_output_past_protobufs_limit_is_refused_before_any_pass():
+    import os
+
+    from graphxform import strategies
+    from graphxform.errors import GraphxformError
+    path = fixture_path("mlp_sgd")
+    replicas = 2**31 // os.path.getsize(path) + 1
+    ir = metagraph.load(path)
+    with pytest.raises(GraphxformError, match=rf"mlp_sgd.meta: the output would be about 2\.00 GiB "
+                       rf"\({replicas} replicas of \d+\.\d\d KiB\), more than the 2\.00 GiB"):
+        strategies.transform(ir, "allreduce", devices=[f"/device:CPU:{i}" for i in range(replicas)])
+    assert not any(n.startswith("replica_") for n in ir.nodes())  # no pass ran
