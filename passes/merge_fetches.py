@@ -1,23 +1,46 @@
-"""merge-fetches: original fetch names return the whole-batch value.
+"""merge-fetches: every name the user could fetch or run in the input exists again, giving what
+the single-device graph gives for the whole global batch.
 
-The train op and every other sink NoOp of the input graph (an `init`, a group) become a NoOp
-that runs all replicas' copies. The loss (and `mean` fetches) become the mean of the replicas'
-values, which for a mean over equal slices is the mean over the whole batch; `concat` fetches
-(per-example outputs) are concatenated along the batch axis in replica order."""
+`replicate` copied each node of the step as `replica_{i}/<name>` and removed the original. Here
+each such original gets one node under its name that reads the copies, chosen by the class
+graphxform/replica_values.py finds for its output (its docstring has the rules):
+
+- identical: Identity of replica 0's copy;
+- batch: ConcatV2 of the copies along axis 0, in replica order;
+- mean: Pack of the copies, then Mean over them;
+- sum (and count): AddN of the copies;
+- unknown, or a class its dtype cannot be merged in: Identity of replica 0's copy, and the name
+  is listed in the summary's `unmerged`.
+
+A node with several outputs is an IdentityN of replica 0's outputs (listed unless every output
+is identical). A node without outputs (NoOp, AssignVariableOp, ...) is a NoOp that waits on every
+replica's copy. An Identity or IdentityN of a node whose running has effects (a train op such as
+tf_slim's `train_op/control_dependency`, anything after a variable write, a queue op or a
+collective) also waits on the other replicas' copies, so running it runs every replica; pure
+values do not, which keeps the graph small. Every step of the training graph counts as having
+effects. The `mean` and `concat` options (`--fetch-mean`, `--fetch-concat`) override the class
+of the tensors they name. Collections that listed the copies list the original name again."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import itertools
 
 import numpy as np
 
-from graphxform import opdefs
+from graphxform import opdefs, replica_values
 from graphxform.errors import GraphxformError
 from graphxform.ir import parse_tensor
 from graphxform.nodes import Builder, replica_prefix
 from graphxform.pipeline import Pass, PassResult
+from graphxform.replica_values import BATCHED, COUNT, IDENTICAL, MEAN, SUM, UNKNOWN
 
 SCOPE = "merge_fetches/"
+_FLOATS = frozenset({1, 2, 8, 14, 18, 19})  # float double complex64 bfloat16 complex128 half
+_NUMBERS = _FLOATS | {3, 9, 4, 6, 5, 17, 22, 23}  # and the integer types
+_NOT_CONCATENABLE = frozenset({20, 21})  # resource, variant
+_IDENTICAL, _UNKNOWN = (IDENTICAL,), (UNKNOWN,)
 
 
 @dataclasses.dataclass
@@ -27,40 +50,233 @@ class MergeFetches(Pass):
     concat: tuple = ()
 
     def run(self, ir, ctx):
+        prefixes = [replica_prefix(i) for i in range(len(ctx.devices))]
+        first = prefixes[0]
+        forced = {**_slice_constants(ir, first, ctx.training, len(prefixes)),
+                  **self._overrides(ir, first)}
+        copies = replica_copies(ir, first)
+        originals = _originals(ir, first, copies)
+        if not originals:
+            return PassResult(modified=False)
         tg = ctx.training
-        n = len(ctx.devices)
-        build = Builder(ir, self.name)
-        merged = []
-        sinks = [name for name in dict.fromkeys([tg.train_op, *tg.noop_sinks]) if name not in ir]
-        for name in sinks:
-            build.op(name, "NoOp", ["^" + replica_prefix(i) + name for i in range(n)])
-            merged.append(name)
-        means = list(self.mean) + [t for t in tg.losses if t not in self.mean]
-        for tensor in means:
-            merged += self._merge(ir, build, tensor, n, "mean")
-        for tensor in self.concat:
-            merged += self._merge(ir, build, tensor, n, "concat")
-        _restore_collection_names(ir, set(merged))
-        return PassResult(modified=bool(merged), summary={"merged": merged})
+        only_first = ctx.state.get("sync-init", {}).get("first_only", set())
+        values = replica_values.classify(ir, first, forced=forced,
+                                         losses=_copies_of(ir, first, tg.losses),
+                                         gradients=_gradient_losses(ir, first, tg),
+                                         copies=copies,
+                                         single={first + name for name in only_first},
+                                         step={first + name for name in tg.train_closure})
+        steps = {parse_tensor(step.name)[0] for step in tg.steps}
+        merge = _Merge(ir, Builder(ir, self.name), prefixes, values)
+        for name in originals:
+            merge.node(name, effect=name in steps or first + name in values.effects,
+                       only_first=name in only_first)
+        merge.flush()
+        _restore_collection_names(ir, set(originals))
+        return PassResult(modified=True, summary={"merged": dict(merge.counts),
+                                                  "unmerged": merge.unmerged})
 
-    def _merge(self, ir, build, tensor, n, how):
+    def _overrides(self, ir, first: str) -> dict:
+        """{(replica 0's copy, port): class} for the tensors the user named."""
+        forced = {}
+        for tensors, kind in ((self.mean, MEAN), (self.concat, replica_values.BATCH)):
+            for tensor in tensors:
+                node, port = parse_tensor(tensor)
+                if node in ir:
+                    continue  # shared: it keeps its single value
+                if first + node not in ir:
+                    raise GraphxformError(f"cannot merge fetch '{tensor}': no such node in the "
+                                          "graph")
+                if opdefs.num_outputs(ir, first + node) != 1:
+                    raise GraphxformError(f"cannot merge fetch '{tensor}': only nodes with one "
+                                          "output can be merged")
+                forced[(first + node, port)] = kind
+        return forced
+
+
+def replica_copies(ir, first: str) -> list[str]:
+    """The nodes named ``first`` + something, in graph order (one sweep at C speed)."""
+    names = list(ir.g._node)
+    return list(itertools.compress(names, map(str.startswith, names, itertools.repeat(first))))
+
+
+def _originals(ir, first: str, copies: list) -> list[str]:
+    """The input's nodes that exist only as replica copies (of ``copies``), in graph order."""
+    node_table, start = ir.g._node, len(first)
+    return [name[start:] for name in copies
+            if node_table[name]["origin"] == name[start:] and name[start:] not in node_table]
+
+
+def _slice_constants(ir, first: str, tg, replicas: int) -> dict:
+    """{(constant, 0): unknown} for replica 0's constants that may hold the slice's size.
+
+    With a fixed batch dimension TF folded the global batch into constants (shapes, sizes, a
+    mean's divisor, zeros of the batch's shape), and split-inputs makes each replica's say the
+    slice's size: they are neither identical to the single-device value nor a known merge.
+    Every numeric constant with a multiple of the slice's size among its values or as its
+    leading dimension counts (a few innocent ones are only served as unknown)."""
+    sizes = {i.fixed_batch for i in tg.inputs if getattr(i, "fixed_batch", None)}
+    if not sizes or replicas < 2:
+        return {}
+    from tensorflow.python.framework import tensor_util
+    size = min(sizes) // replicas
+    found = {}
+    for name in ir.nodes_of({"Const"}):
+        if not name.startswith(first):
+            continue
+        tensor = ir.attrs(name)["value"].tensor
+        dims = [d.size for d in tensor.tensor_shape.dim]
+        if tensor.dtype not in _NUMBERS:
+            continue
+        values = tensor_util.MakeNdarray(tensor).reshape(-1)
+        if (dims and dims[0] == size) or (values.size and values.size <= 64 and any(
+                v >= size and v % size == 0 for v in values.tolist())):
+            found[(name, 0)] = replica_values.UNKNOWN
+    return found
+
+
+def _copies_of(ir, first: str, tensors) -> set:
+    """(replica 0's copy, port) of each tensor that was replicated."""
+    found = set()
+    for tensor in tensors:
         node, port = parse_tensor(tensor)
-        if node in ir:
-            return []  # shared, or merged already
-        if replica_prefix(0) + node not in ir:
-            raise GraphxformError(f"cannot merge fetch '{tensor}': no such node in the graph")
-        if port != 0:
-            raise GraphxformError(f"cannot merge fetch '{tensor}': only output 0 can be merged")
-        copies = [f"{replica_prefix(i)}{node}:0" for i in range(n)]
-        dtype = opdefs.output_dtype(ir, replica_prefix(0) + node, 0)
-        scope = f"{SCOPE}{node}/"
-        axis = build.const(scope + "axis", 0, np.int32)
-        if how == "mean":
-            stacked = build.op(scope + "stack", "Pack", copies, N=n, T=dtype)
-            build.op(node, "Mean", [stacked, axis], T=dtype)
+        if first + node in ir and node not in ir:
+            found.add((first + node, port))
+    return found
+
+
+def _gradient_losses(ir, first: str, tg) -> dict:
+    """{(copy of a born dense gradient, port): (copy of the loss it differentiates, port)}."""
+    found = {}
+    for step in tg.steps:
+        if not step.loss:
+            continue
+        loss = _copies_of(ir, first, [step.loss])
+        if not loss:
+            continue
+        for var in tg.trainable:
+            if var.gradient.kind != "dense" or not var.updates or var.updates[0] not in step.closure:
+                continue
+            for gradient in _copies_of(ir, first, [var.gradient.tensor]):
+                found[gradient] = next(iter(loss))
+    return found
+
+
+class _Merge:
+    """Collects the merged nodes by op and attrs, then adds each group with one bulk call."""
+
+    def __init__(self, ir, build: Builder, prefixes: list, values):
+        self.ir, self.build, self.prefixes, self.values = ir, build, prefixes, values
+        self.groups = {}  # (op, attrs) -> (attrs dict, rows), in the order first seen
+        self.stacks = {}  # the same for the Packs that Means read (added first)
+        self.counts = collections.Counter()
+        self.unmerged = []
+        self._axis = None
+        self._signatures = {}  # op type -> output dtypes (ints or attr names), or how to ask
+
+    def node(self, name: str, effect: bool, only_first: bool) -> None:
+        """The node ``name`` serving its copies; ``effect``: running it must run every
+        replica's copy; ``only_first``: replica 0 alone has a copy."""
+        first = self.prefixes[0] + name
+        dtypes = self._output_types(first)
+        if not dtypes:  # no outputs, or an op nobody can type
+            self._add(self.groups, "NoOp", {}, name,
+                      ["^" + c for c in self._copies(name, only_first)])
+            self._served(name, "no_outputs" if dtypes == [] else None)
+            return
+        values = _IDENTICAL if only_first else self.values.classes.get(first, _UNKNOWN)
+        copies = None
+        if len(dtypes) == 1 and values[0] != IDENTICAL:
+            copies = self._copies(name, only_first)
+            if len(copies) > 1 and self._merged(name, copies, values[0], dtypes[0]):
+                return
+        waits = []
+        if effect:
+            waits = ["^" + c for c in (copies or self._copies(name, only_first))[1:]]
+        if len(dtypes) == 1:
+            self._add(self.groups, "Identity", {"T": dtypes[0]}, name, [first] + waits)
         else:
-            build.op(node, "ConcatV2", copies + [axis], N=n, T=dtype)
-        return [node]
+            self._add(self.groups, "IdentityN", {"T": tuple(dtypes)}, name,
+                      [f"{first}:{k}" for k in range(len(dtypes))] + waits)
+        identical = all(kind == IDENTICAL for kind in values)  # a short tuple repeats its last
+        self._served(name, "identical" if identical or copies == [first] else None)
+
+    def _copies(self, name: str, only_first: bool) -> list[str]:
+        """Every replica's copy of ``name`` (those that exist, should a pass have removed one);
+        replica 0's alone for what only it has (sync-init's initial values)."""
+        if only_first:
+            return [self.prefixes[0] + name]
+        copies = [p + name for p in self.prefixes]
+        if copies[-1] in self.ir.g._node:
+            return copies
+        return [c for c in copies if c in self.ir.g._node]
+
+    def _output_types(self, name: str) -> list | None:
+        """The dtype of each output of ``name``; None when its op is unknown or an output's
+        type cannot be told. Ops whose outputs are fixed by their OpDef are read once."""
+        op = self.ir.g._node[name]["op"]
+        signature = self._signatures.get(op)
+        if signature is None:
+            found = opdefs.op_def(self.ir, op)
+            fixed = found is not None and not any(a.number_attr or a.type_list_attr
+                                                  for a in found.output_arg)
+            signature = self._signatures[op] = (
+                tuple(a.type or a.type_attr for a in found.output_arg) if fixed else
+                "unknown" if found is None else "per node")
+        if signature == "unknown":
+            return None
+        if signature == "per node":
+            count = opdefs.num_outputs(self.ir, name)
+            dtypes = [opdefs.output_dtype(self.ir, name, k) for k in range(count)]
+            return None if None in dtypes else dtypes
+        attrs = self.ir.attrs(name)
+        dtypes = [t if type(t) is int else attrs[t].type if t in attrs else None
+                  for t in signature]
+        return None if None in dtypes else dtypes
+
+    def _merged(self, name: str, copies: list, kind: str, dtype: int) -> bool:
+        """Add the ConcatV2, Mean or AddN that ``kind`` asks for; False when it asks for none
+        (or the dtype allows none)."""
+        if kind in BATCHED and dtype not in _NOT_CONCATENABLE:
+            self._add(self.groups, "ConcatV2", {"N": len(copies), "T": dtype}, name,
+                      copies + [self.axis()])
+            self._served(name, "batch")
+        elif kind == MEAN and dtype in _FLOATS:
+            stack = SCOPE + name + "/stack"
+            self._add(self.stacks, "Pack", {"N": len(copies), "T": dtype}, stack, copies)
+            self._add(self.groups, "Mean", {"T": dtype}, name, [stack, self.axis()])
+            self._served(name, "mean")
+        elif kind in (SUM, COUNT) and dtype in _NUMBERS:
+            self._add(self.groups, "AddN", {"N": len(copies), "T": dtype}, name, copies)
+            self._served(name, "sum")
+        else:
+            return False
+        return True
+
+    def _served(self, name: str, how: str | None) -> None:
+        """Count how ``name`` is served; None: from replica 0 without knowing it is right."""
+        self.counts[how or "replica_0"] += 1
+        if how is None:
+            self.unmerged.append(name)
+
+    def axis(self) -> str:
+        if self._axis is None:
+            self._axis = self.build.const(self.ir.unique_name(SCOPE + "axis"), 0, np.int32)
+        return self._axis
+
+    @staticmethod
+    def _add(groups: dict, op: str, attrs: dict, name: str, inputs: list) -> None:
+        key = (op, *attrs.values())  # each op's attrs are always given in the same order
+        group = groups.get(key)
+        if group is None:
+            group = groups[key] = (op, attrs, [])
+        group[2].append((name, inputs, ""))
+
+    def flush(self) -> None:
+        for table in (self.stacks, self.groups):
+            for op, attrs, rows in table.values():
+                self.build.ops(op, rows, **{k: list(v) if isinstance(v, tuple) else v
+                                            for k, v in attrs.items()})
 
 
 def _restore_collection_names(ir, merged) -> None:
@@ -72,11 +288,9 @@ def _restore_collection_names(ir, merged) -> None:
         for value in col.node_list.value:
             bare = value.lstrip("^")
             head = bare.split("/", 1)
-            if bare.startswith("replica_") and len(head) == 2 and head[1].split(":")[0] in merged:
-                original = ("^" if value.startswith("^") else "") + head[1]
-                if original not in out:
-                    out.append(original)
+            if bare.startswith("replica_") and len(head) == 2 and parse_tensor(head[1])[0] in merged:
+                out.append(("^" if value.startswith("^") else "") + head[1])
             else:
                 out.append(value)
         del col.node_list.value[:]
-        col.node_list.value.extend(out)
+        col.node_list.value.extend(dict.fromkeys(out))

@@ -1,0 +1,1035 @@
+"""How each replica's copy of a node relates to what the single-device graph computes for the
+whole global batch: the classification merge-fetches serves original names by.
+
+Every replica runs the same step from equal variables on its own even slice of the global batch
+(split-inputs cuts it in replica order). Each output tensor of replica 0's copy gets a class:
+
+- ``identical``: equal on every replica and to the single-device value. Constants, variables and
+  their reads (replicas hold equal variables), what stays shared under its original name or
+  exists in replica 0 alone (sync-init's initial values), cross-replica results (collective
+  outputs, accumulator ``take_grad``, the value an update op returns), and anything a
+  deterministic op computes from these alone. Served: replica 0's. A variable that the step
+  writes with a value that is not identical (batch-norm statistics of the slice, an update from
+  a local gradient) drifts apart across replicas: it and its reads are unknown (the sweep runs
+  again with them so).
+- ``batch``: axis 0 is the replica's slice of the batch (the split inputs, and per-example work
+  on them: elementwise ops with identical operands of no higher rank, MatMul by an identical
+  matrix, convolutions, reshapes that keep a leading -1, reductions and slices that leave axis
+  0 alone, gathers of identical rows by batch ids). Served: the replicas concatenated on axis 0.
+- ``batch_fill``: a batch tensor whose rows do not depend on the data (``ones_like``, ``Fill``
+  or ``Tile`` of identical values to a batch shape). Served like batch; its sum over the batch
+  is a count.
+- ``mean``: the single-device value is the average of the replicas'. A mean over axes that
+  include axis 0 of a batch tensor (or all axes), a sum divided by a count (how
+  tf.compat.v1.losses and tf_keras losses take their mean), and affine combinations of means
+  with identical values (``total_loss = mean + regularization``). Served: the average.
+- ``sum``: the single-device value is the sum of the replicas' (``reduce_sum`` over axis 0 of a
+  batch tensor, ``L2Loss`` of one, a MatMul contracting two batch tensors over the batch, sums
+  and identical multiples of these). Served: the sum.
+- ``count``: how many examples or elements the slice has (``Size`` of a batch tensor, its
+  ``Shape[0]``, the sum of a batch_fill of ones): equal on every replica, served summed.
+- ``batch_shape``: the ``Shape`` of a batch tensor: its first element is a count, the rest are
+  identical. It has no merge of its own (served as unknown), but slicing it gives those.
+- ``unknown``: nothing above can be shown: batch norm in training mode (statistics of the slice
+  differ from the batch's), random draws of a fixed shape, what legacy loops carry, the insides
+  of ``tf.gradients`` (scaled by the slice's size), ops without a rule here. Served: replica
+  0's value, and named as not merged.
+
+Two rules come from the training step rather than from an op: a loss the step minimises is a
+mean unless it is shown to be a sum (the all-reduce averages its gradients, so the mean over
+replicas is what trains), and the gradient ``tf.gradients`` bore for a variable has its loss's
+class (a gradient is linear in its loss). User overrides (``--fetch-mean``, ``--fetch-concat``)
+take precedence over everything.
+
+Only static facts are read: op types, attrs, the values of Const inputs (axes, shapes,
+permutations) and ranks carried forward from placeholders, variables and constants; what a rule
+cannot see (an unknown rank beside a negative axis, axes that are not constants) makes the
+result unknown. Classes flow in one sweep over replica 0's copies and the shared and pass-made
+nodes they read, each visited after its inputs (depth first along the graph's adjacency, so a
+graph in the usual order costs one look at each edge); the back edges of legacy while loops are
+not waited for, so what a loop carries is unknown. Ranks are only worked out where a rule asks.
+
+Beside the classes, ``effects`` names the copies whose running does more than compute a value:
+their ancestors (data or control) include a variable write, a queue or accumulator op, or a
+collective (which waits for every replica). Fetching such a node must run every replica's copy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import operator
+import re
+
+from graphxform import opdefs
+from graphxform.ir import CONTROL_KEY
+from graphxform.training import RANDOM_OPS, VARIABLE_OPS, is_mutating_op
+
+IDENTICAL, BATCH, BATCH_FILL, MEAN, SUM, COUNT, BATCH_SHAPE, UNKNOWN = (
+    "identical", "batch", "batch_fill", "mean", "sum", "count", "batch_shape", "unknown")
+BATCHED = frozenset({BATCH, BATCH_FILL})
+LINEAR = frozenset({MEAN, SUM, COUNT})  # merged by averaging or summing; linear ops keep them
+
+_REPLICA = re.compile(r"replica_\d+/")
+_BACK_EDGE_OPS = frozenset({"NextIteration", "RefNextIteration"})
+_EFFECT_PREFIXES = ("Queue", "Collective", "Accumulator", "SparseAccumulator",
+                    "ResourceAccumulator", "Nccl", "Barrier")
+_CROSS_REPLICA = frozenset({"CollectiveReduce", "CollectiveReduceV2", "CollectiveReduceV3",
+                            "CollectiveGather", "CollectiveGatherV2", "CollectiveBcastRecv",
+                            "CollectiveBcastRecvV2", "CollectiveAllToAllV2",
+                            "CollectiveAllToAllV3", "NcclAllReduce", "AccumulatorTakeGradient",
+                            "SparseAccumulatorTakeGradient", "ResourceAccumulatorTakeGradient"})
+# stateful ops whose outputs are still a function of their (identical) inputs
+_STATEFUL_PURE = frozenset(VARIABLE_OPS | {
+    "ReadVariableOp", "VarIsInitializedOp", "IsVariableInitialized", "VariableShape",
+    "ResourceGather", "ResourceGatherNd", "Placeholder", "PlaceholderWithDefault"})
+# ops whose output can be known although an input is unknown
+_PAST_UNKNOWN = _CROSS_REPLICA | {"Rank", "Assign", "AssignAdd", "AssignSub"}
+_FLOAT_TYPES = frozenset({1, 2, 8, 14, 18, 19})  # float double complex64 bfloat16 complex128 half
+_ALL = "all"  # reduction axes covering every dimension (rank unknown)
+
+
+@dataclasses.dataclass
+class ReplicaValues:
+    """The result: ``classes`` maps each node of the sweep to its classes per output (a tuple
+    shorter than the node's outputs repeats its last class); ``effects`` the nodes whose
+    running has effects beyond their value."""
+    classes: dict
+    effects: set
+
+    def of(self, node: str, port: int = 0) -> str:
+        found = self.classes.get(node)
+        if found is None:
+            return UNKNOWN
+        return found[port] if port < len(found) else found[-1]
+
+
+def classify(ir, prefix: str = "replica_0/", forced=None, losses=(), gradients=None,
+             copies=None, single=frozenset(), step=None) -> ReplicaValues:
+    """Classify every node named ``prefix`` + something (``copies``, if the caller has them),
+    and what they read.
+
+    ``forced``: {(node, port): class} set whatever the rules say (user overrides).
+    ``losses``: (node, port) of losses a step minimises: mean unless shown a sum or identical.
+    ``gradients``: {(node, port): (loss node, loss port)}: a born gradient has its loss's class.
+    ``single``: copies no other replica has (sync-init's initial values, which every replica
+    reads): one instance, identical like a shared node.
+    ``step``: the copies a training step runs; only their variable writes can make replicas
+    drift apart (initializers are sync-init's to make equal). None: every write.
+    """
+    if copies is None:
+        names = list(ir.g._node)
+        copies = list(itertools.compress(names, map(str.startswith, names,
+                                                    itertools.repeat(prefix))))
+    forced, drifting = dict(forced or {}), set()
+    while True:
+        sweep = _Sweep(ir, prefix, forced, set(losses), dict(gradients or {}), single)
+        values = sweep.run(copies)
+        more = sweep.drifting_variables(step) - drifting
+        if not more:
+            return values
+        drifting |= more  # their reads differ: classify again with them unknown
+        forced.update({(variable, 0): UNKNOWN for variable in more})
+
+
+_I, _U = (IDENTICAL,), (UNKNOWN,)  # shared, so that ``is`` tells the common cases fast
+_NO_RANK = (None,)
+_LAZY = object()  # ranks not worked out yet
+
+
+class _Sweep:
+    """One pass over replica 0's copies and the shared and pass-made nodes they read, each
+    visited after its inputs."""
+
+    def __init__(self, ir, prefix, forced, losses, gradients, single=frozenset()):
+        self.ir = ir
+        self.prefix = prefix
+        self.single = single
+        self.nodes, self.pred = ir.g._node, ir.g._pred
+        self.forced, self.losses, self.gradients = forced, losses, gradients
+        self.overridden = {}  # node -> ports a step rule or an override names
+        for node, port in [*forced, *losses, *gradients]:
+            self.overridden.setdefault(node, set()).add(port)
+        self.classes, self.ranks, self.effects = {}, {}, set()
+        self.foreign = set()  # other replicas' copies met on the way: unknown, effectful
+        self._consts = {}
+        self._op_flags = {}  # op type -> (has effect, deterministic)
+        self._depth = 0  # of the ranks being worked out on demand
+        self.writes = []  # replica 0's ops that write a variable
+
+    def run(self, copies: list) -> ReplicaValues:
+        """Visit every copy after its inputs (depth first from each, in graph order, so the
+        usual order costs one look at each input); losses go first, so that a gradient can
+        take its loss's class."""
+        losses = [node for node, _ in self.gradients.values()]
+        for name in itertools.chain(losses, copies):
+            if name not in self.classes:
+                self._visit_after_inputs(name)
+        return ReplicaValues(self.classes, self.effects)
+
+    def _visit_after_inputs(self, start: str) -> None:
+        """Visit ``start`` and, first, its unvisited inputs, depth first. Loop back edges,
+        copies of other replicas and inputs on a cycle are not waited for: they read as
+        unknown."""
+        classes, pred, foreign = self.classes, self.pred, self.foreign
+        stack, on_path = [start], set()  # on_path: expanded, waiting for their inputs
+        while stack:
+            name = stack[-1]
+            if name in classes:
+                stack.pop()
+            elif name in on_path:  # its inputs are done
+                stack.pop()
+                on_path.discard(name)
+                self._visit(name)
+            else:
+                on_path.add(name)
+                stack.extend(src for src in pred[name]
+                             if src not in classes and src not in on_path
+                             and src not in foreign and self._followed(src))
+
+    def _followed(self, src: str) -> bool:
+        """Whether the sweep waits for ``src``: not for a loop's back edge, nor for another
+        replica's copy (remembered as foreign)."""
+        if _REPLICA.match(src) and not src.startswith(self.prefix):
+            self.foreign.add(src)
+            return False
+        return self.nodes[src]["op"] not in _BACK_EDGE_OPS
+
+    # ------------------------------------------------------------------ visit
+    def _visit(self, name: str) -> None:
+        """Classify ``name`` from its inputs' classes. Identical inputs of a deterministic op
+        and unknown inputs of most ops decide without a rule; ranks are worked out when a rule
+        first asks for one (most identical tensors never meet a batch tensor)."""
+        data = self.nodes[name]
+        op = data["op"]
+        preds = self.pred[name]
+        effect, pure = self.op_flags(op)
+        if (effect or not self.effects.isdisjoint(preds)
+                or not self.foreign.isdisjoint(preds)):
+            self.effects.add(name)
+        classes = self.classes
+        self.ranks[name] = _LAZY
+        if not name.startswith(self.prefix) or name in self.single:
+            classes[name] = _outside_classes(data, op)
+            return
+        if effect and is_mutating_op(op):
+            self.writes.append(name)
+        identical, unknown = True, False
+        for src, keys in preds.items():
+            if len(keys) == 1 and CONTROL_KEY in keys:
+                continue
+            found = classes.get(src)
+            if found is not _I:
+                identical = False
+                unknown = unknown or found is None or found is _U
+        if name not in self.overridden:
+            if identical and pure:
+                classes[name] = _I
+                return
+            if unknown and op not in _PAST_UNKNOWN:
+                classes[name] = _U
+                return
+        found, self.ranks[name] = RULES.get(op, _default)(self._node(name, op))
+        if name in self.overridden:
+            found = self._adjusted(name, found)
+        classes[name] = _I if found == _I else _U if found == _U else found
+
+    def _node(self, name: str, op: str) -> "_Node":
+        inputs = []
+        for src, keys in self.pred[name].items():
+            for key, edge in keys.items():
+                if key != CONTROL_KEY:
+                    inputs.append((key, src, edge["src_port"]))
+        inputs.sort()
+        return _Node(self, name, op, [(src, port) for _, src, port in inputs])
+
+    def _rank_now(self, name: str) -> tuple:
+        """The ranks of ``name``'s outputs, from its rule (its inputs' first, recursively; a
+        node on a cycle or too deep reads as unknown rank)."""
+        self.ranks[name] = _NO_RANK
+        if self._depth > 64:
+            return _NO_RANK
+        self._depth += 1
+        try:
+            _, ranks = RULES.get(self.nodes[name]["op"], _default)(
+                self._node(name, self.nodes[name]["op"]))
+        finally:
+            self._depth -= 1
+        self.ranks[name] = ranks
+        return ranks
+
+    def _adjusted(self, name: str, classes: tuple) -> tuple:
+        """``classes`` with the step's rules and then the user's overrides applied per port."""
+        ports = self.overridden[name]
+        out = list(classes) + [classes[-1]] * (max(ports) + 1 - len(classes))
+        for port in ports:
+            key = (name, port)
+            if key in self.gradients:
+                kind = self.class_of(*self.gradients[key])
+                out[port] = kind if kind in (MEAN, SUM, IDENTICAL) else UNKNOWN
+            if key in self.losses and out[port] not in (SUM, IDENTICAL):
+                out[port] = MEAN
+            if key in self.forced:
+                out[port] = self.forced[key]
+        return tuple(out)
+
+    def drifting_variables(self, step=None) -> set:
+        """Replica 0's variables that a write (in ``step``, if given) moves by something not
+        identical on every replica (batch-norm statistics from the slice, an update from a
+        local gradient): their copies drift apart, so what reads them is not identical."""
+        found = set()
+        for name in self.writes:
+            if step is not None and name not in step:
+                continue
+            node = self._node(name, self.nodes[name]["op"])
+            if not node.inputs or all(c == IDENTICAL for c in node.cls):
+                continue
+            variable = node.inputs[0][0]
+            if (variable.startswith(self.prefix)
+                    and self.nodes[variable]["op"] in VARIABLE_OPS):
+                found.add(variable)
+        return found
+
+    def op_flags(self, op: str) -> tuple[bool, bool]:
+        """(running it has an effect, its outputs follow from its inputs) for an op type."""
+        found = self._op_flags.get(op)
+        if found is None:
+            effect = is_mutating_op(op) or op.startswith(_EFFECT_PREFIXES)
+            pure = (op in _STATEFUL_PURE or is_mutating_op(op)
+                    or not opdefs.is_stateful(self.ir, op))
+            found = self._op_flags[op] = (effect, pure)
+        return found
+
+    # ------------------------------------------------------------ reading
+    def class_of(self, src: str, port: int) -> str:
+        found = self.classes.get(src)
+        if found is None:
+            return UNKNOWN
+        return found[port] if port < len(found) else found[-1]
+
+    def rank_of(self, src: str, port: int):
+        found = self.ranks.get(src)
+        if found is _LAZY:
+            found = self._rank_now(src)
+        if not found:
+            return None
+        return found[port] if port < len(found) else found[-1]
+
+    def const_ints(self, src: str, depth: int = 0):
+        """The integer values of ``src`` as a list when they follow from Consts alone (a
+        Const, and Identity, Pack, ConcatV2, Range, Add, Sub and Mul of such, as TF builds
+        ``rank - 1`` or ``[-1, d]``); else None."""
+        if src in self._consts:
+            return self._consts[src]
+        value = None
+        op = self.nodes[src]["op"]
+        if op == "Const":
+            tensor = self.ir.attrs(src)["value"].tensor
+            if tensor.dtype in (3, 9):  # int32, int64
+                from tensorflow.python.framework import tensor_util
+                value = [int(v) for v in tensor_util.MakeNdarray(tensor).reshape(-1)]
+        elif op in _FOLDED and depth < 16:
+            value = _fold(op, [self.const_ints(part, depth + 1)
+                               for part, _ in self.ir.inputs(src)])
+        self._consts[src] = value
+        return value
+
+
+_FOLDED = frozenset({"Identity", "Pack", "ConcatV2", "Range", "Add", "AddV2", "Sub", "Mul"})
+
+
+def _fold(op: str, parts: list):
+    """``op`` applied to integer lists (None when a part is unknown)."""
+    if op == "ConcatV2":
+        parts = parts[:-1]
+    if not parts or any(p is None for p in parts):
+        return None
+    if op == "Identity":
+        return parts[0]
+    if op in ("Pack", "ConcatV2"):
+        return [v for p in parts for v in p]
+    if op == "Range":
+        if all(len(p) == 1 for p in parts) and parts[2][0] != 0:
+            return list(range(parts[0][0], parts[1][0], parts[2][0]))
+        return None
+    a, b = parts
+    if len(a) != len(b) and 1 not in (len(a), len(b)):
+        return None
+    width = max(len(a), len(b))
+    a, b = (a * width if len(a) == 1 else a), (b * width if len(b) == 1 else b)
+    combine = {"Sub": lambda x, y: x - y, "Mul": lambda x, y: x * y}.get(op, lambda x, y: x + y)
+    return [combine(x, y) for x, y in zip(a, b)]
+
+
+def _outside_classes(data: dict, op: str) -> tuple:
+    """A node outside the replicas runs once: identical, except the slices split-inputs cuts."""
+    if op == "Split" and data.get("created_by") == "split-inputs":
+        return (BATCH,)
+    return _I
+
+
+class _Node:
+    """What a rule sees of one node: its inputs' classes and ranks, attrs and Const inputs."""
+
+    __slots__ = ("sweep", "name", "op", "inputs", "cls", "_rank")
+
+    def __init__(self, sweep: _Sweep, name: str, op: str, inputs: list):
+        self.sweep, self.name, self.op, self.inputs = sweep, name, op, inputs
+        self.cls = [sweep.class_of(src, port) for src, port in inputs]
+        self._rank = None
+
+    @property
+    def rank(self) -> list:
+        """The inputs' ranks (None where unknown), worked out on first use."""
+        if self._rank is None:
+            self._rank = [self.sweep.rank_of(src, port) for src, port in self.inputs]
+        return self._rank
+
+    def attr(self, key: str):
+        return self.sweep.ir.attrs(self.name).get(key)
+
+    def ints(self, k: int):
+        """The integer values of Const input ``k`` (a list), or None."""
+        if k >= len(self.inputs) or (k < 0 and -k > len(self.inputs)):
+            return None
+        return self.sweep.const_ints(self.inputs[k][0])
+
+    def axis(self, k: int, rank):
+        """Const input ``k`` as one axis, made non-negative with ``rank`` (None if unknown)."""
+        values = self.ints(k)
+        if not values or len(values) != 1:
+            return None
+        return _non_negative(values[0], rank)
+
+    def shape_length(self, k: int):
+        """How many entries the 1-D shape vector at input ``k`` has: the rank it makes."""
+        if k >= len(self.inputs):
+            return None
+        src, port = self.inputs[k]
+        sweep = self.sweep
+        op = sweep.nodes[src]["op"]
+        if op == "Const":
+            values = sweep.const_ints(src)
+            return None if values is None else len(values)
+        if op in ("Shape", "ShapeN"):
+            return sweep.rank_of(*sweep.ir.input(src, port if op == "ShapeN" else 0))
+        if op == "Pack":
+            return len(sweep.ir.inputs(src))
+        if op in ("Reshape", "Slice"):  # to [k] / of size [k]: a vector of k entries
+            size = sweep.const_ints(sweep.ir.input(src, 1 if op == "Reshape" else 2)[0])
+            return size[0] if size and len(size) == 1 and size[0] >= 0 else None
+        return None
+
+    def others_identical(self, *kept: int) -> bool:
+        """Whether every input but those at ``kept`` is identical."""
+        return all(c == IDENTICAL for k, c in enumerate(self.cls) if k not in kept)
+
+
+def _non_negative(axis: int, rank):
+    if axis >= 0:
+        return axis
+    return None if rank is None else axis + rank
+
+
+# --------------------------------------------------------------------- rules
+# Each rule takes a _Node and returns (classes per output, ranks per output); a tuple shorter
+# than the outputs repeats its last entry.
+
+def _default(n: _Node):
+    """Unknown ops: identical from identical inputs when deterministic, otherwise unknown."""
+    pure = n.sweep.op_flags(n.op)[1]
+    identical = pure and all(c == IDENTICAL for c in n.cls)
+    return (IDENTICAL if identical else UNKNOWN,), (None,)
+
+
+def _source(n: _Node):
+    """Placeholders, variables and constants: identical; their rank from their shape attr."""
+    attr = n.attr("value") if n.op == "Const" else n.attr("shape")
+    if attr is None:
+        return (IDENTICAL,), (None,)
+    shape = attr.tensor.tensor_shape if n.op == "Const" else attr.shape
+    return (IDENTICAL,), (None if shape.unknown_rank else len(shape.dim),)
+
+
+def _read(n: _Node):
+    """A variable read: identical; its rank is the variable's (carried by the handle)."""
+    identical = all(c == IDENTICAL for c in n.cls)
+    return (IDENTICAL if identical else UNKNOWN,), (n.rank[0] if n.rank else None,)
+
+
+def _linear_unary(n: _Node):
+    """Ops that pass their input's value through (or negate it): every class survives."""
+    return (n.cls[0] if n.others_identical(0) else UNKNOWN,), (n.rank[0],)
+
+
+def _cast(n: _Node):
+    c = n.cls[0]
+    if c in (MEAN, SUM) and n.attr("DstT").type not in _FLOAT_TYPES:
+        c = UNKNOWN  # rounding a mean or sum is not the rounded merge
+    return (c,), (n.rank[0],)
+
+
+def _elementwise_unary(n: _Node):
+    """A function of each element: per-example structure survives, averages and sums do not."""
+    c = n.cls[0]
+    return (c if c in BATCHED or c == IDENTICAL else UNKNOWN,), (n.rank[0],)
+
+
+def _like(n: _Node):
+    """zeros_like / ones_like: rows that do not depend on the data."""
+    c = n.cls[0]
+    kind = BATCH_FILL if c in BATCHED else UNKNOWN if c == UNKNOWN else IDENTICAL
+    return (kind,), (n.rank[0],)
+
+
+def _last_axis(n: _Node):
+    """Softmax and the like work on the last axis: per-example when that is not axis 0."""
+    c, rank = n.cls[0], n.rank[0]
+    if c == IDENTICAL:
+        return (IDENTICAL,), (rank,)
+    return (c if c in BATCHED and rank is not None and rank >= 2 else UNKNOWN,), (rank,)
+
+
+def _broadcast(classes, ranks) -> str:
+    """Identical and batch operands of a broadcasting op: batch when every batch operand has
+    the same known rank and no identical operand has more dimensions (which would move the
+    batch axis off axis 0)."""
+    batch_ranks = {r for c, r in zip(classes, ranks) if c in BATCHED}
+    if not batch_ranks:
+        return IDENTICAL
+    if len(batch_ranks) != 1 or None in batch_ranks:
+        return UNKNOWN
+    (top,) = batch_ranks
+    if any(c == IDENTICAL and (r is None or r > top) for c, r in zip(classes, ranks)):
+        return UNKNOWN
+    return BATCH if BATCH in classes else BATCH_FILL
+
+
+_ADDITIVE = frozenset({"Add", "AddV2", "Sub", "AddN"})
+_MULTIPLY = frozenset({"Mul", "MulNoNan"})
+_DIVIDE = frozenset({"RealDiv", "Div", "DivNoNan", "TrueDiv"})
+
+
+def _linear_combination(op: str, classes) -> str:
+    """Means, sums and counts through +, -, * and / by identical values (and sum / count)."""
+    others = [c for c in classes if c != IDENTICAL]
+    kinds = set(others)
+    if op in _ADDITIVE:
+        if kinds == {MEAN}:
+            return MEAN  # mean(m_i + c) = mean(m_i) + c
+        if kinds <= {SUM, COUNT} and len(others) == len(classes):
+            return COUNT if kinds == {COUNT} else SUM
+    elif op in _MULTIPLY:
+        if len(others) == 1 and others[0] in LINEAR:
+            return others[0]
+    elif op in _DIVIDE and len(classes) == 2:
+        top, bottom = classes
+        if bottom == IDENTICAL and top in LINEAR:
+            return top
+        if bottom == COUNT and top == SUM:
+            return MEAN  # every slice has the same count
+        if bottom == COUNT and top == COUNT:
+            return IDENTICAL
+    return UNKNOWN
+
+
+def _elementwise(n: _Node):
+    """Broadcasting elementwise ops (binary, AddN, SelectV2)."""
+    known = [r for r in n.rank if r is not None]
+    rank = max(known) if len(known) == len(n.rank) and known else None
+    if set(n.cls) <= {IDENTICAL, BATCH, BATCH_FILL}:
+        return (_broadcast(n.cls, n.rank),), (rank,)
+    return (_linear_combination(n.op, n.cls),), (rank,)
+
+
+def _select(n: _Node):
+    """Select (v1) takes a per-row condition vector; otherwise it broadcasts."""
+    cond, rest = n.cls[0], n.cls[1:]
+    if cond in BATCHED and n.rank[0] == 1 and all(c in BATCHED for c in rest):
+        return (BATCH,), (n.rank[1],)
+    return _elementwise(n)
+
+
+def _axes(n: _Node, rank):
+    """The reduction axes at input 1, non-negative: a list, _ALL, or None when unknown."""
+    src, _ = n.inputs[1]
+    sweep = n.sweep
+    values = sweep.const_ints(src)
+    if values is None:
+        if sweep.nodes[src]["op"] == "Range":  # range(0, rank(x), 1) for a reduction over all
+            parts = sweep.ir.inputs(src)
+            limit = parts[1][0] if len(parts) == 3 else None
+            if (limit and sweep.nodes[limit]["op"] == "Rank"
+                    and sweep.ir.input(limit, 0) == n.inputs[0]
+                    and sweep.const_ints(parts[0][0]) == [0]
+                    and sweep.const_ints(parts[2][0]) == [1]):
+                return _ALL if rank is None else list(range(rank))
+        return None
+    axes = [_non_negative(a, rank) for a in values]
+    return None if None in axes else sorted(set(axes))
+
+
+def _reduce(n: _Node):
+    """Sum, Mean, Max, ... over Const axes."""
+    c, rank = n.cls[0], n.rank[0]
+    axes = _axes(n, rank)
+    keep = bool(n.attr("keep_dims").b) if n.attr("keep_dims") is not None else False
+    out_rank = rank if keep else (0 if axes == _ALL else None if axes is None or rank is None
+                                  else rank - len(axes))
+    if n.cls[1] != IDENTICAL:
+        return (UNKNOWN,), (out_rank,)
+    if c == IDENTICAL:
+        return (IDENTICAL,), (out_rank,)
+    if c in LINEAR:
+        return (c if n.op in ("Sum", "Mean") else UNKNOWN,), (out_rank,)
+    if c == BATCH_SHAPE and n.op == "Prod" and (axes == _ALL or axes == [0]):
+        return (COUNT,), (out_rank,)  # the number of elements
+    if c not in BATCHED or axes is None:
+        return (UNKNOWN,), (out_rank,)
+    if axes != _ALL and 0 not in axes:
+        return (c,), (out_rank,)
+    if n.op == "Mean":
+        return (MEAN if c == BATCH else IDENTICAL,), (out_rank,)
+    if n.op == "Sum":
+        return (SUM if c == BATCH else COUNT,), (out_rank,)
+    if c == BATCH_FILL and n.op in ("Max", "Min", "All", "Any"):
+        return (IDENTICAL,), (out_rank,)
+    return (UNKNOWN,), (out_rank,)
+
+
+def _matmul(n: _Node):
+    a, b = n.cls[0], n.cls[1]
+    ta = bool(n.attr("transpose_a").b) if n.attr("transpose_a") is not None else False
+    tb = bool(n.attr("transpose_b").b) if n.attr("transpose_b") is not None else False
+    if a == IDENTICAL and b == IDENTICAL:
+        kind = IDENTICAL
+    elif a in BATCHED and b == IDENTICAL and not ta:
+        kind = a  # row k of the product is row k of a times b
+    elif a in BATCHED and b in BATCHED and ta and not tb:
+        kind = SUM  # a^T b adds one term per example
+    elif {a, b} in ({MEAN, IDENTICAL}, {SUM, IDENTICAL}):
+        kind = a if b == IDENTICAL else b
+    else:
+        kind = UNKNOWN
+    return (kind,), (2,)
+
+
+def _batch_matmul(n: _Node):
+    """Batched matmul: axis 0 of a batch operand stays axis 0 when the other operand has no
+    more dimensions and neither is a plain matrix."""
+    (a, b), (ra, rb) = n.cls[:2], n.rank[:2]
+    rank = max(ra, rb) if ra is not None and rb is not None else None
+    if a == IDENTICAL and b == IDENTICAL:
+        return (IDENTICAL,), (rank,)
+    if rank is None or rank < 3:
+        return (UNKNOWN,), (rank,)
+    if (a in BATCHED and (b in BATCHED and ra == rb or b == IDENTICAL and rb <= ra and ra >= 3)
+            or b in BATCHED and a == IDENTICAL and ra < rb):
+        return (BATCH,), (rank,)
+    return (UNKNOWN,), (rank,)
+
+
+def _per_example(n: _Node):
+    """Convolutions, pools and the like: axis 0 of the data input is the batch in every data
+    format; the other inputs (filters, sizes) must be identical."""
+    c = n.cls[0]
+    if not n.others_identical(0):
+        return (UNKNOWN,), (n.rank[0],)
+    return (BATCH if c in BATCHED else IDENTICAL if c == IDENTICAL else UNKNOWN,), (n.rank[0],)
+
+
+def _batch_norm(n: _Node):
+    """FusedBatchNorm: with batch statistics (training) the output depends on the slice."""
+    rank = n.rank[0]
+    if all(c == IDENTICAL for c in n.cls):
+        return (IDENTICAL,), (rank, 1)
+    training = n.attr("is_training")
+    if n.cls[0] not in BATCHED or not n.others_identical(0):
+        return (UNKNOWN,), (rank, 1)
+    if training is not None and not training.b:
+        return (BATCH, IDENTICAL), (rank, 1)
+    # the slice's statistics normalise it; the batch mean (over N, H, W) averages to the
+    # batch's, the (Bessel-corrected) variance does not
+    return (UNKNOWN, MEAN, UNKNOWN), (rank, 1)
+
+
+def _cross_entropy(n: _Node):
+    """(Sparse)SoftmaxCrossEntropyWithLogits: a loss per example and its backprop."""
+    rank = n.rank[0]
+    ranks = (rank - 1 if rank is not None else None, rank)
+    if all(c == IDENTICAL for c in n.cls):
+        return (IDENTICAL,), ranks
+    if all(c in BATCHED for c in n.cls):
+        return (BATCH,), ranks
+    return (UNKNOWN,), ranks
+
+
+def _shape(n: _Node):
+    """Shape of a batch tensor is a batch_shape; of a replica-independent one, identical."""
+    kinds = tuple(BATCH_SHAPE if c in BATCHED else UNKNOWN if c == UNKNOWN else IDENTICAL
+                  for c in n.cls)
+    return kinds or (IDENTICAL,), (1,)
+
+
+def _size(n: _Node):
+    c = n.cls[0]
+    return (COUNT if c in BATCHED else UNKNOWN if c == UNKNOWN else IDENTICAL,), (0,)
+
+
+def _rank(n: _Node):
+    return (IDENTICAL,), (0,)
+
+
+def _fill(n: _Node):
+    """Fill(dims, value) and BroadcastTo(value, shape): a batch_fill when the shape is a
+    batch tensor's (or the batch's size)."""
+    shape_at, value_at = (0, 1) if n.op == "Fill" else (1, 0)
+    shape, value = n.cls[shape_at], n.cls[value_at]
+    rank = n.shape_length(shape_at)
+    if shape == IDENTICAL and value == IDENTICAL:
+        return (IDENTICAL,), (rank,)
+    if shape in (BATCH_SHAPE, COUNT) and value == IDENTICAL:
+        return (BATCH_FILL,), (rank,)  # a count as the shape: tf.ones([batch_size])
+    if shape == BATCH_SHAPE and value in BATCHED and n.op == "BroadcastTo":
+        return (value,), (rank,)
+    return (UNKNOWN,), (rank,)
+
+
+def _tile(n: _Node):
+    c, multiples = n.cls[0], n.cls[1]
+    rank = n.rank[0]
+    if c == IDENTICAL and multiples == IDENTICAL:
+        return (IDENTICAL,), (rank,)
+    if c == IDENTICAL and multiples == BATCH_SHAPE:
+        return (BATCH_FILL,), (rank,)  # an identical value repeated once per example
+    values = n.ints(1)
+    if c in BATCHED and values and values[0] == 1:
+        return (c,), (rank,)
+    return (UNKNOWN,), (rank,)
+
+
+def _reshape(n: _Node):
+    c, shape = n.cls[0], n.cls[1]
+    rank = n.shape_length(1)
+    if shape == IDENTICAL and (c == IDENTICAL or c in LINEAR):
+        return (c,), (rank,)
+    if c in BATCHED and shape in (BATCH_SHAPE, COUNT):
+        return (c,), (rank,)
+    if c in BATCHED and shape == IDENTICAL and _leads_with_minus_one(n.sweep, n.inputs[1][0]):
+        return (c,), (rank,)  # a leading -1 keeps the examples in order along axis 0
+    return (UNKNOWN,), (rank,)
+
+
+def _leads_with_minus_one(sweep: _Sweep, src: str) -> bool:
+    """Whether the shape vector ``src`` is [-1, ...] with no other literal -1: a Const, or a
+    ConcatV2 / Pack whose first piece is (as ``tf.reshape(x, [-1, tf.shape(x)[1]])`` and
+    ``softmax_cross_entropy_with_logits``' flattening build it)."""
+    values = sweep.const_ints(src)
+    if values is not None:
+        return bool(values) and values[0] == -1 and -1 not in values[1:]
+    op = sweep.nodes[src]["op"]
+    if op not in ("ConcatV2", "Pack"):
+        return False
+    pieces = [sweep.const_ints(piece) for piece, _ in sweep.ir.inputs(src)]
+    if op == "ConcatV2":
+        pieces = pieces[:-1]
+    first = pieces[0] if pieces else None
+    return (bool(first) and first[0] == -1 and -1 not in first[1:]
+            and not any(p is not None and -1 in p for p in pieces[1:]))
+
+
+def _expand_dims(n: _Node):
+    c, rank = n.cls[0], n.rank[0]
+    out_rank = None if rank is None else rank + 1
+    if c in BATCHED:
+        axis = n.axis(1, out_rank)
+        return (c if axis is not None and axis != 0 else UNKNOWN,), (out_rank,)
+    return (c if c == IDENTICAL or c in LINEAR else UNKNOWN,), (out_rank,)
+
+
+def _squeeze(n: _Node):
+    """Squeeze: a squeeze of axis 0 loses the batch; squeezing every size-1 axis keeps it
+    unless a slice has one example, which then fails loudly in the concatenation."""
+    c, rank = n.cls[0], n.rank[0]
+    dims = list(n.attr("squeeze_dims").list.i) if n.attr("squeeze_dims") is not None else []
+    resolved = [_non_negative(d, rank) for d in dims]
+    out_rank = rank - len(dims) if dims and rank is not None else None
+    if c in BATCHED:
+        return (c if None not in resolved and 0 not in resolved else UNKNOWN,), (out_rank,)
+    return (c if c == IDENTICAL or c in LINEAR else UNKNOWN,), (out_rank,)
+
+
+def _transpose(n: _Node):
+    c, rank = n.cls[0], n.rank[0]
+    if c in BATCHED:
+        perm = n.ints(1)
+        return (c if perm and perm[0] == 0 else UNKNOWN,), (rank,)
+    return (c if (c == IDENTICAL or c in LINEAR) and n.cls[1] == IDENTICAL else UNKNOWN,), (rank,)
+
+
+def _join(classes, axis) -> str:
+    """Concatenating or stacking tensors of ``classes`` along ``axis`` (None: unknown)."""
+    kinds = set(classes)
+    if kinds == {IDENTICAL}:
+        return IDENTICAL
+    if kinds <= BATCHED:
+        return (BATCH if BATCH in kinds else BATCH_FILL) if axis not in (None, 0) else UNKNOWN
+    if kinds <= {MEAN, IDENTICAL} and MEAN in kinds:
+        return MEAN
+    if kinds <= {SUM, COUNT}:
+        return COUNT if kinds == {COUNT} else SUM
+    return UNKNOWN
+
+
+def _concat(n: _Node):
+    values, ranks = n.cls[:-1], n.rank[:-1]
+    rank = next((r for r in ranks if r is not None), None)
+    if n.cls[-1] != IDENTICAL:
+        return (UNKNOWN,), (rank,)
+    return (_join(values, n.axis(len(n.inputs) - 1, rank)),), (rank,)
+
+
+def _pack(n: _Node):
+    rank = n.rank[0]
+    out_rank = None if rank is None else rank + 1
+    axis_attr = n.attr("axis")
+    axis = _non_negative(axis_attr.i if axis_attr is not None else 0, out_rank)
+    if (axis == 0 and n.cls and n.cls[0] == COUNT and rank == 0
+            and all(c == IDENTICAL for c in n.cls[1:])):
+        return (BATCH_SHAPE,), (1,)  # [tf.shape(x)[0], d, ...]: a batch tensor's shape
+    return (_join(n.cls, axis),), (out_rank,)
+
+
+def _unpack(n: _Node):
+    c, rank = n.cls[0], n.rank[0]
+    out_rank = None if rank is None else rank - 1
+    axis_attr = n.attr("axis")
+    axis = _non_negative(axis_attr.i if axis_attr is not None else 0, rank)
+    if c in BATCHED:
+        return (c if axis not in (None, 0) else UNKNOWN,), (out_rank,)
+    return (c if c == IDENTICAL or c in LINEAR else UNKNOWN,), (out_rank,)
+
+
+def _split(n: _Node):
+    """Split(axis, value) and SplitV(value, sizes, axis)."""
+    value_at, axis_at = (1, 0) if n.op == "Split" else (0, 2)
+    c, rank = n.cls[value_at], n.rank[value_at]
+    if not n.others_identical(value_at):
+        return (UNKNOWN,), (rank,)
+    if c in BATCHED:
+        axis = n.axis(axis_at, rank)
+        return (c if axis not in (None, 0) else UNKNOWN,), (rank,)
+    return (c if c == IDENTICAL or c in LINEAR else UNKNOWN,), (rank,)
+
+
+def _slice(n: _Node):
+    c, rank = n.cls[0], n.rank[0]
+    if not n.others_identical(0):
+        return (UNKNOWN,), (rank,)
+    if c == IDENTICAL or c in LINEAR:
+        return (c,), (rank,)
+    begin, size = n.ints(1), n.ints(2)  # size may be computed (rank - 1) when begin is 0
+    if c in BATCHED and begin and size and begin[0] == 0 and size[0] == -1:
+        return (c,), (rank,)
+    if c == BATCH_SHAPE and begin and begin[0] >= 1:
+        return (IDENTICAL,), (rank,)  # tf.shape(x)[1:]
+    if c == BATCH_SHAPE and begin == [0] and size == [1]:
+        return (COUNT,), (rank,)  # [batch size]
+    if c == BATCH_SHAPE and begin == [0] and (size is None or size[0] != 0):
+        return (BATCH_SHAPE,), (rank,)  # the leading dims, the batch's first
+    return (UNKNOWN,), (rank,)
+
+
+def _mask(n: _Node, key: str) -> int:
+    value = n.attr(key)
+    return value.i if value is not None else 0
+
+
+def _strided_slice(n: _Node):
+    c, rank = n.cls[0], n.rank[0]
+    shrink, new_axis = _mask(n, "shrink_axis_mask"), _mask(n, "new_axis_mask")
+    ellipsis = _mask(n, "ellipsis_mask")
+    out_rank = None if rank is None else rank - bin(shrink).count("1") + bin(new_axis).count("1")
+    if not n.others_identical(0):
+        return (UNKNOWN,), (out_rank,)
+    if c == IDENTICAL or c in LINEAR:
+        return (c,), (out_rank,)
+    begin, end, strides = n.ints(1), n.ints(2), n.ints(3)
+    if not begin or not end or not strides or new_axis & 1:
+        return (UNKNOWN,), (out_rank,)
+    if c in BATCHED:
+        if ellipsis & 1:  # x[..., k]: the ellipsis keeps axis 0 when it covers a dimension
+            keeps = rank is not None and rank >= len(begin)
+            return (c if keeps else UNKNOWN,), (out_rank,)
+        whole = (_mask(n, "begin_mask") & 1 or begin[0] == 0) and _mask(n, "end_mask") & 1
+        return (c if whole and strides[0] == 1 and not shrink & 1 else UNKNOWN,), (out_rank,)
+    if c == BATCH_SHAPE and not ellipsis & 1 and strides[0] == 1:
+        starts_at = 0 if _mask(n, "begin_mask") & 1 else begin[0]
+        if shrink & 1 and starts_at == 0:
+            return (COUNT,), (out_rank,)  # tf.shape(x)[0]
+        if starts_at >= 1:
+            return (IDENTICAL,), (out_rank,)  # tf.shape(x)[1:]
+    return (UNKNOWN,), (out_rank,)
+
+
+def _gather(n: _Node):
+    """Gather, GatherV2 and ResourceGather: rows of identical params picked by batch ids are
+    batch rows; a gather along another axis keeps a batch params' axis 0."""
+    params, indices = n.cls[0], n.cls[1]
+    rp, ri = n.rank[0], n.rank[1]
+    rank = rp + ri - 1 if rp is not None and ri is not None else None
+    batch_dims = n.attr("batch_dims")
+    if not n.others_identical(0, 1) or (batch_dims is not None and batch_dims.i):
+        return (UNKNOWN,), (rank,)
+    if params == IDENTICAL and indices == IDENTICAL:
+        return (IDENTICAL,), (rank,)
+    axis = n.axis(2, rp) if n.op == "GatherV2" else 0
+    if axis == 0:
+        if params == IDENTICAL and indices in BATCHED:
+            return (indices,), (rank,)
+        if params == BATCH_SHAPE and indices == IDENTICAL:
+            picked = n.ints(1)
+            if picked and all(p >= 1 for p in picked):
+                return (IDENTICAL,), (rank,)
+            if picked == [0] and ri == 0:
+                return (COUNT,), (rank,)
+    elif axis is not None and params in BATCHED and indices == IDENTICAL:
+        return (params,), (rank,)
+    return (UNKNOWN,), (rank,)
+
+
+def _one_hot(n: _Node):
+    c, rank = n.cls[0], n.rank[0]
+    out_rank = None if rank is None else rank + 1
+    axis = n.attr("axis").i if n.attr("axis") is not None else -1
+    if not n.others_identical(0):
+        return (UNKNOWN,), (out_rank,)
+    if c == IDENTICAL:
+        return (IDENTICAL,), (out_rank,)
+    return (BATCH if c in BATCHED and axis != 0 else UNKNOWN,), (out_rank,)
+
+
+def _arg_reduce(n: _Node):
+    c, rank = n.cls[0], n.rank[0]
+    out_rank = None if rank is None else rank - 1
+    if c == IDENTICAL and n.cls[1] == IDENTICAL:
+        return (IDENTICAL,), (out_rank,)
+    axis = n.axis(1, rank)
+    return (c if c in BATCHED and axis not in (None, 0) else UNKNOWN,), (out_rank,)
+
+
+def _in_top_k(n: _Node):
+    if all(c == IDENTICAL for c in n.cls):
+        return (IDENTICAL,), (1,)
+    ok = n.cls[0] in BATCHED and n.cls[1] in BATCHED and n.others_identical(0, 1)
+    return (BATCH if ok else UNKNOWN,), (1,)
+
+
+def _l2_loss(n: _Node):
+    c = n.cls[0]
+    return (SUM if c == BATCH else IDENTICAL if c == IDENTICAL else UNKNOWN,), (0,)
+
+
+def _random(n: _Node):
+    """A draw shaped like the batch is a fresh draw per example (concatenated, a draw of the
+    global shape); a draw of a fixed shape differs per replica."""
+    rank = n.shape_length(0)
+    return (BATCH if n.cls and n.cls[0] == BATCH_SHAPE else UNKNOWN,), (rank,)
+
+
+def _cross_replica(n: _Node):
+    return (IDENTICAL,), (n.rank[0] if n.rank else None,)
+
+
+def _update(n: _Node):
+    """Assign and the like return the variable's value after the write: identical while the
+    variable is (a write of a value that is not makes it drift, see ``drifting_variables``)."""
+    kind = IDENTICAL if n.cls and n.cls[0] == IDENTICAL else UNKNOWN
+    return (kind,), (n.rank[1] if len(n.rank) > 1 else None,)
+
+
+def _switch(n: _Node):
+    """A legacy cond's Switch forwards its data to one branch: both outputs keep its class
+    when the predicate is identical (every replica takes the same branch)."""
+    c = n.cls[0] if n.others_identical(0) else UNKNOWN
+    return (c,), (n.rank[0],)
+
+
+def _merge(n: _Node):
+    """A cond's Merge forwards whichever branch ran: its class when both agree (a loop's
+    Merge also reads a back edge, unvisited, hence unknown); the branch index is identical."""
+    kinds = set(n.cls)
+    known = {r for r in n.rank}
+    return ((kinds.pop() if len(kinds) == 1 else UNKNOWN), IDENTICAL), (
+        known.pop() if len(known) == 1 else None, 0)
+
+
+def _exit(n: _Node):
+    """Exit moves a value out of a loop's frame unchanged. (Enter's output lives in the frame,
+    where no merge outside it can read it: unknown, the default.)"""
+    return (n.cls[0],), (n.rank[0],)
+
+
+def _table(groups: dict) -> dict:
+    return {op: rule for rule, ops in groups.items() for op in ops}
+
+
+RULES = _table({
+    _source: ("Const", "HostConst", "Placeholder", "PlaceholderWithDefault", "VarHandleOp",
+              "VariableV2", "Variable"),
+    _read: ("ReadVariableOp",),
+    _linear_unary: ("Identity", "Snapshot", "StopGradient", "PreventGradient", "CheckNumerics",
+                    "Neg", "EnsureShape", "RefIdentity"),
+    _cast: ("Cast",),
+    _elementwise_unary: (
+        "Abs", "Relu", "Relu6", "Elu", "Selu", "Sigmoid", "Tanh", "Exp", "Expm1", "Log", "Log1p",
+        "Sqrt", "Rsqrt", "Square", "Reciprocal", "Inv", "Floor", "Ceil", "Round", "Rint",
+        "Sign", "Softplus", "Softsign", "LeakyRelu", "IsFinite", "IsNan", "IsInf", "LogicalNot",
+        "Erf", "Erfc", "Sin", "Cos", "Tan", "Asin", "Acos", "Atan", "Sinh", "Cosh", "Lgamma",
+        "Digamma", "Invert", "Gelu", "ClipByValue"),
+    _like: ("ZerosLike", "OnesLike"),
+    _last_axis: ("Softmax", "LogSoftmax"),
+    _elementwise: (
+        "Add", "AddV2", "Sub", "Mul", "MulNoNan", "RealDiv", "Div", "DivNoNan", "TruncateDiv",
+        "FloorDiv", "FloorMod", "Mod", "TruncateMod", "Maximum", "Minimum", "Pow",
+        "SquaredDifference", "Equal", "NotEqual", "Less", "LessEqual", "Greater", "GreaterEqual",
+        "LogicalAnd", "LogicalOr", "Atan2", "BiasAdd", "BiasAddV1", "Xdivy", "Xlogy", "Xlog1py",
+        "ApproximateEqual", "BitwiseAnd", "BitwiseOr", "BitwiseXor", "AddN", "SelectV2"),
+    _select: ("Select",),
+    _reduce: ("Sum", "Mean", "Max", "Min", "Prod", "All", "Any", "EuclideanNorm"),
+    _matmul: ("MatMul",),
+    _batch_matmul: ("BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"),
+    _per_example: ("Conv2D", "Conv3D", "DepthwiseConv2dNative", "MaxPool", "AvgPool",
+                   "MaxPool3D", "AvgPool3D", "MaxPoolV2", "LRN", "Conv1D"),
+    _batch_norm: ("FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3"),
+    _cross_entropy: ("SparseSoftmaxCrossEntropyWithLogits", "SoftmaxCrossEntropyWithLogits"),
+    _shape: ("Shape", "ShapeN"),
+    _size: ("Size",),
+    _rank: ("Rank",),
+    _fill: ("Fill", "BroadcastTo"),
+    _tile: ("Tile",),
+    _reshape: ("Reshape",),
+    _expand_dims: ("ExpandDims",),
+    _squeeze: ("Squeeze",),
+    _transpose: ("Transpose",),
+    _concat: ("ConcatV2",),
+    _pack: ("Pack",),
+    _unpack: ("Unpack",),
+    _split: ("Split", "SplitV"),
+    _slice: ("Slice",),
+    _strided_slice: ("StridedSlice",),
+    _gather: ("Gather", "GatherV2", "ResourceGather"),
+    _one_hot: ("OneHot",),
+    _arg_reduce: ("ArgMax", "ArgMin"),
+    _in_top_k: ("InTopK", "InTopKV2"),
+    _l2_loss: ("L2Loss",),
+    _random: tuple(sorted(op for op in RANDOM_OPS if not op.startswith("Stateless")
+                          and op not in ("RandomShuffle", "RandomShuffleQueueV2",
+                                         "Multinomial", "RandomGamma", "RandomPoisson",
+                                         "RandomPoissonV2"))),
+    _cross_replica: tuple(sorted(_CROSS_REPLICA)),
+    _update: ("Assign", "AssignAdd", "AssignSub"),
+    _switch: ("Switch", "RefSwitch"),
+    _merge: ("Merge", "RefMerge"),
+    _exit: ("Exit", "RefExit"),
+})
