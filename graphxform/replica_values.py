@@ -986,7 +986,7 @@ RULES = _table({
         "Sqrt", "Rsqrt", "Square", "Reciprocal", "Inv", "Floor", "Ceil", "Round", "Rint",
         "Sign", "Softplus", "Softsign", "LeakyRelu", "IsFinite", "IsNan", "IsInf", "LogicalNot",
         "Erf", "Erfc", "Sin", "Cos", "Tan", "Asin", "Acos", "Atan", "Sinh", "Cosh", "Lgamma",
-        "Digamma", "Invert", "Gelu", "ClipByValue"),
+        "Digamma", "Invert", "Gelu"),
     _like: ("ZerosLike", "OnesLike"),
     _last_axis: ("Softmax", "LogSoftmax"),
     _elementwise: (
@@ -994,7 +994,8 @@ RULES = _table({
         "FloorDiv", "FloorMod", "Mod", "TruncateMod", "Maximum", "Minimum", "Pow",
         "SquaredDifference", "Equal", "NotEqual", "Less", "LessEqual", "Greater", "GreaterEqual",
         "LogicalAnd", "LogicalOr", "Atan2", "BiasAdd", "BiasAddV1", "Xdivy", "Xlogy", "Xlog1py",
-        "ApproximateEqual", "BitwiseAnd", "BitwiseOr", "BitwiseXor", "AddN", "SelectV2"),
+        "ApproximateEqual", "BitwiseAnd", "BitwiseOr", "BitwiseXor", "AddN", "SelectV2",
+        "ClipByValue"),
     _select: ("Select",),
     _reduce: ("Sum", "Mean", "Max", "Min", "Prod", "All", "Any", "EuclideanNorm"),
     _matmul: ("MatMul",),

@@ -39,6 +39,7 @@ from graphxform.replica_values import BATCHED, COUNT, IDENTICAL, MEAN, SUM, UNKN
 SCOPE = "merge_fetches/"
 _FLOATS = frozenset({1, 2, 8, 14, 18, 19})  # float double complex64 bfloat16 complex128 half
 _NUMBERS = _FLOATS | {3, 9, 4, 6, 5, 17, 22, 23}  # and the integer types
+_REALS = _NUMBERS - {8, 18}  # not complex
 _NOT_CONCATENABLE = frozenset({20, 21})  # resource, variant
 _IDENTICAL, _UNKNOWN = (IDENTICAL,), (UNKNOWN,)
 
@@ -52,9 +53,9 @@ class MergeFetches(Pass):
     def run(self, ir, ctx):
         prefixes = [replica_prefix(i) for i in range(len(ctx.devices))]
         first = prefixes[0]
-        forced = {**_slice_constants(ir, first, ctx.training, len(prefixes)),
-                  **self._overrides(ir, first)}
         copies = replica_copies(ir, first)
+        forced = {**_slice_constants(ir, copies, ctx.training, len(prefixes)),
+                  **self._overrides(ir, first)}
         originals = _originals(ir, first, copies)
         if not originals:
             return PassResult(modified=False)
@@ -107,7 +108,7 @@ def _originals(ir, first: str, copies: list) -> list[str]:
             if node_table[name]["origin"] == name[start:] and name[start:] not in node_table]
 
 
-def _slice_constants(ir, first: str, tg, replicas: int) -> dict:
+def _slice_constants(ir, copies: list, tg, replicas: int) -> dict:
     """{(constant, 0): unknown} for replica 0's constants that may hold the slice's size.
 
     With a fixed batch dimension TF folded the global batch into constants (shapes, sizes, a
@@ -115,18 +116,19 @@ def _slice_constants(ir, first: str, tg, replicas: int) -> dict:
     slice's size: they are neither identical to the single-device value nor a known merge.
     Every numeric constant with a multiple of the slice's size among its values or as its
     leading dimension counts (a few innocent ones are only served as unknown)."""
-    sizes = {i.fixed_batch for i in tg.inputs if getattr(i, "fixed_batch", None)}
+    sizes = {i.fixed_batch for i in tg.inputs if i.fixed_batch}
     if not sizes or replicas < 2:
         return {}
     from tensorflow.python.framework import tensor_util
     size = min(sizes) // replicas
     found = {}
-    for name in ir.nodes_of({"Const"}):
-        if not name.startswith(first):
+    node_table = ir.g._node
+    for name in copies:
+        if node_table[name]["op"] != "Const":
             continue
         tensor = ir.attrs(name)["value"].tensor
         dims = [d.size for d in tensor.tensor_shape.dim]
-        if tensor.dtype not in _NUMBERS:
+        if tensor.dtype not in _REALS:
             continue
         values = tensor_util.MakeNdarray(tensor).reshape(-1)
         if (dims and dims[0] == size) or (values.size and values.size <= 64 and any(
@@ -155,7 +157,8 @@ def _gradient_losses(ir, first: str, tg) -> dict:
         if not loss:
             continue
         for var in tg.trainable:
-            if var.gradient.kind != "dense" or not var.updates or var.updates[0] not in step.closure:
+            if (var.gradient.kind != "dense" or not var.updates
+                    or var.updates[0] not in step.closure):
                 continue
             for gradient in _copies_of(ir, first, [var.gradient.tensor]):
                 found[gradient] = next(iter(loss))
@@ -288,7 +291,8 @@ def _restore_collection_names(ir, merged) -> None:
         for value in col.node_list.value:
             bare = value.lstrip("^")
             head = bare.split("/", 1)
-            if bare.startswith("replica_") and len(head) == 2 and parse_tensor(head[1])[0] in merged:
+            if (bare.startswith("replica_") and len(head) == 2
+                    and parse_tensor(head[1])[0] in merged):
                 out.append(("^" if value.startswith("^") else "") + head[1])
             else:
                 out.append(value)

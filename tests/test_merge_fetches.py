@@ -1,0 +1,200 @@
+"""merge-fetches: every original name of the input exists in the output, and fetching it gives
+what the single-device graph gives for the whole batch (graphxform/replica_values.py's rules)."""
+
+import glob
+import os
+
+import numpy as np
+import pytest
+from conftest import fixture_path
+
+from graphxform import cluster, metagraph, replica_values, strategies, training
+from graphxform.errors import GraphxformError
+from graphxform.metagraph import from_metagraph
+from graphxform.passes.merge_fetches import MergeFetches
+from graphxform.pipeline import PassContext
+
+DEVICES = ["/device:CPU:0", "/device:CPU:1"]
+PS_SPEC = {"ps": ["127.0.0.1:2222", "127.0.0.1:2223"],
+           "worker": ["127.0.0.1:2224", "127.0.0.1:2225"]}
+FIXTURES = sorted(os.path.basename(p)[:-5] for p in glob.glob(fixture_path("*")))
+
+
+def fetch_graph():
+    """A small training graph with one fetch of each kind, built as TF1 code builds them."""
+    import tensorflow as tf
+    v1 = tf.compat.v1
+    g = tf.Graph()
+    with g.as_default():
+        v1.set_random_seed(3)
+        x = v1.placeholder(tf.float32, [None, 4], name="x")
+        y = v1.placeholder(tf.int64, [None], name="y")
+        w = v1.get_variable("w", [4, 3])
+        b = v1.get_variable("b", [3], initializer=v1.zeros_initializer())
+        counter = v1.get_variable("counter", [], initializer=v1.zeros_initializer())
+        step = v1.train.get_or_create_global_step()
+        tf.reduce_mean(x)  # takes the name Mean, so the loss below is Mean_1
+        logits = tf.add(tf.matmul(x, w), b, name="logits")
+        tf.nn.softmax(logits, name="probs")  # per example: batch
+        xent = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
+        loss = tf.reduce_mean(xent)  # unnamed: Mean_1
+        with tf.name_scope("loss"):
+            tf.reduce_mean(tf.square(logits))  # loss/Mean
+        tf.reduce_sum(xent, name="xent_sum")  # a sum
+        tf.reduce_sum(tf.square(w), name="w_norm")  # from variables only: identical
+        tf.reduce_max(logits, name="batch_max")  # no merge shown: unknown
+        bump = counter.assign_add(1.0, read_value=False, name="bump")  # an op without outputs
+        with tf.control_dependencies([bump]):
+            tf.identity(counter.read_value(), name="counter_after")  # runs the bump
+        v1.add_to_collection(v1.GraphKeys.LOSSES, loss)
+        updates = v1.train.GradientDescentOptimizer(0.5).minimize(loss, global_step=step)
+        with tf.control_dependencies([updates]):  # tf_slim's create_train_op
+            train_tensor = tf.identity(loss, name="train_op/control_dependency")
+        v1.add_to_collection(v1.GraphKeys.TRAIN_OP, train_tensor)
+        return from_metagraph(v1.train.export_meta_graph())
+
+
+def transformed(ir, strategy="allreduce", **options):
+    if strategy == "allreduce":
+        return strategies.transform(ir, "allreduce", devices=DEVICES, **options)
+    return strategies.transform(ir, strategy, cluster=cluster.Cluster(PS_SPEC), **options)
+
+
+def summary_of(pipeline) -> dict:
+    return next(t.summary for t in pipeline.timings if t.name == "merge-fetches")
+
+
+def session_run(ir, fetches, feeds, restore=None, save=None, then=None):
+    """Import ``ir`` as a user would and run ``fetches`` once (then ``then``, returning the
+    global variables' values by name), from ``restore`` or freshly initialised."""
+    import tensorflow as tf
+    v1 = tf.compat.v1
+    with tf.Graph().as_default() as g:
+        saver = v1.train.import_meta_graph(metagraph.to_metagraph(ir)) or v1.train.Saver()
+        with v1.Session(graph=g, config=v1.ConfigProto(device_count={"CPU": 2})) as sess:
+            sess.run(v1.global_variables_initializer())
+            if restore:
+                saver.restore(sess, restore)
+            if save:
+                saver.save(sess, save, write_meta_graph=False)
+            values = sess.run(fetches, feeds)
+            if then:
+                sess.run(then, feeds)
+            variables = {v.op.name: sess.run(v) for v in v1.global_variables()}
+    return values, variables
+
+
+@pytest.fixture(scope="module")
+def single_and_transformed(tmp_path_factory):
+    """The fetch graph, its allreduce form (2 replicas) with the merge summary, a checkpoint of
+    the single device's start and the feeds of one global batch."""
+    rng = np.random.default_rng(0)
+    feeds = {"x:0": rng.normal(size=(8, 4)).astype(np.float32),
+             "y:0": rng.integers(0, 3, size=8).astype(np.int64)}
+    single, out = fetch_graph(), fetch_graph()
+    pipeline = transformed(out)
+    start = str(tmp_path_factory.mktemp("start") / "start")
+    session_run(single, [], feeds, save=start)
+    return single, out, summary_of(pipeline), start, feeds
+
+
+@pytest.mark.parametrize("name, kind", [
+    ("Mean_1:0", "mean"), ("loss/Mean:0", "mean"), ("Mean:0", "mean"), ("probs:0", "batch"),
+    ("logits:0", "batch"), ("xent_sum:0", "sum"), ("w_norm:0", "identical")])
+def test_fetch_gives_the_single_device_value(single_and_transformed, name, kind):
+    single, out, summary, start, feeds = single_and_transformed
+    node = name.split(":")[0]
+    assert out.node(node)["created_by"] == "merge-fetches" and node not in summary["unmerged"]
+    assert out.op(node) == {"mean": "Mean", "batch": "ConcatV2", "sum": "AddN",
+                            "identical": "Identity"}[kind]
+    expected, _ = session_run(single, name, feeds, restore=start)
+    got, _ = session_run(out, name, feeds, restore=start)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_unknown_is_listed_and_served_from_replica_0(single_and_transformed):
+    _, out, summary, start, feeds = single_and_transformed
+    assert "batch_max" in summary["unmerged"]
+    assert out.op("batch_max") == "Identity" and out.inputs("batch_max") == [
+        ("replica_0/batch_max", 0)]
+    got, _ = session_run(out, ["batch_max:0", "replica_0/logits:0"], feeds, restore=start)
+    assert got[0] == pytest.approx(got[1].max())
+
+
+def test_op_without_outputs_runs_every_replica(single_and_transformed):
+    _, out, _, start, feeds = single_and_transformed
+    assert out.op("bump") == "NoOp"
+    _, variables = session_run(out, [], feeds, restore=start, then="bump")
+    assert variables["replica_0/counter"] == variables["replica_1/counter"] == 1.0
+
+
+def test_tensor_after_a_write_runs_every_replica(single_and_transformed):
+    _, out, _, start, feeds = single_and_transformed
+    assert set(out.control_inputs("counter_after")) == {"replica_1/counter_after"}
+    value, variables = session_run(out, "counter_after:0", feeds, restore=start)
+    assert value == 1.0
+    assert variables["replica_0/counter"] == variables["replica_1/counter"] == 1.0
+
+
+def test_tensor_train_op_steps_every_replica(single_and_transformed):
+    single, out, _, start, feeds = single_and_transformed
+    name = "train_op/control_dependency:0"
+    expected, after_single = session_run(single, name, feeds, restore=start)
+    got, after = session_run(out, name, feeds, restore=start)
+    assert got == pytest.approx(expected, rel=1e-6)
+    assert after["global_step"] == after_single["global_step"] == 1
+    for i in range(2):  # every replica moved, by the whole batch's step
+        np.testing.assert_allclose(after[f"replica_{i}/w"], after_single["w"], rtol=1e-5)
+    assert not np.allclose(after["replica_1/w"], session_run(out, [], feeds, restore=start)[1][
+        "replica_1/w"])
+
+
+def test_user_overrides_take_precedence():
+    ir = fetch_graph()
+    summary = summary_of(transformed(ir, fetch_mean=["batch_max:0"], fetch_concat=["Mean:0"]))
+    assert ir.op("batch_max") == "Mean" and "batch_max" not in summary["unmerged"]
+    assert ir.op("Mean") == "ConcatV2"
+
+
+def test_override_naming_no_node_is_refused():
+    with pytest.raises(GraphxformError, match="cannot merge fetch 'nope:0': no such node"):
+        transformed(fetch_graph(), fetch_mean=["nope:0"])
+
+
+def test_nothing_to_merge_without_replicas():
+    ir = fetch_graph()
+    ctx = PassContext(training=training.analyze(ir), devices=DEVICES)
+    assert MergeFetches().run(ir, ctx).modified is False
+
+
+def test_collections_name_the_originals_again():
+    ir = fetch_graph()
+    transformed(ir)
+    train_ops = list(ir.meta.collection_def["train_op"].node_list.value)
+    assert train_ops == ["GradientDescent", "train_op/control_dependency:0"]  # minimize's own
+    assert list(ir.meta.collection_def["losses"].node_list.value) == ["Mean_1:0"]
+
+
+def test_classes_of_replica_copies():
+    ir = fetch_graph()
+    transformed(ir)
+    step = {"replica_0/" + n for n in training.analyze(fetch_graph()).train_closure}
+    values = replica_values.classify(ir, "replica_0/", step=step)
+    assert values.of("replica_0/probs") == replica_values.BATCH
+    assert values.of("replica_0/xent_sum") == replica_values.SUM
+    assert values.of("replica_0/w_norm") == replica_values.IDENTICAL
+    assert values.of("replica_0/batch_max") == replica_values.UNKNOWN
+    assert "replica_0/counter_after" in values.effects
+    assert "replica_0/probs" not in values.effects
+
+
+@pytest.mark.parametrize("strategy", ["allreduce", "ps"])
+@pytest.mark.parametrize("name", FIXTURES)
+def test_every_original_name_survives(name, strategy):
+    original = metagraph.load(fixture_path(name))
+    saver_scope = training.analyze(original).saver_scope
+    ir = metagraph.load(fixture_path(name))
+    transformed(ir, strategy)
+    missing = [n for n in original.nodes()
+               if n not in ir and not (saver_scope and n.startswith(saver_scope))]
+    assert missing == []
