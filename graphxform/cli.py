@@ -124,15 +124,32 @@ def _transform(model, options, no_verify=False, dump_dir=None):
                           partition_min_bytes=options["partition_min_bytes"])
         elif options["partitions"] is not None:
             raise GraphxformError("--partitions is an option of --strategy partitioned-ps")
+    elif strategy == "allreduce" and (options["cluster"] or (
+            os.environ.get("TF_CONFIG") and not options["replicas"] and not options["devices"])):
+        from graphxform.passes.worker_steps import replica_devices
+        found, _ = cluster.load_cluster(options["cluster"])
+        if options["devices"] or options["replicas"]:
+            raise GraphxformError("--strategy allreduce with --cluster places replicas on the "
+                                  "cluster's workers: use --replicas-per-worker, not "
+                                  "--replicas/--devices")
+        device_list = replica_devices(found, options["replicas_per_worker"],
+                                      options["worker_device"])
+        kwargs = {**_local_strategy_options(strategy, options), "cluster": found,
+                  "hierarchical": options["hierarchical"]}
     else:
         if options["cluster"]:
             raise GraphxformError(f"--strategy {strategy} runs on local devices; --cluster is "
-                                   "for ps")
+                                   "for ps, partitioned-ps and allreduce")
         device_list = _devices(options["replicas"], options["devices"])
         kwargs = _local_strategy_options(strategy, options)
+    if options.get("hierarchical") and not kwargs.get("hierarchical"):
+        raise GraphxformError("--hierarchical is an option of --strategy allreduce with "
+                              "--cluster F (or TF_CONFIG)")
     for flag in ("sync_batch_norm", "consistent_random"):
         if options.get(flag):
             kwargs[flag] = True
+    from graphxform.pipeline import refuse_oversized_output
+    refuse_oversized_output(model, len(device_list))  # before loading: it can be big
     ir = metagraph.load(model)
     original = metagraph.load(model)
     pipeline = strategies.transform(ir, strategy, devices=device_list,
@@ -197,12 +214,16 @@ strategy_options = [
     click.option("--sparse-as-dense", is_flag=True,
                  help="All-reduce sparse gradients as dense tensors instead of gathering them."),
     click.option("--cluster", type=click.Path(dir_okay=False),
-                 help="ClusterSpec JSON (jobs ps, worker, optionally chief) for ps strategies; "
-                 "default: TF_CONFIG."),
+                 help="ClusterSpec JSON (jobs ps, worker, optionally chief) for ps strategies, "
+                 "or workers (and a chief) for allreduce across tasks; default: TF_CONFIG."),
     click.option("--replicas-per-worker", default=1, show_default=True,
                  type=click.IntRange(min=1), help="Replicas (devices) on each worker task."),
+    click.option("--hierarchical", is_flag=True,
+                 help="allreduce on a cluster: sum inside each worker, one collective per "
+                 "bucket across workers, then broadcast inside the worker."),
     click.option("--worker-device", type=click.Choice(["CPU", "GPU"]), default="CPU",
-                 show_default=True, help="ps: the device type of the workers' replicas."),
+                 show_default=True, help="ps, allreduce on a cluster: the device type of the "
+                 "workers' replicas."),
     click.option("--staleness", default=0, show_default=True, type=click.IntRange(min=0),
                  help="ps: let a worker run up to K steps ahead of the slowest (gradients up to "
                  "K steps old still count)."),
@@ -256,6 +277,13 @@ def apply(model, output, no_verify, dump_dir, debug, **options):
     if "workers" in summary:
         click.echo(f"  {summary['workers']} workers, {summary.get('ps_tasks')} ps tasks, "
                    f"{summary.get('aggregated', 0)} variables aggregated in accumulators")
+    if "worker_tasks" in summary:
+        how = ("hierarchical: summed inside each worker, then one collective per bucket across "
+               f"{summary['hierarchical_workers']} workers" if "hierarchical_workers" in summary
+               else "every replica in one collective group")
+        click.echo(f"  {summary['worker_tasks']} worker tasks x {summary['replicas_per_worker']} "
+                   f"replicas, {how}; collectives fail after {summary['collective_timeout_s']:g}"
+                   " s without a member (launch/run --cluster: --timeout)")
     for t in pipeline.timings:
         if t.name == "sync-batch-norm":
             count = t.summary.get("batch_norms_synchronised", 0)
@@ -330,7 +358,7 @@ def run(model, steps, feeds, batch_size, restore, save_to, fetches, train_op, cl
         found, job, task_index = task_mod.resolve_task(cluster_file, job, task_index)
         task_mod.run_task(ir, found, job, task_index, steps, feeds=feeds, batch_size=batch_size,
                           restore=restore, save=save_to, fetches=fetches, timeout_s=timeout,
-                          echo=_echo_flush)
+                          echo=_echo_flush, fail=_fail_now)
         from graphxform.runtime.launch import finish_child
         finish_child()
         return
@@ -385,6 +413,14 @@ def _echo_flush(text: str) -> None:
     sys.stdout.flush()
 
 
+def _fail_now(message: str) -> None:
+    """A cluster task's one-line error, then the end of the process at once: TF's teardown
+    could wait on the peer that stopped answering."""
+    from graphxform.runtime.faults import hard_exit
+    _error(message)
+    hard_exit(EXIT_ERROR)
+
+
 def _short(value) -> str:
     """A fetched value in a few characters: a number, else its dtype and shape."""
     import numpy as np
@@ -430,12 +466,18 @@ def verify_command(model, steps, feeds, batch_size, fetches, rtol, debug, **opti
               help="This task's index in its job (default: TF_CONFIG, else 0).")
 @click.option("--cpus", default=1, show_default=True, type=click.IntRange(min=1),
               help="CPU devices the server offers.")
+@click.option("--timeout", default=DEFAULT_TIMEOUT_S, show_default=True,
+              type=click.FloatRange(min=0, min_open=True),
+              help="Stop, naming the task, when a peer is gone or silent this long during a run.")
 @debug_option
-def serve(cluster_file, job, task_index, cpus, debug):
-    """Start one task's TensorFlow gRPC server (a ps task) and block until SIGTERM/Ctrl-C."""
+def serve(cluster_file, job, task_index, cpus, timeout, debug):
+    """Start one task's TensorFlow gRPC server (a ps task) and block until SIGTERM/Ctrl-C; stop
+    when a peer dies or freezes during a run."""
+    from graphxform.runtime import serve as serve_mod
     from graphxform.runtime import task as task_mod
     found, job, task_index = task_mod.resolve_task(cluster_file, job, task_index)
-    task_mod.serve(found, job, task_index, cpus, echo=_echo_flush)
+    serve_mod.serve(found, job, task_index, cpus, timeout_s=timeout, echo=_echo_flush,
+                    fail=_fail_now)
     from graphxform.runtime.launch import finish_child
     finish_child()
 

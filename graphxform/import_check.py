@@ -34,7 +34,7 @@ import itertools
 import operator
 
 from graphxform import wire
-from graphxform.errors import QUOTE_LIMIT, GraphxformError, clip
+from graphxform.errors import GraphxformError, clip, tf_error_line
 from graphxform.ir import CONTROL_KEYS, BorrowedNode, GraphIR, paused_gc
 
 
@@ -58,9 +58,10 @@ def check(ir: GraphIR) -> dict:
             imported = _import(ir, _node_fields(ir, twins.of),
                                [name for pair in twins.frontier for name in pair])
             whole = not _frontier_agrees(imported, len(twins.frontier))
+            imported.close()
         if whole:
-            imported = _import(ir, _node_fields(ir, None), [])
-        del imported
+            _import(ir, _node_fields(ir, None), []).close()
+    _give_back_freed_memory()
     left_out = 0 if whole else len(twins.of)
     return {"imported": len(ir) - left_out, "twins": left_out,
             "frontier": len(twins.frontier), "whole": whole}
@@ -150,6 +151,13 @@ class _Imported:
     def __init__(self, graph, operations: list):
         self.graph, self.operations = graph, operations
 
+    def close(self) -> None:
+        """Free the graph now: the op wrappers made for the frontier and the graph refer to
+        each other, which the garbage collector (paused here) would free only later."""
+        from tensorflow.python.framework import ops
+        ops.dismantle_graph(self.graph)
+        self.graph = self.operations = None
+
 
 def _import(ir: GraphIR, nodes: list, wanted: list) -> _Imported:
     """Import the GraphDef of ``nodes`` (node fields) and ``ir``'s library and versions into a
@@ -158,9 +166,11 @@ def _import(ir: GraphIR, nodes: list, wanted: list) -> _Imported:
     from tensorflow.python.client import pywrap_tf_session as c_api
     from tensorflow.python.framework import ops
     data = b"".join(nodes) + ir.meta.graph_def.SerializeToString()
+    nodes.clear()  # TF keeps its own copy of the bytes: none of ours need stay
     graph = ops.Graph()
     options = c_api.TF_NewImportGraphDefOptions()
     buffer = c_api.TF_NewBufferFromString(data)
+    del data
     try:
         c_api.TF_ImportGraphDefOptionsSetValidateColocationConstraints(options, False)
         for name in wanted:
@@ -171,12 +181,22 @@ def _import(ir: GraphIR, nodes: list, wanted: list) -> _Imported:
         finally:
             c_api.TF_DeleteImportGraphDefResults(results)
     except tf.errors.OpError as e:
-        raise GraphxformError("TensorFlow rejects the graph: "
-                              f"{clip(_first_line(e.message), 2 * QUOTE_LIMIT)}") from None
+        raise GraphxformError(f"TensorFlow rejects the graph: {tf_error_line(e)}") from None
     finally:
         c_api.TF_DeleteBuffer(buffer)
         c_api.TF_DeleteImportGraphDefOptions(options)
     return _Imported(graph, operations)
+
+
+def _give_back_freed_memory() -> None:
+    """Return to the system the heap the imported graph used. glibc keeps freed heap for
+    later small allocations, but the large buffers emit makes next are mapped afresh, so
+    without this the freed graph would still count in the command's peak memory."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
 
 
 def _first_line(text: str) -> str:

@@ -58,7 +58,10 @@ def refuse_oversized_output(model: str, replicas: int) -> None:
     (TensorFlow could not read it back): estimated as the model file's size times
     ``replicas``, since every replica copies the training step."""
     from graphxform.metagraph import PROTOBUF_LIMIT
-    size = os.path.getsize(model)
+    try:
+        size = os.path.getsize(model)
+    except OSError:  # loading it says what is wrong
+        return
     estimate = size * max(replicas, 1)
     if estimate > PROTOBUF_LIMIT:
         raise GraphxformError(f"{model}: the output would be about {_size(estimate)} "

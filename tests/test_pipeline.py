@@ -76,3 +76,14 @@ def test_an_output_past_protobufs_limit_is_refused_before_any_pass():
                        rf"\({replicas} replicas of \d+\.\d\d KiB\), more than the 2\.00 GiB"):
         strategies.transform(ir, "allreduce", devices=[f"/device:CPU:{i}" for i in range(replicas)])
     assert not any(n.startswith("replica_") for n in ir.nodes())  # no pass ran
+
+
+def test_apply_refuses_an_output_past_protobufs_limit_before_loading(run_cli, tmp_path):
+    import os
+    path = fixture_path("mlp_sgd")
+    replicas = 2**31 // os.path.getsize(path) + 1
+    code, out, err = run_cli("apply", "--replicas", replicas, path, "-o", tmp_path / "out.meta")
+    assert code == 1 and not out
+    assert len(err.strip().splitlines()) == 1
+    assert "the output would be about 2.00 GiB" in err and "use fewer replicas" in err
+    assert not list(tmp_path.iterdir())

@@ -109,3 +109,21 @@ def test_fixtures_replicated_are_accepted(name):
     strategies.transform(ir, "allreduce", devices=[f"/device:CPU:{i}" for i in range(REPLICAS)])
     info = verify.check_imports(ir)
     assert info["twins"] > 0
+
+
+def test_apply_rejects_a_broken_output_by_default(run_cli, tmp_path, monkeypatch):
+    """A pass that breaks another replica's copy in a way only TensorFlow sees: `apply` with
+    its default checks refuses to write the output."""
+    from graphxform.passes.drop_in_saver import DropInSaver
+    run = DropInSaver.run
+
+    def run_then_break(self, ir, ctx):
+        result = run(self, ir, ctx)
+        set_attr_int(ir, "replica_2/dense0/Relu", "T")
+        return result
+
+    monkeypatch.setattr(DropInSaver, "run", run_then_break)
+    out = tmp_path / "out.meta"
+    code, _, err = run_cli("apply", "--replicas", REPLICAS, fixture_path("mlp_sgd"), "-o", out)
+    assert code == 1 and "TensorFlow rejects the graph" in err and "replica_2/dense0/Relu" in err
+    assert len(err.strip().splitlines()) == 1 and not out.exists()
