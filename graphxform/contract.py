@@ -37,6 +37,8 @@ def check(ir: GraphIR, tg: TrainingGraph, replicas: int, asynchronous: bool = Fa
     drop-in): only the start is checked."""
     if not tg.steps or replicas < 1:
         return {"variables": 0}
+    if replicas > 1 and not asynchronous:
+        _check_losses_are_means(ir, tg)
     closure = _step_closure(ir, tg)
     spread = ReplicaSpread(ir, replicas)
     checked = 0
@@ -102,6 +104,29 @@ def _check_shared_writes(ir: GraphIR, closure: set, spread: ReplicaSpread) -> No
                     f"variable '{written}': '{name}' runs once per step but reads "
                     f"'{src}:{port}', which only replicas {spread.replicas_of(src)}'s slices of "
                     "the batch reach; the other replicas' data would be ignored")
+
+
+def _check_losses_are_means(ir: GraphIR, tg: TrainingGraph) -> None:
+    """Gradients are averaged across replicas, which is right for a loss that is a mean over
+    the batch. A loss shown to be a sum over it would train with 1/N of its gradient: refuse.
+    (A loss whose kind the rules cannot show is taken to be a mean, as losses almost always
+    are; graphxform.replica_values has the rules.)"""
+    from graphxform import replica_values
+    prefix = replica_prefix(0)
+    for step in tg.steps:
+        if not step.loss:
+            continue
+        node, port = parse_tensor(step.loss)
+        copy = prefix + node
+        if copy not in ir:
+            continue
+        copies = [n for n in ir.ancestors(copy) if n.startswith(prefix)]
+        if replica_values.classify(ir, prefix, copies=copies).of(copy, port) == \
+                replica_values.SUM:
+            raise ContractError(
+                f"step '{step.name}' minimises '{step.loss}', a sum over the batch; gradients "
+                "are averaged across replicas (right for a mean loss), so this step would train "
+                "with 1/N of its gradient: divide the loss by the batch size (reduce_mean)")
 
 
 def _step_closure(ir: GraphIR, tg: TrainingGraph) -> set:

@@ -98,3 +98,16 @@ def test_one_replica_is_proven():
     ir = metagraph.load(fixture_path("mlp_sgd"))
     pipeline = strategies.transform(ir, "allreduce", devices=DEVICES[:1])
     assert pipeline.contract["variables"] == 4
+
+
+def test_refuses_a_loss_that_is_a_sum_over_the_batch():
+    g = tf.Graph()
+    with g.as_default():
+        x = v1.placeholder(tf.float32, [None, 3], name="x")
+        w = v1.get_variable("w", [3, 1])
+        loss = tf.reduce_sum(tf.square(tf.matmul(x, w)), name="loss")
+        v1.train.GradientDescentOptimizer(0.1).minimize(
+            loss, global_step=v1.train.get_or_create_global_step())
+        meta = v1.train.export_meta_graph(graph=g)
+    with pytest.raises(ContractError, match="'loss:0', a sum over the batch"):
+        strategies.transform(metagraph.from_metagraph(meta), "allreduce", devices=DEVICES)
