@@ -933,12 +933,10 @@ def data_pairs(adjacent: dict):
     """The (neighbour, key dict) pairs of ``adjacent`` (a node's pred or succ dict) that may
     hold a data edge: a node with many neighbours is often waited on or waits on many
     (batch norm updates on every gradient op), and those control-only pairs share one key
-    dict, which a C-level sweep leaves out. Callers still skip control keys."""
+    dict, left out here by identity. Callers still skip control keys."""
     if len(adjacent) < _RUN:
         return adjacent.items()
-    keep = list(map(operator.is_not, adjacent.values(), itertools.repeat(CONTROL_KEYS)))
-    return zip(itertools.compress(adjacent.keys(), keep),
-               itertools.compress(adjacent.values(), keep))
+    return [(node, keys) for node, keys in adjacent.items() if keys is not CONTROL_KEYS]
 
 
 def _adjacency(edges: list, names: list) -> list[dict]:
