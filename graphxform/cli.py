@@ -167,12 +167,16 @@ def _local_strategy_options(strategy: str, options: dict) -> dict:
                   "agg_small_grads_max_group": options["agg_small_grads_max_group"]}
     if strategy == "replicated":
         return replicated
+    if options.get("interval", 1) != 1 and strategy != "model-average":
+        raise GraphxformError("--interval is an option of --strategy model-average")
     given = [k for k, v in replicated.items() if v != REPLICATED_DEFAULTS[k]]
     if given:
         raise GraphxformError(f"--{given[0].replace('_', '-')} is an option of --strategy "
                               "replicated")
     if strategy == "independent":
         return {}
+    if strategy == "model-average":
+        return {"interval": options["interval"]}
     return {"bucket_bytes": options["bucket_bytes"],
             "sparse_as_dense": options["sparse_as_dense"]}
 
@@ -183,7 +187,7 @@ REPLICATED_DEFAULTS = {"all_reduce_spec": None, "gradient_repacking": 0,
 strategy_options = [
     click.option("--strategy", default="allreduce", show_default=True,
                  type=click.Choice(["allreduce", "replicated", "independent", "ps",
-                                    "partitioned-ps"]),
+                                    "partitioned-ps", "model-average"]),
                  help="How to distribute the training step."),
     click.option("--all-reduce-spec", default=None,
                  help="replicated: tf_cnn_benchmarks' spec, e.g. pscpu, xring#2, "
@@ -197,6 +201,8 @@ strategy_options = [
     click.option("--agg-small-grads-max-group", default=10, show_default=True,
                  type=click.IntRange(min=1),
                  help="replicated: at most this many small gradients to a group."),
+    click.option("--interval", default=1, show_default=True, type=click.IntRange(min=1),
+                 help="model-average: average the replicas' copies every K local steps."),
     click.option("--replicas", type=int, help="Number of replicas (local CPU devices)."),
     click.option("--devices", help="Comma-separated TF device names, one per replica "
                  "(e.g. /device:GPU:0,/device:GPU:1)."),

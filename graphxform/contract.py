@@ -199,3 +199,68 @@ def _constant(ir: GraphIR, node: str) -> bool:
             return False
         stack.extend(src for src, _ in ir.inputs(name))
     return True
+
+
+def check_model_average(ir: GraphIR, tg: TrainingGraph, replicas: int) -> dict:
+    """model-average's own invariant, in place of the per-step one (its local copies differ
+    between rounds by design): every trainable variable a step updates has a centre
+    (`model_average/centre/<var>`) that starts from replica 0's initial value and is written
+    once per step from values every replica's copy reaches, and every replica's copy is
+    written back from the centre's new value. That the copies start equal is ``check``'s."""
+    from graphxform.passes.model_average import centre_name
+    closure = _step_closure(ir, tg)
+    checked = 0
+    for var in sorted(tg.variables.values(), key=lambda v: v.name):
+        if not (var.trainable and var.updates) or replica_prefix(0) + var.name not in ir:
+            continue
+        centre = centre_name(var.name)
+        if centre not in ir:
+            raise ContractError(f"variable '{var.name}': no centre '{centre}', so the workers' "
+                                "copies would never be averaged")
+        writes = _writes(ir, centre, closure)
+        if len(writes) != 1:
+            raise ContractError(f"variable '{var.name}': its centre is written {len(writes)} "
+                                "times per step, not once")
+        (write,) = writes
+        _check_centre_start(ir, var, centre)
+        reached = _variables_read(ir, ir.input(write, 1)[0])
+        missing = [i for i in range(replicas) if replica_prefix(i) + var.name not in reached]
+        if missing:
+            raise ContractError(f"variable '{var.name}': its centre is averaged without "
+                                f"replicas {missing}'s copies")
+        for i in range(replicas):
+            copy = replica_prefix(i) + var.name
+            if not any(centre in _variables_read(ir, ir.input(w, 1)[0])
+                       for w in _writes(ir, copy, closure)):
+                raise ContractError(f"variable '{var.name}': replica {i}'s copy is never set "
+                                    "from the centre, so it would train apart for good")
+        checked += 1
+    return {"variables": checked}
+
+
+def _check_centre_start(ir: GraphIR, var, centre: str) -> None:
+    """The centre's initializer assigns what replica 0's copy starts from."""
+    first = replica_prefix(0) + (var.initializer or "")
+    start = ir.input(first, 1) if first in ir else None
+    inits = [dst for dst, port in ir.consumers(centre)
+             if port == 0 and dst.endswith("/Assign")]
+    if start is None or not any(ir.input(init, 1) == start for init in inits):
+        raise ContractError(f"variable '{var.name}': its centre does not start from replica "
+                            "0's initial value, so before the first round it would differ from "
+                            "the local copies")
+
+
+def _variables_read(ir: GraphIR, node: str) -> set:
+    """The variables whose values reach ``node`` through data edges (not through writes)."""
+    found, seen, stack = set(), set(), [node]
+    while stack:
+        name = stack.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        op = ir.op(name)
+        if op in VARIABLE_OPS:
+            found.add(name)
+        elif not is_mutating_op(op):
+            stack.extend(src for src, _ in ir.inputs(name))
+    return found

@@ -290,7 +290,11 @@ def compare(original: GraphIR, transformed: GraphIR, feeds_path: str | None = No
     reasons = mismatch_reasons(original, tg,
                                synced_batch_norm=transformed.has_scope("sync_batch_norm/"),
                                consistent_random=transformed.has_scope("consistent_random/"))
-    if _exchanges_nothing(transformed):
+    if transformed.has_scope("model_average/"):
+        reasons.append("model-average: the workers' copies train apart between averaging "
+                       "rounds (and optimizer slots are never averaged); only --interval 1 with "
+                       "plain SGD is synchronous data parallelism")
+    elif _exchanges_nothing(transformed):
         reasons.append("the replicas never exchange gradients (--strategy independent): each "
                        "trains on its own slice of the batch, a ceiling for scaling, not a "
                        "drop-in replacement")

@@ -9,6 +9,7 @@ from graphxform.passes.consistent_random import ConsistentRandom
 from graphxform.passes.drop_in_saver import DropInSaver
 from graphxform.passes.insert_accumulators import InsertAccumulators
 from graphxform.passes.merge_fetches import MergeFetches
+from graphxform.passes.model_average import ModelAverage
 from graphxform.passes.partition_variables import PartitionVariables
 from graphxform.passes.place_variables import PlaceVariables
 from graphxform.passes.replicate import Replicate
@@ -72,6 +73,18 @@ def independent(fetch_mean=(), fetch_concat=(), verify: bool = True,
     return pipeline
 
 
+def model_average(interval: int = 1, fetch_mean=(), fetch_concat=(), verify: bool = True,
+                  dump_dir: str | None = None) -> Pipeline:
+    """TF's ModelAverageOptimizer: every replica trains its own copy with the original
+    optimizer, and every ``interval`` local steps the copies are averaged into centre variables
+    and copied back (passes/model_average.py); global_step counts averaging rounds."""
+    pipeline = independent(fetch_mean=fetch_mean, fetch_concat=fetch_concat, verify=verify,
+                           dump_dir=dump_dir)
+    saver = next(i for i, p in enumerate(pipeline.passes) if isinstance(p, DropInSaver))
+    pipeline.passes.insert(saver, ModelAverage(interval=interval))
+    return pipeline
+
+
 def ps(ps_tasks: int = 1, staleness: int = 0, asynchronous: bool = False,
        fetch_mean=(), fetch_concat=(), verify: bool = True,
        dump_dir: str | None = None) -> Pipeline:
@@ -103,7 +116,7 @@ def partitioned_ps(ps_tasks: int = 1, partitions: int | None = None,
 
 
 STRATEGIES = {"allreduce": allreduce, "replicated": replicated, "independent": independent,
-              "ps": ps, "partitioned-ps": partitioned_ps}
+              "ps": ps, "partitioned-ps": partitioned_ps, "model-average": model_average}
 NOT_DROP_IN = {"independent"}  # documented as such: the contract check proves only the start
 CLUSTER_STRATEGIES = {"ps", "partitioned-ps"}  # strategies whose devices are a cluster's worker tasks
 
@@ -139,5 +152,8 @@ def transform(ir, strategy: str = "allreduce", devices=None, train_op: str | Non
     pipeline.run(ir, ctx)
     pipeline.contract = contract.check(
         ir, ctx.training, len(devices),
-        asynchronous=options.get("asynchronous", False) or strategy in NOT_DROP_IN)
+        asynchronous=(options.get("asynchronous", False) or strategy in NOT_DROP_IN
+                      or strategy == "model-average"))
+    if strategy == "model-average":  # its own invariant in place of the per-step one
+        pipeline.contract = contract.check_model_average(ir, ctx.training, len(devices))
     return pipeline

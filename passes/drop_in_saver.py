@@ -3,8 +3,10 @@
 Saving writes replica 0's values (replicas are identical after every step); restoring assigns
 every replica's copy. A variable `partition-variables` split is saved as the concatenation of its
 shards and restored by slicing, so a checkpoint of the single-device graph restores into the transformed
-graph and the reverse. The MetaGraph's saver_def points at it, so `import_meta_graph` users and
-`tf.compat.v1.train.Saver` see a normal saver."""
+graph and the reverse. Under model-average a trained variable is saved from its centre (what the
+workers agreed on at the last round) and restored into the centre and every local copy. The
+MetaGraph's saver_def points at it, so `import_meta_graph` users and `tf.compat.v1.train.Saver`
+see a normal saver."""
 
 from __future__ import annotations
 
@@ -29,6 +31,8 @@ class DropInSaver(Pass):
         shared = ctx.state["replicate"]["shared"]
         partitioned = ctx.state.get("partition-variables", {"shards": {}, "originals": {}})
         shards = partitioned["shards"]
+        averaged = ctx.state.get("model-average", {})
+        centres = averaged.get("centres", {})  # saved from the centre, restored to all copies
         build = Builder(ir, self.name)
         parts = {shard for found in shards.values() for shard, _, _ in found}
         variables = sorted([v for v in tg.variables.values() if v.name not in parts] +
@@ -45,6 +49,7 @@ class DropInSaver(Pass):
                 values.append(self._concat(build, f"{scope}concat_{k}", var, shards[var.name]))
                 continue
             source = var.name if var.name in shared else replica_prefix(0) + var.name
+            source = centres.get(var.name, source)
             if var.kind == "resource":
                 values.append(build.op(f"{scope}read_{k}", "ReadVariableOp", [source],
                                        device=ir.node(source)["device"], dtype=var.dtype))
@@ -67,12 +72,15 @@ class DropInSaver(Pass):
             else:
                 targets = [(replica_prefix(i) + var.name, f"{restore}:{k}")
                            for i in range(len(ctx.devices))]
+            if var.name in centres:
+                targets.append((centres[var.name], f"{restore}:{k}"))
             rows = [(f"{scope}assign_{k}_{i}", [target, value], ir.node(target)["device"])
                     for i, (target, value) in enumerate(targets)]
             if var.kind == "resource":
                 assigns += build.ops("AssignVariableOp", rows, dtype=var.dtype)
             else:
                 assigns += build.ops("Assign", rows, T=var.dtype)
+        assigns += averaged.get("on_restore", [])  # a restored model starts a new round
         restore_all = build.op(scope + "restore_all", "NoOp", ["^" + a for a in assigns])
         saver_def = ir.meta.saver_def
         saver_def.CopyFrom(saver_pb2.SaverDef(
