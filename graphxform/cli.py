@@ -94,6 +94,23 @@ def viz(model, output, fmt, depth, boxes, scope, color_by, no_fold, tensorboard_
     click.echo(note or f"wrote {output}", err=bool(note))
 
 
+@cli.command(name="check")
+@click.argument("model", type=click.Path(dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document for machines.")
+@click.option("--train-op", help="Train op name when the graph has no 'train_op' collection.")
+@debug_option
+def check_command(model, as_json, train_op, debug):
+    """Check a transformed graph before anyone runs it: collectives match on every replica
+    and task, variables update once per step from cross-replica gradients, accumulators wait
+    for every worker, losses are averaged; stateful ops listed. Exit 1 on errors."""
+    from graphxform import metagraph
+    from graphxform.inspector import check as check_mod
+    report = check_mod.run(metagraph.load(model), train_op=train_op)
+    click.echo(json.dumps(report.to_dict(), indent=2) if as_json else report.text())
+    if not report.ok:
+        sys.exit(EXIT_ERROR)
+
+
 def _devices(replicas, devices):
     from graphxform import cluster
     names = [d for d in (devices or "").split(",") if d.strip()] or None

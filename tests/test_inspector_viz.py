@@ -11,7 +11,7 @@ import pytest
 from conftest import ALL_FIXTURES, fixture_path
 
 from graphxform import metagraph, strategies
-from graphxform.inspector import scopes, viz
+from graphxform.inspector import scopes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 needs_dot = pytest.mark.skipif(shutil.which("dot") is None and not os.environ.get("CI"),

@@ -1,0 +1,169 @@
+"""Parameter-server steps: every accumulator's ``take_grad`` waits for exactly as many
+gradients as workers apply to it per step, and every worker's step ends with its token.
+
+A take that waits for more gradients than arrive hangs the chief's step; one that waits for
+fewer updates before every worker has reported, so the step averages whichever arrived first.
+A worker whose step takes no token can run ahead of the update; one whose step does not apply
+its own gradient leaves the chief's take waiting. What each task runs is the plan the graph
+carries (collection ``graphxform_cluster``), read here as plain JSON."""
+
+from __future__ import annotations
+
+import collections
+import json
+import re
+
+from graphxform.inspector.findings import CheckResult
+from graphxform.inspector.shapes import const_value
+from graphxform.ir import GraphIR
+
+ACCUMULATOR_OPS = {"ConditionalAccumulator", "SparseConditionalAccumulator",
+                   "ResourceConditionalAccumulator"}
+APPLY_OPS = {"AccumulatorApplyGradient", "SparseAccumulatorApplyGradient",
+             "ResourceAccumulatorApplyGradient"}
+TAKE_OPS = {"AccumulatorTakeGradient", "SparseAccumulatorTakeGradient",
+            "ResourceAccumulatorTakeGradient"}
+DEQUEUE_OPS = {"QueueDequeueV2", "QueueDequeue", "QueueDequeueManyV2", "QueueDequeueUpToV2"}
+ENQUEUE_OPS = {"QueueEnqueueV2", "QueueEnqueueManyV2", "QueueEnqueue", "QueueEnqueueMany"}
+PLAN_COLLECTION = "graphxform_cluster"
+_TASK = re.compile(r"/job:([^/]+)(?:/replica:\d+)?/task:(\d+)")
+_APPLY_NAME = re.compile(r"apply_([A-Za-z]+)_(\d+)$")
+
+
+def plan_of(ir: GraphIR) -> dict | None:
+    """The cluster plan the graph carries, as its JSON object (None: not a cluster graph)."""
+    if PLAN_COLLECTION not in ir.meta.collection_def:
+        return None
+    values = ir.meta.collection_def[PLAN_COLLECTION].bytes_list.value
+    try:
+        plan = json.loads(values[0]) if len(values) == 1 else None
+    except (ValueError, UnicodeDecodeError):
+        plan = None
+    return plan if isinstance(plan, dict) else {}
+
+
+def worker_of(ir: GraphIR, apply: str) -> str:
+    """The task whose gradient an apply carries: its gradient input's device, else its name."""
+    gradient_port = 3 if ir.op(apply).startswith("Sparse") else 2
+    inputs = ir.inputs(apply)
+    if gradient_port < len(inputs):
+        match = _TASK.search(ir.node(inputs[gradient_port][0])["device"])
+        if match:
+            return f"{match.group(1)}:{match.group(2)}"
+    match = _APPLY_NAME.search(apply)
+    return f"{match.group(1)}:{match.group(2)}" if match else apply
+
+
+def check(ir: GraphIR) -> CheckResult:
+    result = CheckResult("accumulators")
+    plan = plan_of(ir)
+    accumulators = ir.nodes_of(ACCUMULATOR_OPS)
+    if not accumulators and not plan:
+        result.ran = False
+        result.summary = "none (not a parameter-server graph)"
+        return result
+    expected = collections.Counter()
+    for acc in accumulators:
+        _check_accumulator(ir, result, acc, expected)
+    steps = _check_steps(ir, result, plan, accumulators) if plan else 0
+    counts = ", ".join(f"{n} expecting {k}" for k, n in sorted(expected.items()))
+    result.summary = (f"{len(accumulators)} accumulators ({counts or 'none'}); "
+                      f"{steps} task step(s) checked")
+    if plan and plan.get("async"):
+        result.summary += "; --async: no accumulators, no tokens"
+    return result
+
+
+def _check_accumulator(ir, result, acc, expected) -> None:
+    users = [dst for dst, _ in ir.consumers(acc)]
+    applies = [u for u in users if ir.op(u) in APPLY_OPS]
+    takes = [u for u in users if ir.op(u) in TAKE_OPS]
+    by_worker = collections.defaultdict(list)
+    for apply in applies:
+        by_worker[worker_of(ir, apply)].append(apply)
+    for worker, same in sorted(by_worker.items()):
+        if len(same) > 1:
+            result.error(f"accumulator '{acc}': {worker} applies {len(same)} gradients per step "
+                         "(one per worker expected): its gradient would count twice",
+                         [acc] + same)
+    if not takes:
+        result.error(f"accumulator '{acc}': nothing takes its gradient", [acc] + applies)
+    for take in takes:
+        source = ir.inputs(take)[1][0] if len(ir.inputs(take)) > 1 else None
+        required = const_value(ir, source) if source else None
+        if required is None:
+            result.warning(f"accumulator '{acc}': '{take}' waits for a number of gradients "
+                           "that is not a constant, so it cannot be checked", [take])
+            continue
+        required = int(required)
+        expected[required] += 1
+        feeding = len(by_worker)
+        if required != feeding:
+            what = ("the chief's step would wait forever" if required > feeding else
+                    "the update would run before every worker has reported")
+            result.error(f"accumulator '{acc}': '{take}' waits for {required} gradients "
+                         f"('{source}'), but {feeding} worker(s) apply to it "
+                         f"({', '.join(sorted(by_worker)) or 'none'}): {what}",
+                         [acc, take, source] + applies)
+
+
+def _check_steps(ir, result, plan, accumulators) -> int:
+    """Each worker's step runs its own applies and ends with a token from the queue the
+    chief's step releases one token per waiting worker into."""
+    steps = plan.get("steps") or {}
+    chief = plan.get("chief")
+    if plan.get("async") or not steps:
+        return 0
+    applies_of = collections.defaultdict(dict)  # worker -> accumulator -> applies
+    for acc in accumulators:
+        for dst, _ in ir.consumers(acc):
+            if ir.op(dst) in APPLY_OPS:
+                applies_of[worker_of(ir, dst)].setdefault(acc, []).append(dst)
+    released = _released(ir, steps.get(chief)) if chief in steps else {}
+    takers = 0
+    for task, step in sorted(steps.items()):
+        if step not in ir:
+            result.error(f"{task}'s step '{step}' (in the graph's plan) is not in the graph")
+            continue
+        upstream = ir.ancestors(step)
+        job = task.split(":")[0]
+        if job != "chief":
+            missing = [acc for acc in accumulators
+                       if not set(applies_of[task].get(acc, ())) & upstream]
+            if missing:
+                result.error(f"{task}'s step '{step}' never applies its gradient to "
+                             f"{len(missing)} accumulator(s): their takes would wait forever",
+                             [step] + missing[:5])
+        if task == chief:
+            continue
+        takers += 1
+        tokens = [n for n in upstream if ir.op(n) in DEQUEUE_OPS]
+        if not tokens:
+            result.error(f"{task}'s step '{step}' takes no token: it can start its next step "
+                         "before the update of this one", [step])
+        elif released and not any(ir.inputs(t)[0][0] in released for t in tokens):
+            result.error(f"{task}'s step '{step}' takes its token from a queue the chief's step "
+                         "never fills", [step] + tokens)
+    count = sum(released.values()) if released else 0
+    if released and count != takers:
+        result.error(f"the chief's step releases {count} token(s) per step, but {takers} "
+                     "worker(s) wait for one", [steps[chief]])
+    return len(steps)
+
+
+def _released(ir, step) -> dict:
+    """queue -> tokens the chief's step puts into it per step (known constants only)."""
+    found = collections.Counter()
+    if step is None or step not in ir:
+        return found
+    for node in ir.ancestors(step):
+        if ir.op(node) not in ENQUEUE_OPS:
+            continue
+        queue = ir.inputs(node)[0][0]
+        tokens = ir.inputs(node)[1][0] if len(ir.inputs(node)) > 1 else None
+        count = 1
+        if ir.op(node).startswith("QueueEnqueueMany") and tokens and ir.op(tokens) == "Fill":
+            value = const_value(ir, ir.inputs(tokens)[0][0])
+            count = int(value.reshape(-1)[0]) if value is not None else 0
+        found[queue] += count
+    return found
