@@ -127,6 +127,11 @@ def measure(original: GraphIR, ir: GraphIR, batch_size: int = 32, strategy: str 
     model = "allreduce" if any(t.kind != "edge" for t in transfers) else "ps"
     minimum = (allreduce_minimum(ir, step, tg, sparse_rows) if model == "allreduce"
                else ps_minimum(ir, tg, sparse_rows, client, owners))
+    if ir.has_scope("model_average/"):
+        model, minimum = "model-average", model_average_minimum(ir, tg, replicas, client)
+        notes.append("model-average: the copies are read into the mean on every step (a round "
+                     "flag selects what is kept), so what crosses devices is per step; the "
+                     "minimum is a round's copies and centre spread over --interval steps")
     endpoints, variables = _tally(transfers, minimum, tg)
     handles = {t for t in shapes.unknown_crossing if _is_resource(ir, t)}
     unknown = shapes.unknown_crossing - handles
@@ -592,6 +597,30 @@ def allreduce_minimum(ir, step, tg, sparse_rows) -> dict:
     return {"endpoints": {d: (total, total) for d in devices},
             "variables": {name: (n * b, needs[name].upper_bound)
                           for name, b in per_device.items()}}
+
+
+def model_average_minimum(ir, tg, replicas: int, client: str) -> dict:
+    """Once per round (every K steps) each replica on another task than the centre sends its
+    copy of every trained variable there and receives the centre back: the variable bytes each
+    way over K steps (replicas in the centre's own task move nothing between tasks)."""
+    from graphxform.passes.model_average import SCOPE, centre_name
+    interval = max(ir.node(SCOPE + "interval")["attr"]["value"].tensor.int64_val[0], 1)
+    endpoints, variables = {}, {}
+    for var in tg.trainable:
+        if centre_name(var.name) not in ir:
+            continue
+        home = task_of(ir.node(centre_name(var.name))["device"], client)
+        share = var.nbytes / interval
+        for i in range(replicas):
+            task = task_of(ir.node(f"replica_{i}/{var.name}")["device"], client)
+            if task == home:
+                continue
+            for name in (task, home):
+                sent, received = endpoints.get(name, (0.0, 0.0))
+                endpoints[name] = (sent + share, received + share)
+            variables[var.name] = (variables.get(var.name, (0.0, False))[0] + 2 * share, False)
+        variables.setdefault(var.name, (0.0, False))
+    return {"endpoints": endpoints, "variables": variables}
 
 
 # ------------------------------------------------------------------ report

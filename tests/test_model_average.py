@@ -144,3 +144,10 @@ def test_cli_apply_and_verify(run_cli, tmp_path):
     code, text, err = run_cli("apply", fixture_path("mlp_sgd"), "--strategy", "allreduce",
                               "--replicas", 2, "--interval", 2, "-o", out)
     assert code != 0 and "--interval is an option of --strategy model-average" in text + err
+
+
+def test_cost_names_the_strategy_and_its_minimum(run_cli):
+    code, text, err = run_cli("cost", fixture_path("mlp_sgd"), "--strategy", "model-average",
+                              "--replicas", 2)
+    assert code == 0, text + err
+    assert text.startswith("model-average:") and "minimum is a round's copies" in text
