@@ -94,6 +94,39 @@ def viz(model, output, fmt, depth, boxes, scope, color_by, no_fold, tensorboard_
     click.echo(note or f"wrote {output}", err=bool(note))
 
 
+@cli.command()
+@click.argument("a", type=click.Path(dir_okay=False))
+@click.argument("b", type=click.Path(dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document for machines.")
+@click.option("--format", "fmt", type=click.Choice(["dot", "svg", "png", "pdf", "html"]),
+              help="Draw B's collapsed picture with the changes coloured (A's removed nodes "
+              "where they were).")
+@click.option("-o", "--output", help="Where the picture goes (default: B with .diff.<format>).")
+@click.option("--depth", type=click.IntRange(min=1), help="As for viz.")
+@click.option("--boxes", default=150, show_default=True, type=click.IntRange(min=1),
+              help="As for viz.")
+@click.option("--scope", default="", help="As for viz.")
+@debug_option
+def diff(a, b, as_json, fmt, output, depth, boxes, scope, debug):
+    """What B added, removed, replaced and rewired relative to A, by scope and by the pass
+    that made it (from B's provenance; names alone otherwise)."""
+    from graphxform import metagraph
+    from graphxform.inspector import diff as diff_mod
+    from graphxform.inspector import viz as viz_mod
+    first, second = metagraph.load(a), metagraph.load(b)
+    if output and not fmt:
+        fmt = viz_mod.output_format(output)
+    if fmt:
+        output = output or f"{os.path.splitext(b)[0]}.diff.{fmt}"
+        viz_mod.output_format(output, fmt)
+        metagraph.check_output_path(output, b)
+    found = diff_mod.compare(first, second)
+    click.echo(json.dumps(found.to_dict(), indent=2) if as_json else found.text())
+    if fmt:
+        note = diff_mod.write_picture(found, first, second, output, fmt, boxes, depth, scope)
+        click.echo(note or f"wrote {output}", err=True)
+
+
 @cli.command(name="check")
 @click.argument("model", type=click.Path(dir_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document for machines.")

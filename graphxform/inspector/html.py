@@ -37,8 +37,9 @@ def page(ir: GraphIR, depth: int | None = None, scope: str = "", color_by: str =
     opened = scopes.choose_open(tree, root, boxes, depth)
     title = title or f"{os.path.basename(ir.source or 'graph')}: {len(ir)} nodes"
     doc = document(folded, tree, opened, root, title, leaf_status)
-    doc["colorBy"] = color_by if color_by in doc["keys"] else "device"
-    scopes.leaf_keys(folded, color_by)  # a bad --color-by fails here, as in DOT
+    if color_by not in doc["keys"]:
+        scopes.leaf_keys(folded, color_by)  # says which colourings there are
+    doc["colorBy"] = color_by
     return render(doc, title)
 
 
@@ -87,12 +88,8 @@ def document(folded: scopes.FoldedGraph, tree: scopes.ScopeTree, opened: set, ro
 
 def _origin(folded: scopes.FoldedGraph, leaf: int) -> str | None:
     """The leaf's name in the input graph (None: a pass made it); an in-memory IR knows it."""
-    first = folded.members[leaf][0] if folded.members[leaf] else None
-    if first is None:
-        return folded.names[leaf]
-    data = folded.ir.g._node.get(first)
-    if data is None:
-        return folded.names[leaf]
+    first = folded.members[leaf][0]
+    data = folded.data(first)
     if data["origin"] and data["origin"] != first:
         return scopes.fold_name(data["origin"])[0]
     return scopes.original_name(folded.names[leaf], data["created_by"])

@@ -66,16 +66,21 @@ def original_name(name: str, created_by: str | None) -> str | None:
 class FoldedGraph:
     """The graph with each replica's copies folded into one leaf (``fold=False``: one leaf per
     node). Per leaf: its folded name, its members (graph node names), the replicas they belong
-    to, and its inputs as (leaf, port) with port -1 for a control input."""
+    to, and its inputs as (leaf, port) with port -1 for a control input. ``ghosts``: another
+    graph whose nodes missing here become leaves too (a diff draws what B removed from A)."""
 
-    def __init__(self, ir: GraphIR, fold: bool = True):
+    def __init__(self, ir: GraphIR, fold: bool = True, ghosts: GraphIR | None = None):
         self.ir = ir
         self.names: list[str] = []
         self.members: list[list[str]] = []
         self.replicas: list[set] = []
         self.leaf_of: dict[str, int] = {}
+        self.ghosts = ghosts
         index: dict[str, int] = {}
-        for name in ir.nodes():
+        names = list(ir.nodes())
+        if ghosts is not None:
+            names += [name for name in ghosts.nodes() if name not in ir]
+        for name in names:
             folded, replica = fold_name(name) if fold else (name, None)
             k = index.get(folded)
             if k is None:
@@ -88,20 +93,28 @@ class FoldedGraph:
             if replica is not None:
                 self.replicas[k].add(replica)
             self.leaf_of[name] = k
-        node_table = ir.g._node
-        self.ops = [node_table[m[0]]["op"] for m in self.members]
-        self.passes = [node_table[m[0]]["created_by"] for m in self.members]
+        self.ops = [self.data(m[0])["op"] for m in self.members]
+        self.passes = [self.data(m[0])["created_by"] for m in self.members]
         self.replica_count = max((max(r) + 1 for r in self.replicas if r), default=0)
         self.inputs = self._inputs()
 
+    def data(self, name: str) -> dict:
+        """A member's node data (from the ghost graph for a ghost)."""
+        found = self.ir.g._node.get(name)
+        return found if found is not None else self.ghosts.g._node[name]
+
     def _inputs(self) -> list[list[tuple[int, int]]]:
         pred, leaf_of = self.ir.g._pred, self.leaf_of
+        ghost_pred = self.ghosts.g._pred if self.ghosts is not None else {}
         out = []
         for members in self.members:
             found = {}
             for member in members:
                 data = []
-                for src, keyed in pred[member].items():
+                keyed_inputs = pred[member] if member in pred else ghost_pred[member]
+                for src, keyed in keyed_inputs.items():
+                    if src not in leaf_of:
+                        continue
                     for key, edge in keyed.items():
                         port = -1 if key == CONTROL_KEY else edge["src_port"]
                         data.append((key if key != CONTROL_KEY else 1 << 30, leaf_of[src], port))
@@ -115,8 +128,7 @@ class FoldedGraph:
         return len(self.names)
 
     def devices(self, leaf: int) -> list[str]:
-        node_table = self.ir.g._node
-        return [node_table[m]["device"] for m in self.members[leaf]]
+        return [self.data(m)["device"] for m in self.members[leaf]]
 
 
 @dataclasses.dataclass
