@@ -263,7 +263,7 @@ def worker(kind: str, opts: dict) -> None:
     if kind == "build":
         build_graph(opts["path"], opts)
         result = {"path": opts["path"]}
-    elif kind in ("original", "emitted", "emitted_sync"):
+    elif kind == "original" or kind.startswith("emitted"):
         result = run_session(opts["path"], opts)
     elif kind == "mirrored":
         result = run_mirrored(opts)
@@ -306,6 +306,10 @@ def main(argv=None) -> int:
     parser.add_argument("--only", default=None,
                         help="comma-separated subset of contenders to run (default: original, "
                         "emitted, mirrored; and emitted_sync for bncnn)")
+    parser.add_argument("--strategies", default="",
+                        help="more emitted graphs to run beside allreduce's, comma-separated: "
+                        "replicated:SPEC (e.g. replicated:pscpu, replicated:xring) or "
+                        "independent (the no-exchange ceiling)")
     parser.add_argument("--timeout", type=float, default=600, help="seconds per subprocess")
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args(argv)
@@ -341,6 +345,15 @@ def main(argv=None) -> int:
         devices = [f"/device:CPU:{i}" for i in range(args.devices)]
         strategies.transform(ir, "allreduce", devices=devices, **options)
         metagraph.save(ir, emitted)
+        more_graphs = {}
+        for label in [x.strip() for x in args.strategies.split(",") if x.strip()]:
+            strategy, _, spec = label.partition(":")
+            graph = metagraph.load(original)
+            strategies.transform(graph, strategy, devices=devices,
+                                 **({"all_reduce_spec": spec} if spec else {}))
+            more_graphs["emitted_" + label.replace(":", "_")] = path = (
+                stem + f".{label.replace(':', '_')}{args.devices}.meta")
+            metagraph.save(graph, path)
         if bn:
             synced = metagraph.load(original)
             strategies.transform(synced, "allreduce", devices=devices, sync_batch_norm=True,
@@ -353,8 +366,9 @@ def main(argv=None) -> int:
         return 0
 
     results = {}
-    for kind in [k.strip() for k in only.split(",") if k.strip()]:
-        path = {"original": original, "emitted": emitted, "emitted_sync": emitted_sync}.get(kind)
+    for kind in [k.strip() for k in only.split(",") if k.strip()] + list(more_graphs):
+        path = {"original": original, "emitted": emitted, "emitted_sync": emitted_sync,
+                **more_graphs}.get(kind)
         try:
             res = spawn(kind, dict(opts, path=path), args.timeout)
         except Exception as e:  # noqa: BLE001
@@ -364,13 +378,16 @@ def main(argv=None) -> int:
         res["median"] = statistics.median(res["rates"])
         results[kind] = res
         extra = f", cross-device ops {res['cross_device_ops']}" if "cross_device_ops" in res else ""
-        print(f"{kind:9s} {res['best']:8.2f} steps/s best ({res['median']:.2f} median; windows "
+        print(f"{kind:12s} {res['best']:8.2f} steps/s best ({res['median']:.2f} median; windows "
               f"{', '.join(f'{r:.2f}' for r in res['rates'])})  "
               f"{res['best'] * args.batch:8.0f} examples/s  loss {res['loss_first']:.3f} -> "
               f"{res['loss_last']:.3f}{extra}")
 
     print()
     verdicts = {}
+    for kind in more_graphs:
+        if kind in results and "emitted" in results:
+            print(f"{kind} / emitted = {results[kind]['best'] / results['emitted']['best']:.2f}x")
     if "emitted_sync" in results:
         for other in ("emitted", "mirrored"):
             if other in results:
