@@ -9,8 +9,9 @@ layers and barycentric ordering), so opening a box costs one sweep over the leav
 edges plus the layout of at most a few hundred boxes, whatever the graph's size. No picture is
 pre-rendered.
 
-The page starts from the same boxes as `viz` (``choose_open``); ``#open=PATH,PATH&select=PATH``
-in the URL opens more and selects one (the screenshot test uses it).
+The page starts from the same boxes as `viz` (``choose_open``); ``#open=PATH,PATH&select=PATH
+&color=pass`` in the URL opens more, selects one and picks the colouring (the screenshot test
+uses it).
 """
 
 from __future__ import annotations

@@ -715,9 +715,12 @@
   });
   document.getElementById("title").textContent = doc.title;
 
-  /* #open=PATH,PATH&select=PATH: open those scopes (and what encloses them), select one. */
+  /* #open=PATH,PATH&select=PATH&color=KEY: open those scopes (and what encloses them),
+     select one, colour by KEY. */
   function fromHash() {
     var params = new URLSearchParams(location.hash.replace(/^#/, ""));
+    var colour = params.get("color");
+    if (colour && doc.keys[colour]) state.colorBy = select.value = colour;
     (params.get("open") || "").split(",").filter(Boolean).forEach(function (text) {
       var entry = entryOfPath(text);
       if (entry < 0) return;
