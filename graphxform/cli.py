@@ -308,8 +308,11 @@ def with_options(options):
 @click.option("--no-verify", is_flag=True, help="Skip the structural check after each pass.")
 @click.option("--dump-dir", type=click.Path(file_okay=False),
               help="Write NN_<pass>.pbtxt and .dot after every pass.")
+@click.option("--explain", is_flag=True,
+              help="Print, per variable, the decision taken (replicated, shared on a ps task, "
+              "partitioned), where its gradient is combined, the bytes per step, and why.")
 @debug_option
-def apply(model, output, no_verify, dump_dir, debug, **options):
+def apply(model, output, no_verify, dump_dir, explain, debug, **options):
     """Transform MODEL with a strategy and write the distributed graph."""
     from graphxform import metagraph
     strategy = options["strategy"]
@@ -317,7 +320,7 @@ def apply(model, output, no_verify, dump_dir, debug, **options):
     metagraph.check_output_path(output, model)
     if dump_dir:
         _prepare_dump_dir(dump_dir)
-    _, ir, pipeline = _transform(model, options, no_verify, dump_dir)
+    original, ir, pipeline = _transform(model, options, no_verify, dump_dir)
     metagraph.save(ir, output)
     summary = {}
     for t in pipeline.timings:
@@ -358,6 +361,12 @@ def apply(model, output, no_verify, dump_dir, debug, **options):
     proven = getattr(pipeline, "contract", {}).get("variables", 0)
     click.echo(f"  contract: {proven} variable copies proven to update once per step from "
                "cross-replica values, replicas start equal")
+    checked = getattr(pipeline, "check", None)
+    if checked is not None:
+        warnings = sum(f.level == "warning" for f in checked.findings)
+        ran = ", ".join(r.name for r in checked.results if r.ran)
+        click.echo(f"  check: ok ({ran}" + (f"; {warnings} warning(s): run `graphxform "
+                                             f"check {output}`" if warnings else "") + ")")
     unmerged = summary.get("unmerged", [])
     if unmerged:
         more = f" and {len(unmerged) - 3} more" if len(unmerged) > 3 else ""
@@ -367,6 +376,14 @@ def apply(model, output, no_verify, dump_dir, debug, **options):
         idle = not t.modified and not any(t.summary.values())  # sync-init plans, changes nothing
         click.echo(f"  {t.name:18} {t.seconds * 1000:8.1f} ms" + ("  (nothing to do)" if idle
                                                                   else ""))
+    if explain:
+        from graphxform import training
+        from graphxform.inspector import explain as explain_mod
+        from graphxform.inspector.updates import replica_count
+        decisions = explain_mod.explain(
+            training.analyze(original, train_op=options["train_op"]), ir, strategy,
+            replica_count(ir), summary, options.get("bucket_bytes"))
+        click.echo(explain_mod.text(decisions))
 
 
 def _prepare_dump_dir(dump_dir: str) -> None:
