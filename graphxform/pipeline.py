@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from typing import ClassVar
+from typing import Callable, ClassVar
 
 from graphxform.errors import GraphxformError, PassError
 from graphxform.ir import GraphIR, paused_gc
@@ -80,12 +80,15 @@ def _size(nbytes: int) -> str:
 class Pipeline:
     """Runs passes in order. Verifies the IR after each (``verify=False`` skips it; only the
     nodes a pass added or rewired are checked, and cycles through them), records
-    per-pass time, and with ``dump_dir`` writes ``NN_<pass>.pbtxt`` and ``.dot`` after each."""
+    per-pass time, and with ``dump_dir`` writes ``NN_<pass>.pbtxt`` after each and has
+    ``draw(ir, stem)`` picture it beside (the inspector's; by default its collapsed DOT)."""
 
-    def __init__(self, passes, verify: bool = True, dump_dir: str | None = None):
+    def __init__(self, passes, verify: bool = True, dump_dir: str | None = None,
+                 draw: Callable[[GraphIR, str], None] | None = None):
         self.passes = list(passes)
         self.verify = verify
         self.dump_dir = dump_dir
+        self.draw = draw
         self.timings: list[PassTiming] = []
 
     def run(self, ir: GraphIR, ctx: PassContext | None = None) -> GraphIR:
@@ -122,10 +125,17 @@ class Pipeline:
         return f"pass {self.passes[index - 1].name}{after}: "
 
     def _dump(self, ir: GraphIR, index: int, name: str) -> None:
-        from graphxform import metagraph, viz
+        from graphxform import metagraph
         stem = os.path.join(self.dump_dir, f"{index:02d}_{name}")
         metagraph.write_atomic(stem + ".pbtxt", metagraph.serialize(ir, stem + ".pbtxt"))
-        metagraph.write_atomic(stem + ".dot", viz.to_dot(ir))
+        (self.draw or _default_draw())(ir, stem)
 
     def __str__(self) -> str:
         return ",".join(str(p) for p in self.passes)
+
+
+def _default_draw() -> Callable[[GraphIR, str], None]:
+    """The picture of a stage when nobody handed one: the inspector's `viz` default, looked up
+    only when a stage is dumped (the pipeline does not depend on the inspector otherwise)."""
+    import importlib
+    return importlib.import_module("graphxform.inspector.viz").dump

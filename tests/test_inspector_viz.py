@@ -165,6 +165,24 @@ def test_tensorboard_event_files(run_cli, tmp_path):
         metagraph.load(str(tmp_path / "out.meta")))
 
 
+def test_dump_dir_pictures_are_collapsed(run_cli, tmp_path):
+    dumps = tmp_path / "dumps"
+    code, _, err = run_cli("apply", fixture_path("cnn_bn_momentum"), "--replicas", 2, "-o",
+                           tmp_path / "out.meta", "--dump-dir", dumps)
+    assert code == 0, err
+    last = sorted(dumps.glob("*.dot"))[-1].read_text()
+    assert "x 2" in last and len(re.findall(r"^  b\d+ \[", last, re.M)) <= 150
+
+
+def test_pipeline_draws_with_the_function_it_is_handed(tmp_path):
+    from graphxform.pipeline import Pipeline
+    drawn = []
+    Pipeline([], dump_dir=str(tmp_path), draw=lambda ir, stem: drawn.append(stem)).run(
+        metagraph.load(fixture_path("mlp_sgd")))
+    assert drawn == [str(tmp_path / "00_input")]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["00_input.pbtxt"]
+
+
 @pytest.mark.slow
 @needs_dot
 def test_resnet50_x8_renders_to_svg_in_seconds(tmp_path):
