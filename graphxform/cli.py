@@ -42,7 +42,7 @@ def _analysis(path, train_op=None):
 @debug_option
 def inspect(model, as_json, train_op, debug):
     """Show what a training graph holds: variables, updates, gradients, slots, inputs."""
-    from graphxform import report
+    from graphxform.inspector import report
     ir, tg = _analysis(model, train_op)
     doc = report.inspect_document(ir, tg)
     if as_json:
@@ -602,7 +602,7 @@ def launch(model, steps, feeds, batch_size, cluster_file, restore, save_to, time
 def cost(model, batch_size, as_json, debug, **options):
     """Bytes each task (device, for allreduce) sends and receives per training step, per
     variable, measured on the transformed graph next to the strategy's textbook minimum."""
-    from graphxform import cost as cost_mod
+    from graphxform.inspector import cost as cost_mod
     cost_mod.check_request(options["strategy"], batch_size)
     original, ir, _ = _transform(model, options)
     report = cost_mod.measure(original, ir, batch_size=batch_size, strategy=options["strategy"],

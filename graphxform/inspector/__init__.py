@@ -6,7 +6,9 @@
 - html: one self-contained page to explore a graph (its JavaScript ships in ``static/``);
 - diff: what changed between two graphs, by scope and by the pass that made it;
 - check: static checks of a transformed graph before anyone runs it;
-- explain: why each variable was placed as it was (`apply --explain`).
+- explain: why each variable was placed as it was (`apply --explain`);
+- cost: bytes each task sends and receives per step (`graphxform cost`);
+- report: what a training graph holds (`graphxform inspect`).
 
 Nothing here changes a graph; the compiler never imports the inspector (the pipeline is handed
 a dump function instead)."""

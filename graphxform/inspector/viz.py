@@ -8,8 +8,10 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import subprocess
 
-from graphxform.errors import GraphxformError
+from graphxform import cleanup
+from graphxform.errors import GraphxformError, clip
 from graphxform.inspector import scopes
 from graphxform.ir import GraphIR
 
@@ -139,7 +141,6 @@ def write_dot(dot: str, path: str, fmt: str) -> str | None:
         write_atomic(stem + ".dot", dot)
         return (f"Graphviz 'dot' is not installed, so {path} was not rendered; wrote "
                 f"{stem}.dot instead (install it with: apt-get install graphviz)")
-    from graphxform.viz import render
     write_atomic(path, render(executable, dot, fmt, path))
     return None
 
@@ -149,3 +150,21 @@ def dump(ir: GraphIR, stem: str) -> None:
     picture (the pipeline is handed this function)."""
     from graphxform.metagraph import write_atomic
     write_atomic(stem + ".dot", to_dot(ir))
+
+
+def render(executable: str, dot: str, fmt: str, path: str) -> bytes:
+    """Run ``dot -T<fmt>``; it dies with this process however that ends (a signal unwinds to
+    the ``finally`` below; on SIGKILL the kernel kills it, see cleanup.child_preexec)."""
+    proc = subprocess.Popen([executable, f"-T{fmt}"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=cleanup.child_preexec())
+    try:
+        out, err = proc.communicate(dot.encode())
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    if proc.returncode != 0:
+        said = err.decode(errors="replace").strip() or f"exit code {proc.returncode}"
+        raise GraphxformError(f"dot failed to render {path}: {clip(said)}")
+    return out

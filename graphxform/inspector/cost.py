@@ -1,0 +1,701 @@
+"""Bytes moved per training step, measured on the emitted graph, next to the textbook minimum.
+
+We do not restate formulas: we walk the transformed graph the way TF's distributed runtime will
+run it, so a pass that sends more than it should shows up as a ratio above 1.
+
+- Where a node runs: its device, except that an op reading a resource (ReadVariableOp,
+  ResourceGather, an optimizer update) runs with the resource, and a `_class` colocation wins
+  over an empty device, as in TF's placer. An unplaced node runs on the client: the chief task.
+  (Checked against the partition graphs TF builds for a ps graph on an in-process cluster.)
+- A tensor crosses when producer and consumer run on different tasks; TF's graph partitioner
+  makes one send/recv per (tensor, destination task), so each pair is counted once. Constants
+  are not counted (TF copies them to their consumers), nor control edges (no payload).
+- Sizes are static shapes from importing the emitted GraphDef into a tf.Graph with the batch
+  dimension of the inputs set from the global batch.
+- Collectives (allreduce) move data without edges: a ring all-reduce of B bytes over N devices
+  sends and receives 2(N-1)/N x B per device, an all-gather (N-1)/N of the gathered bytes.
+- Only what one training step runs counts: ancestors of the train op and the loss (a
+  checkpoint's reads do not).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+
+from graphxform import training
+from graphxform.errors import GraphxformError
+from graphxform.ir import GraphIR, parse_tensor
+
+DT_RESOURCE = 20
+# ops TF's placer does not pull onto their resource inputs' device (they forward, not read)
+RESOURCE_COLOCATION_EXEMPT = {"IdentityN", "PartitionedCall", "StatefulPartitionedCall", "While",
+                              "StatelessWhile", "If", "StatelessIf", "Case", "StatelessCase"}
+COLLECTIVE_REDUCE = "CollectiveReduceV2"
+COLLECTIVE_GATHER = "CollectiveGatherV2"
+OTHER = "other"
+_REPLICA = re.compile(r"^replica_\d+/")
+_TASK = re.compile(r"/job:([^/]+)(?:/replica:\d+)?(?:/task:(\d+))?")
+_GRADIENT_SCOPES = ("/accumulator", "/local_mean")
+
+
+@dataclasses.dataclass
+class Transfer:
+    """One tensor sent from one endpoint to another per step."""
+    tensor: str
+    src: str
+    dst: str
+    nbytes: float
+    variable: str  # original variable name, or "other"
+    kind: str = "edge"  # "edge", "all-reduce" or "all-gather" (src = dst = the device)
+    upper_bound: bool = False
+
+
+@dataclasses.dataclass
+class Endpoint:
+    """A task (or a device for collectives) with its measured and minimum bytes per step."""
+    name: str
+    sent: float = 0.0
+    received: float = 0.0
+    minimum_sent: float = 0.0
+    minimum_received: float = 0.0
+
+
+@dataclasses.dataclass
+class VariableCost:
+    name: str
+    moved: float = 0.0
+    minimum: float = 0.0
+    upper_bound: bool = False
+
+
+@dataclasses.dataclass
+class CostReport:
+    strategy: str
+    batch_size: int
+    replicas: int
+    model: str  # "ps" or "allreduce": which textbook minimum applies
+    client: str
+    endpoints: dict
+    variables: dict
+    transfers: list
+    notes: list
+
+    def to_dict(self) -> dict:
+        return {
+            "strategy": self.strategy, "batch_size": self.batch_size, "replicas": self.replicas,
+            "minimum_model": self.model, "client": self.client,
+            "tasks": [dict(dataclasses.asdict(e), ratio=_ratio(e.sent + e.received,
+                                                               e.minimum_sent + e.minimum_received))
+                      for e in self.endpoints.values()],
+            "variables": [dict(dataclasses.asdict(v), ratio=_ratio(v.moved, v.minimum))
+                          for v in self.variables.values()],
+            "transfers": [dataclasses.asdict(t) for t in self.transfers],
+            "notes": list(self.notes)}
+
+
+def check_request(strategy: str, batch_size) -> None:
+    """Refuse what cannot be costed before transforming anything (one-line errors)."""
+    from graphxform import strategies
+    if strategy not in strategies.STRATEGIES:
+        raise GraphxformError(f"unknown strategy '{strategy}' (known: "
+                              f"{', '.join(strategies.STRATEGIES)})")
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise GraphxformError(f"--batch-size must be a positive number of examples, not "
+                              f"{batch_size}")
+
+
+def measure(original: GraphIR, ir: GraphIR, batch_size: int = 32, strategy: str = "",
+            train_op: str | None = None) -> CostReport:
+    """Bytes each task/device sends and receives per step in ``ir`` (``original`` transformed),
+    per variable, with the textbook minimum for the strategy that made it."""
+    tg = training.analyze(original, train_op=train_op)
+    replicas = count_replicas(ir)
+    if batch_size < 1 or batch_size % replicas:
+        raise GraphxformError(f"--batch-size {batch_size} does not split evenly over {replicas} "
+                              "replicas")
+    notes = []
+    batched = [i for i in tg.inputs if i.batched]
+    shapes = static_shapes(ir, batched, batch_size)
+    client = client_task(ir)
+    step = step_nodes(ir, tg)
+    owners = VariableNames(tg, ir)
+    sparse_rows = rows_touched(tg, original, batched, batch_size)
+    transfers = edge_transfers(ir, step, shapes, client, owners, sparse_rows)
+    transfers += collective_transfers(ir, step, shapes, owners)
+    model = "allreduce" if any(t.kind != "edge" for t in transfers) else "ps"
+    minimum = (allreduce_minimum(ir, step, tg, sparse_rows) if model == "allreduce"
+               else ps_minimum(ir, tg, sparse_rows, client, owners))
+    if ir.has_scope("model_average/"):
+        model, minimum = "model-average", model_average_minimum(ir, tg, replicas, client)
+        notes.append("model-average: the copies are read into the mean on every step (a round "
+                     "flag selects what is kept), so what crosses devices is per step; the "
+                     "minimum is a round's copies and centre spread over --interval steps")
+    endpoints, variables = _tally(transfers, minimum, tg)
+    handles = {t for t in shapes.unknown_crossing if _is_resource(ir, t)}
+    unknown = shapes.unknown_crossing - handles
+    if handles:
+        notes.append(f"{len(handles)} variable handle(s) passed to another task (into a loop or "
+                     "function): the reads inside, possibly one per iteration, are not counted: "
+                     + ", ".join(sorted(handles)[:3]))
+    if unknown:
+        notes.append(f"{len(unknown)} crossing tensor(s) of unknown static size not counted: "
+                     + ", ".join(sorted(unknown)[:3]))
+    if any(t.upper_bound for t in transfers):
+        notes.append("sparse gradients and gathered rows are counted at one row per id fed "
+                     "(duplicate ids included): an upper bound on the rows a step touches; a "
+                     "partitioned variable's ids are spread over its shards by their rows")
+    notes.append(f"unplaced nodes run on the client, the chief task {client}; constants and "
+                 "control edges are not counted")
+    return CostReport(strategy=strategy or model, batch_size=batch_size, replicas=replicas,
+                      model=model, client=client, endpoints=endpoints, variables=variables,
+                      transfers=transfers, notes=notes)
+
+
+# ------------------------------------------------------------------ the graph as TF will run it
+
+def _is_resource(ir, tensor: str) -> bool:
+    from graphxform import opdefs
+    return opdefs.output_dtype(ir, *parse_tensor(tensor)) == DT_RESOURCE
+
+
+def count_replicas(ir: GraphIR) -> int:
+    """Replica copies (`replica_{i}/...`) in the graph; 1 for an untransformed one."""
+    found = {m.group(0) for n in ir.nodes() if (m := _REPLICA.match(n))}
+    return max(1, len(found))
+
+
+def client_task(ir: GraphIR) -> str:
+    """Where unplaced nodes run: the chief (the one client of the drop-in contract)."""
+    from graphxform.plan import ClusterPlan
+    plan = ClusterPlan.from_ir(ir)
+    return plan.chief if plan is not None and plan.chief else "localhost:0"
+
+
+def task_of(device: str, client: str) -> str:
+    """'/job:ps/task:1/device:CPU:0' -> 'ps:1'; a device naming no job is in the client."""
+    match = _TASK.search(device or "")
+    if not match:
+        return client
+    return f"{match.group(1)}:{match.group(2) or 0}"
+
+
+def step_nodes(ir: GraphIR, tg) -> set:
+    """Nodes one training step runs: ancestors of the train op and of the loss."""
+    roots = [n for n in (tg.train_op, parse_tensor(tg.loss)[0] if tg.loss else None)
+             if n and n in ir]
+    if not roots:
+        raise GraphxformError("cannot cost a graph with no train op or loss to run "
+                              "(name one with --train-op)")
+    found = set()
+    for root in roots:
+        found |= ir.ancestors(root)
+    return found
+
+
+class Placement:
+    """The device each node runs on, with TF's colocation rules for resources and `_class`."""
+
+    def __init__(self, ir: GraphIR):
+        self.ir = ir
+        self._device = {}
+
+    def _anchor(self, name: str) -> str | None:
+        """The node this one must run with: the producer of a resource or ref-variable input,
+        else (when unplaced) its `_class` colocation target."""
+        from graphxform import opdefs
+        ir = self.ir
+        variable_ports = self._variable_ports(name)
+        for port, (src, src_port) in enumerate(ir.inputs(name)):
+            if ir.op(name) in RESOURCE_COLOCATION_EXEMPT:
+                break
+            if port in variable_ports or opdefs.output_dtype(ir, src, src_port) == DT_RESOURCE:
+                return src
+        attr = ir.node(name)["attr"].get("_class")
+        if attr is not None and not ir.node(name)["device"]:
+            for spec in attr.list.s:
+                target = spec.decode().removeprefix("loc:@")
+                if target != name and target in ir:
+                    return target
+        return None
+
+    def _variable_ports(self, name: str) -> set:
+        from graphxform import opdefs
+        try:
+            ports = opdefs.input_ports(self.ir, name)
+        except GraphxformError:
+            return set()
+        return {p for arg in opdefs.resource_or_ref_inputs(self.ir, name)
+                for p in ports.get(arg, [])}
+
+    def device(self, name: str) -> str:
+        chain = []
+        while name not in self._device:
+            chain.append(name)
+            anchor = self._anchor(name)
+            if anchor is None or anchor in chain:
+                self._device[name] = self.ir.node(name)["device"]
+                break
+            name = anchor
+        for n in chain:
+            self._device[n] = self._device[name]
+        return self._device[chain[0]] if chain else self._device[name]
+
+
+class Shapes:
+    """Static shapes and dtypes of every tensor, from TF's shape inference on the emitted graph
+    with each batched input fed ``batch_size`` examples."""
+
+    def __init__(self, tensors: dict):
+        self.tensors = tensors  # name -> (dims list or None, dtype size or None)
+        self.unknown_crossing = set()
+
+    def nbytes(self, tensor: str) -> int | None:
+        dims, size = self.tensors.get(tensor, (None, None))
+        if dims is None or size is None or any(d is None for d in dims):
+            return None
+        count = 1
+        for d in dims:
+            count *= d
+        return count * size
+
+    def dims(self, tensor: str):
+        return self.tensors.get(tensor, (None, None))[0]
+
+
+def static_shapes(ir: GraphIR, batched, batch_size: int) -> Shapes:
+    import tensorflow as tf
+
+    from graphxform.metagraph import to_graphdef
+    graph_def = to_graphdef(ir)
+    for node in graph_def.node:  # placement is ours to decide, not the importer's
+        node.device = ""
+    graph = tf.Graph()
+    with graph.as_default():
+        feeds = {}
+        for inp in batched:
+            if inp.name in ir:
+                feeds[f"{inp.name}:0"] = tf.compat.v1.placeholder(
+                    tf.dtypes.as_dtype(inp.dtype),
+                    [batch_size, *(d if d >= 0 else None for d in inp.shape[1:])],
+                    name=f"graphxform_cost_feed/{inp.name}")
+        try:
+            tf.graph_util.import_graph_def(graph_def, input_map=feeds, name="")
+        except (ValueError, tf.errors.OpError) as e:
+            first = str(e).strip().splitlines()[0]
+            raise GraphxformError(f"cannot infer tensor sizes at batch {batch_size}: "
+                                  f"{first}") from None
+    tensors = {}
+    for op in graph.get_operations():
+        if op.name.startswith("graphxform_cost_feed/"):
+            continue
+        for out in op.outputs:
+            dims = out.shape.as_list() if out.shape.rank is not None else None
+            tensors[out.name] = (dims, _dtype_size(out.dtype))
+    for feed, tensor in feeds.items():
+        tensors[feed] = (tensor.shape.as_list(), _dtype_size(tensor.dtype))
+    return Shapes(tensors)
+
+
+def _dtype_size(dtype) -> int | None:
+    """Bytes per element; None where a size is not fixed (strings, handles, variants)."""
+    import tensorflow as tf
+    base = dtype.base_dtype
+    return None if base in (tf.string, tf.resource, tf.variant) else base.size
+
+
+class VariableNames:
+    """Maps graph nodes back to the original variable they carry: a variable, a replica's copy,
+    a shard (`<var>/part_k`), or a node of its gradient's path to its accumulator."""
+
+    def __init__(self, tg, ir: GraphIR):
+        self.names = set(tg.variables)
+        self.slot_of = {v.name: v.slot_of for v in tg.variables.values() if v.slot_of}
+        self.ir = ir
+        self._shards = None
+
+    def shards(self, name: str) -> list:
+        """The variable nodes holding ``name`` outside any replica (itself, or its shards)."""
+        if self._shards is None:
+            self._shards = {}
+            for node in self.ir.nodes():
+                if self.ir.op(node) in training.VARIABLE_OPS and not _REPLICA.match(node):
+                    self._shards.setdefault(self.original(node), []).append(node)
+        return self._shards.get(name, [])
+
+    def primary(self, name: str) -> str:
+        return self.slot_of.get(name, name)
+
+    def original(self, node: str) -> str | None:
+        """Longest original variable name that is ``node`` or a scope above it."""
+        node = _REPLICA.sub("", node)
+        while node:
+            if node in self.names:
+                return node
+            node = node.rpartition("/")[0]
+        return None
+
+    def gradient_scope_of(self, node: str) -> str | None:
+        """The variable node X when ``node`` is under `X/accumulator` or `X/local_mean`."""
+        node = _REPLICA.sub("", node)
+        for marker in _GRADIENT_SCOPES:
+            start = node.find(marker)
+            while start >= 0:
+                end = start + len(marker)
+                if (end == len(node) or node[end] == "/") and self.original(node[:start]):
+                    return node[:start]
+                start = node.find(marker, start + 1)
+        return None
+
+    def variable_read_by(self, node: str) -> str | None:
+        """The variable node ``node`` reads (ReadVariableOp, a gather, a ref Identity)."""
+        for src, _ in self.ir.inputs(node):
+            if self.ir.op(src) in training.VARIABLE_OPS and not _is_accumulator(self.ir, src):
+                return src
+        return None
+
+    def read_of(self, node: str) -> str | None:
+        found = self.variable_read_by(node)
+        return self.original(found) if found else None
+
+    def of_transfer(self, src: str, dst: str) -> str:
+        """A read of a variable or its gradient on the way to its accumulator; else other."""
+        if self.ir.op(src) in training.VARIABLE_OPS:
+            return self.original(src) or OTHER
+        found = (self.variable_read_by(src) or self.gradient_scope_of(src)
+                 or self.gradient_scope_of(dst))
+        return self.original(found) if found else OTHER
+
+    def related(self, src: str, dst: str) -> str | None:
+        """The variable node a transfer serves, counting the ids sent to a gather."""
+        return (self.variable_read_by(src) or self.gradient_scope_of(src)
+                or self.gradient_scope_of(dst) or self.variable_read_by(dst))
+
+
+def _is_accumulator(ir, name) -> bool:
+    return "Accumulator" in ir.op(name)
+
+
+# ------------------------------------------------------------------ measured
+
+def edge_transfers(ir, step, shapes, client, owners, sparse_rows) -> list:
+    """Data edges between tasks, one per (tensor, destination task)."""
+    place = Placement(ir)
+    workers = len(worker_tasks(ir, client)) or 1
+    seen = {}
+    for dst in step:
+        dst_task = task_of(place.device(dst), client)
+        for src, port in ir.inputs(dst):
+            if src not in step or ir.op(src) == "Const":
+                continue
+            src_task = task_of(place.device(src), client)
+            tensor = f"{src}:{port}"
+            if src_task == dst_task or (tensor, dst_task) in seen:
+                continue
+            variable = owners.of_transfer(src, dst)
+            nbytes = shapes.nbytes(tensor)
+            bound = variable in sparse_rows
+            if nbytes is None:
+                nbytes = _sparse_bound(ir, tensor, owners.related(src, dst), shapes, owners,
+                                       sparse_rows, workers)
+                bound = True
+            if nbytes is None:
+                shapes.unknown_crossing.add(tensor)
+                continue
+            seen[(tensor, dst_task)] = Transfer(tensor, src_task, dst_task, nbytes, variable,
+                                                upper_bound=bound)
+    return sorted(seen.values(), key=lambda t: (t.src, t.dst, t.tensor))
+
+
+def _sparse_bound(ir, tensor, var_node, shapes, owners, sparse_rows, workers) -> int | None:
+    """Bytes of a data-dependent tensor serving a sparse variable: one row per id a worker is
+    fed, spread over a partitioned variable's shards by their share of its rows."""
+    name = owners.original(var_node) if var_node else None
+    dims, size = shapes.tensors.get(tensor, (None, None))
+    if name not in sparse_rows or not dims or size is None or dims[0] is not None or \
+            any(d is None for d in dims[1:]):
+        return None
+    rows = sparse_rows[name][0] / workers * _shard_fraction(ir, var_node, owners)
+    count = 1
+    for d in dims[1:]:
+        count *= d
+    return rows * count * size
+
+
+def _shard_fraction(ir, var_node, owners) -> float:
+    """The share of its variable's rows that ``var_node`` (a shard, or the whole) holds."""
+    name = owners.original(var_node)
+    if var_node == name or _REPLICA.match(var_node):
+        return 1.0
+    shards = owners.shards(name)
+    total = sum(_variable_bytes(ir, n) for n in shards)
+    return _variable_bytes(ir, var_node) / total if total else 1.0
+
+
+def worker_tasks(ir, client) -> list:
+    """Tasks that run replicas (the W of the ps minimum)."""
+    return sorted({task_of(ir.node(n)["device"], client) for n in ir.nodes()
+                   if _REPLICA.match(n) and ir.node(n)["device"]})
+
+
+def collective_transfers(ir, step, shapes, owners) -> list:
+    """What each device's collectives send and receive per step (sent = received in a ring)."""
+    out = []
+    for node in sorted(step):
+        op = ir.op(node)
+        if op not in (COLLECTIVE_REDUCE, COLLECTIVE_GATHER):
+            continue
+        device = ir.node(node)["device"]
+        n = _group_size(ir, node)
+        local = shapes.nbytes(f"{ir.inputs(node)[0][0]}:{ir.inputs(node)[0][1]}") or 0
+        if op == COLLECTIVE_REDUCE:
+            moved = 2 * (n - 1) / n * local
+            for variable, share in _bucket_shares(ir, node, shapes, owners).items():
+                out.append(Transfer(f"{node}:0", device, device, moved * share, variable,
+                                    kind="all-reduce"))
+        else:
+            variable = _gathered_variable(ir, node, owners)
+            out.append(Transfer(f"{node}:0", device, device, (n - 1) / n * (n * local),
+                                variable, kind="all-gather", upper_bound=True))
+    return out
+
+
+def _group_size(ir, node) -> int:
+    from tensorflow.python.framework import tensor_util
+    src, _ = ir.inputs(node)[1]
+    if ir.op(src) != "Const":
+        raise GraphxformError(f"collective '{node}' has a group size that is not a constant")
+    return int(tensor_util.MakeNdarray(ir.node(src)["attr"]["value"].tensor))
+
+
+def _bucket_shares(ir, reduce, shapes, owners) -> dict:
+    """Variable -> its fraction of an all-reduce bucket, following each piece of the reduced
+    tensor to the update that consumes it."""
+    pieces = []
+    for consumer, _ in ir.consumers(reduce, 0):
+        if ir.op(consumer) == "SplitV":
+            pieces += [(f"{consumer}:{k}", c) for k in range(ir.node(consumer)["attr"][
+                "num_split"].i) for c, _ in ir.consumers(consumer, k)]
+        else:
+            pieces.append((f"{reduce}:0", consumer))
+    shares, total = {}, 0
+    for tensor, consumer in pieces:
+        size = shapes.nbytes(tensor) or 0
+        variable = _updated_variable(ir, consumer, owners) or OTHER
+        shares[variable] = shares.get(variable, 0) + size
+        total += size
+    return {v: s / total for v, s in shares.items()} if total else {OTHER: 1.0}
+
+
+def _updated_variable(ir, node, owners, depth: int = 4) -> str | None:
+    """The variable whose update ``node`` (or a consumer a few hops on) feeds."""
+    frontier = [node]
+    for _ in range(depth):
+        following = []
+        for n in frontier:
+            found = owners.read_of(n)
+            if found:  # an update may write a slot first (sparse Adam): name its variable
+                return owners.primary(found)
+            following += [c for c, _ in ir.consumers(n)]
+        frontier = following
+    return None
+
+
+def _gathered_variable(ir, node, owners) -> str:
+    for consumer, _ in ir.consumers(node, 0):
+        found = _updated_variable(ir, consumer, owners)
+        if found:
+            return found
+    return OTHER
+
+
+# ------------------------------------------------------------------ textbook minimum
+
+@dataclasses.dataclass
+class _Need:
+    """Per replica group (worker or device): gradient bytes sent and variable bytes read."""
+    grad: float
+    read: float
+    upper_bound: bool = False
+
+
+def rows_touched(tg, original, batched, batch_size) -> dict:
+    """Sparse variable -> (rows its gradient has for the global batch, bytes per index): one
+    row per id fed (the original graph's static shape), an upper bound on the distinct rows a
+    step touches."""
+    sparse = [v for v in tg.trainable if v.gradient.kind == "sparse"]
+    if not sparse:
+        return {}
+    shapes = static_shapes(original, batched, batch_size)
+    found = {}
+    for var in sparse:
+        dims = shapes.dims(var.gradient.values)
+        if not dims or dims[0] is None:
+            raise GraphxformError(f"cannot tell how many rows of '{var.name}' a batch of "
+                                  f"{batch_size} touches")
+        found[var.name] = (dims[0], shapes.tensors[var.gradient.indices][1] or 4)
+    return found
+
+
+def _needs(tg, sparse_rows, parts: int) -> dict:
+    """Variable -> bytes one of ``parts`` equal shares of the batch needs: a dense variable
+    whole; a sparse one only the rows its ids touch (an upper bound)."""
+    needs = {}
+    for var in tg.trainable:
+        if var.name not in sparse_rows:
+            needs[var.name] = _Need(var.nbytes, var.nbytes)
+            continue
+        row_bytes = var.nbytes // var.shape[0] if var.shape and var.shape[0] > 0 else 0
+        rows, index_bytes = sparse_rows[var.name]
+        needs[var.name] = _Need(rows / parts * (row_bytes + index_bytes), rows / parts * row_bytes,
+                                True)
+    return needs
+
+
+def ps_minimum(ir, tg, sparse_rows, client, owners) -> dict:
+    """Each worker sends each gradient once (its replicas summed) and receives each variable it
+    reads once; each ps task receives W gradients and sends W copies of its variables."""
+    workers = worker_tasks(ir, client)
+    w = len(workers) or 1
+    needs = _needs(tg, sparse_rows, w)
+    minimum = {"endpoints": {}, "variables": {}}
+    place = Placement(ir)
+    for task in workers:
+        minimum["endpoints"][task] = (sum(n.grad for n in needs.values()),
+                                      sum(n.read for n in needs.values()))
+    for name, need in needs.items():
+        minimum["variables"][name] = (w * (need.grad + need.read), need.upper_bound)
+        for node in owners.shards(name):
+            task = task_of(place.device(node), client)
+            fraction = _shard_fraction(ir, node, owners)
+            sent, received = minimum["endpoints"].get(task, (0.0, 0.0))
+            minimum["endpoints"][task] = (sent + w * need.read * fraction,
+                                          received + w * need.grad * fraction)
+    return minimum
+
+
+def _variable_bytes(ir, node) -> int:
+    from tensorflow.python.framework import dtypes
+    attr = ir.node(node)["attr"]
+    count = 1
+    for d in attr["shape"].shape.dim:
+        count *= max(d.size, 0)
+    return count * dtypes.as_dtype(attr["dtype"].type).size
+
+
+def allreduce_minimum(ir, step, tg, sparse_rows) -> dict:
+    """Ring all-reduce: 2(N-1)/N x the dense gradient bytes per device; a sparse gradient is
+    all-gathered: (N-1)/N of the rows the whole batch touches."""
+    devices = sorted({ir.node(n)["device"] for n in step
+                      if ir.op(n) in (COLLECTIVE_REDUCE, COLLECTIVE_GATHER)})
+    n = len(devices) or 1
+    needs = _needs(tg, sparse_rows, 1)
+    per_device = {name: (1 if name in sparse_rows else 2) * (n - 1) / n * need.grad
+                  for name, need in needs.items()}
+    total = sum(per_device.values())
+    return {"endpoints": {d: (total, total) for d in devices},
+            "variables": {name: (n * b, needs[name].upper_bound)
+                          for name, b in per_device.items()}}
+
+
+def model_average_minimum(ir, tg, replicas: int, client: str) -> dict:
+    """Once per round (every K steps) each replica on another task than the centre sends its
+    copy of every trained variable there and receives the centre back: the variable bytes each
+    way over K steps (replicas in the centre's own task move nothing between tasks)."""
+    from graphxform.passes.model_average import SCOPE, centre_name
+    interval = max(ir.node(SCOPE + "interval")["attr"]["value"].tensor.int64_val[0], 1)
+    endpoints, variables = {}, {}
+    for var in tg.trainable:
+        if centre_name(var.name) not in ir:
+            continue
+        home = task_of(ir.node(centre_name(var.name))["device"], client)
+        share = var.nbytes / interval
+        for i in range(replicas):
+            task = task_of(ir.node(f"replica_{i}/{var.name}")["device"], client)
+            if task == home:
+                continue
+            for name in (task, home):
+                sent, received = endpoints.get(name, (0.0, 0.0))
+                endpoints[name] = (sent + share, received + share)
+            variables[var.name] = (variables.get(var.name, (0.0, False))[0] + 2 * share, False)
+        variables.setdefault(var.name, (0.0, False))
+    return {"endpoints": endpoints, "variables": variables}
+
+
+# ------------------------------------------------------------------ report
+
+def _tally(transfers, minimum, tg):
+    endpoints = {name: Endpoint(name, minimum_sent=s, minimum_received=r)
+                 for name, (s, r) in minimum["endpoints"].items()}
+    variables = {name: VariableCost(name, minimum=m, upper_bound=ub)
+                 for name, (m, ub) in minimum["variables"].items()}
+    for t in transfers:
+        for name in (t.src, t.dst):
+            endpoints.setdefault(name, Endpoint(name))
+        endpoints[t.src].sent += t.nbytes
+        endpoints[t.dst].received += t.nbytes
+        cost = variables.setdefault(t.variable, VariableCost(t.variable))
+        cost.moved += t.nbytes
+        cost.upper_bound = cost.upper_bound or t.upper_bound
+    order = {name: k for k, name in enumerate(tg.variables)}
+    ordered = dict(sorted(variables.items(), key=lambda kv: (kv[0] == OTHER,
+                                                             order.get(kv[0], len(order)))))
+    return dict(sorted(endpoints.items(), key=lambda kv: _endpoint_key(kv[0]))), ordered
+
+
+def _endpoint_key(name: str):
+    job, _, index = name.rpartition(":")
+    order = {"chief": 0, "worker": 1, "ps": 2}
+    return (order.get(job, 3), job, int(index) if index.isdigit() else 0, name)
+
+
+def _ratio(measured: float, minimum: float):
+    return round(measured / minimum, 3) if minimum else None
+
+
+def human_bytes(n: float) -> str:
+    if n < 10 * 1024:
+        return f"{n:,.0f} B" if n == int(n) else f"{n:,.1f} B"
+    for unit in ("KiB", "MiB", "GiB"):
+        n /= 1024
+        if n < 10 * 1024 or unit == "GiB":
+            return f"{n:,.1f} {unit}"
+    return f"{n} B"
+
+
+def format_text(report: CostReport) -> str:
+    """The per-task and per-variable tables a person reads."""
+    doc = report.to_dict()
+    what = "device" if report.model == "allreduce" else "task"
+    lines = [f"{report.strategy}: bytes per training step, global batch {report.batch_size} "
+             f"({report.replicas} replicas); minimum = textbook {report.model}", ""]
+    rows = [[what, "sent", "received", "min sent", "min received", "ratio"]]
+    for e in doc["tasks"]:
+        rows.append([e["name"], human_bytes(e["sent"]), human_bytes(e["received"]),
+                     human_bytes(e["minimum_sent"]), human_bytes(e["minimum_received"]),
+                     _ratio_text(e["ratio"])])
+    lines += _table(rows)
+    lines.append("")
+    rows = [["variable", "moved", "minimum", "ratio"]]
+    for v in doc["variables"]:
+        rows.append([v["name"] + (" (upper bound)" if v["upper_bound"] else ""),
+                     human_bytes(v["moved"]), human_bytes(v["minimum"]) if v["name"] != OTHER
+                     else "-", _ratio_text(v["ratio"])])
+    lines += _table(rows)
+    lines.append("")
+    lines += [f"note: {n}" for n in report.notes]
+    return "\n".join(lines)
+
+
+def _ratio_text(ratio) -> str:
+    return "-" if ratio is None else f"{ratio:.2f}x"
+
+
+def _table(rows) -> list:
+    widths = [max(len(r[k]) for r in rows) for k in range(len(rows[0]))]
+    out = []
+    for r in rows:
+        cells = [r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:], widths[1:])]
+        out.append("  ".join(cells).rstrip())
+    return out
