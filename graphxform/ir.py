@@ -54,6 +54,11 @@ CONTROL_KEYS = FrozenDict({CONTROL_KEY: CONTROL_EDGE})  # key dict of a control-
 _DATA_KEYS = {}  # (dst_port, src_port) -> key dict of a pair joined by that one data edge
 
 
+# What GraphIR.take_changes returns: the nodes to check, and the edges that could close a
+# cycle (the nodes that gained an in-edge, the sources of those edges).
+Changes = collections.namedtuple("Changes", "nodes linked_to linked_from")
+
+
 def data_keys(dst_port: int, src_port: int) -> FrozenDict:
     """The shared key dict of a node pair joined by one data edge src:src_port -> dst_port."""
     keys = _DATA_KEYS.get((dst_port, src_port))
@@ -242,10 +247,10 @@ class Replica:
     emit writes the copies that nothing changed since as one block (graphxform/wire.py)."""
 
     __slots__ = ("mapping", "prefix", "device", "plans", "bases", "names", "copies", "touched",
-                 "outside")
+                 "outside", "unchecked")
 
     def __init__(self, mapping: dict, prefix: str, device, plans: list, bases: list,
-                 outside: list = ()):
+                 outside: list = (), unchecked: list = ()):
         self.mapping = mapping  # original -> copy name (of replica 0's copy for first_only ones)
         self.prefix = prefix
         self.device = device  # every copy's device; None: the original's, or per copy
@@ -257,6 +262,7 @@ class Replica:
         # copies whose in-edges changed are in GraphIR._dirty instead
         self.touched = set()
         self.outside = outside  # the nodes outside the copied set that copies read, as made
+        self.unchecked = unchecked  # the originals no structural check had seen, by index
 
     def planned_otherwise(self, first: "Replica") -> list[int]:
         """The indices at which this replica has a plan of its own rather than ``first``'s,
@@ -371,7 +377,8 @@ class GraphIR:
         self._protos = {}
         self._dirty = set()  # nodes whose NodeDef input list no longer matches their in-edges
         self._unverified = set()  # nodes added or rewired since the last take_unverified()
-        self._rewired = set()  # of those, the ones whose in-edges changed once they existed
+        self._rewired = set()  # of those, the ones that gained an in-edge once they existed
+        self._rewired_from = set()  # the sources of those in-edges
         self._taken = False  # whether take_changes ran: before, every node is new to it
         self._unverified_copies = []  # Replicas made since then: all their copies are new
         self._replicas = []  # every Replica made, in order (see replicas())
@@ -502,50 +509,52 @@ class GraphIR:
         """Nodes added or rewired since the last call (every node of a freshly built IR) and
         the copies an incremental structural check must look at (see ``take_changes``); the
         record starts empty again. Removed nodes drop out."""
-        changed, copies = self.take_changes()
-        return changed | copies
+        return self.take_changes().nodes
 
-    def take_changes(self) -> tuple[set[str], set[str]]:
-        """``take_unverified`` in two parts: the nodes whose in-edges changed once they
-        existed (every node, the first time), and the other nodes to check: those added, and
-        copies. Only the first part can close a cycle: the graph had none, and a cycle
-        through new nodes or copies needs an edge into an older node, which changed it.
+    def take_changes(self) -> "Changes":
+        """What an incremental structural check must look at since the last call (the record
+        starts empty again; removed nodes drop out): the nodes to check (added, rewired,
+        copies: see below), and the edges that could close a cycle, as the nodes that gained
+        an in-edge once they existed and those edges' sources (every node, the first time).
+        The graph had no cycle, and a cycle through new nodes or copies needs an edge into an
+        older node, which rewiring made; removing edges closes none.
 
-        Of the copies one ``copy_nodes_many`` call made, those of its first prefix are listed,
-        and of the other prefixes only the copies that changed in place since or were planned
-        otherwise (readers of ``first_only`` nodes): the rest hold the same NodeDef snapshot
-        as the first prefix's and the same in-edges with the prefix changed, so they are well
-        formed when those are. (A copy whose in-edges changed is in the first part.)"""
+        A copy is well formed when its original was: it reads copies of the original's inputs
+        (the same ops and attrs, so the same outputs) or the same nodes. So of the copies one
+        ``copy_nodes_many`` call made, those of its first prefix whose originals no check had
+        seen yet are listed (the other prefixes' copies mirror them), and those that changed
+        in place since. (A copy whose in-edges changed is listed as rewired.)"""
         changed, self._unverified = self._unverified, set()
         rewired, self._rewired = (self._rewired if self._taken else changed), set()
+        sources, self._rewired_from = (self._rewired_from if self._taken else changed), set()
         self._taken = True
-        node_table, copies, firsts = self.g._node, changed - rewired, {}
+        node_table, copies, firsts = self.g._node, set(changed), {}
         for replica in self._unverified_copies:
             first = firsts.setdefault(id(replica.bases), replica)
-            if first is replica:
-                picked = zip(replica.names, replica.copies)
-            else:
-                picked = [(replica.names[k], replica.copies[k])
-                          for k in replica.planned_otherwise(first)]
-                for name in map(replica.mapping.__getitem__, replica.touched):
-                    data = node_table.get(name)
-                    if type(data) is BorrowedNode and data._replica is replica:
-                        picked.append((name, data))
+            picked = ([(replica.names[k], replica.copies[k]) for k in replica.unchecked]
+                      if first is replica else [])
+            for name in map(replica.mapping.__getitem__, replica.touched):
+                data = node_table.get(name)
+                if type(data) is BorrowedNode and data._replica is replica:
+                    picked.append((name, data))
             copies.update(name for name, copy in picked
                           if copy is not None and node_table.get(name) is copy)
         self._unverified_copies = []
-        return rewired, copies
+        return Changes(copies, rewired & node_table.keys(), sources & node_table.keys())
 
     def replicas(self) -> list:
         """Every ``Replica`` made so far, in order: what the copies borrow and which of them
         changed since (emit and the TF import check read them; passes never need to)."""
         return self._replicas
 
-    def _touch(self, name: str) -> None:
-        """``name``'s in-edges changed: its NodeDef inputs are stale and it needs verifying."""
+    def _touch(self, name: str, linked_from: str | None = None) -> None:
+        """``name``'s in-edges changed: its NodeDef inputs are stale and it needs verifying;
+        ``linked_from``: the source of an edge it gained (which could close a cycle)."""
         self._dirty.add(name)
         self._unverified.add(name)
-        self._rewired.add(name)
+        if linked_from is not None:
+            self._rewired.add(name)
+            self._rewired_from.add(linked_from)
 
     # --------------------------------------------------------------- mutation
     def add_node(self, name: str, op: str, inputs: Iterable[str] = (), *, device: str = "",
@@ -748,7 +757,7 @@ class GraphIR:
         self._require(new_src, dst)
         self._remove_edge(src, dst, dst_port)
         self._add_edge(new_src, dst, dst_port, data_keys(dst_port, new_port)[dst_port])
-        self._touch(dst)
+        self._touch(dst, new_src)
 
     def replace_all_uses_with(self, old: str, new: str,
                               where: Callable[[str], bool] | None = None) -> int:
@@ -780,13 +789,13 @@ class GraphIR:
                 self._add_edge(new_node, dst, CONTROL_KEY, CONTROL_EDGE)
             else:
                 self._add_edge(new_node, dst, key, data_keys(key, port)[key])
-            self._touch(dst)
+            self._touch(dst, new_node)
         return len(moves)
 
     def add_control_input(self, node: str, src: str) -> None:
         self._require(src, node)
         self._add_edge(src, node, CONTROL_KEY, CONTROL_EDGE)
-        self._touch(node)
+        self._touch(node, src)
 
     def remove_control_input(self, node: str, src: str) -> None:
         if self.g.has_edge(src, node, key=CONTROL_KEY):
@@ -826,12 +835,14 @@ class GraphIR:
         if clash is not None:
             raise GraphxformError(f"cannot copy to '{clash}': it already exists")
         with paused_gc():
+            unchecked = list(itertools.compress(range(len(names)),
+                                                map(self._unverified.__contains__, names)))
             shape = _CopyShape(self, names, set(names), created_by, originals_go)
             for k, (prefix, device, mapping) in enumerate(zip(prefixes, devices, mappings)):
                 if k == 1 and first_only:
                     shape = shape.without(first_only, prefixes[0])
                 replica = Replica(mapping, prefix, device, shape.plans, shape.bases,
-                                  shape.extra)
+                                  shape.extra, unchecked)
                 if k >= 1 and first_only:
                     mapping.update((name, mappings[0][name]) for name in first_only)
                 self._copy_replica(shape, replica)

@@ -12,10 +12,11 @@ from graphxform.ir import CONTROL_KEY, CONTROL_KEYS, GraphIR, data_pairs
 LOOP_BACK_OPS = {"NextIteration", "RefNextIteration"}
 
 
-def structural_errors(ir: GraphIR, limit: int = 10, nodes=None, seeds=None) -> list[str]:
+def structural_errors(ir: GraphIR, limit: int = 10, nodes=None, new_edges=None) -> list[str]:
     """Every data input names an existing output port, ports are dense, cycles only through
-    while-loop back edges. ``nodes``: check only these, and only cycles through ``seeds``
-    (default: ``nodes``). Returns up to ``limit`` messages."""
+    while-loop back edges. ``nodes``: check only these, and only cycles through them, or with
+    ``new_edges`` (the nodes that gained in-edges, those edges' sources) only cycles through
+    such edges. Returns up to ``limit`` messages."""
     g = ir.g
     checked = g if nodes is None else [n for n in nodes if n in g]
     errors = []
@@ -30,9 +31,9 @@ def structural_errors(ir: GraphIR, limit: int = 10, nodes=None, seeds=None) -> l
         if nodes is None:
             errors += _cycle_errors(ir)
         else:
-            seeds = checked if seeds is None else [n for n in seeds if n in g]
-            if seeds:
-                errors += _cycle_errors(ir, _cycle_candidates(g, seeds))
+            down, up = (checked, checked) if new_edges is None else new_edges
+            if down and up:
+                errors += _cycle_errors(ir, _cycle_candidates(g, down, up))
     return errors
 
 
@@ -89,15 +90,15 @@ def _input_errors(g, name: str, counts: _OutputCounts) -> list[str]:
     return errors
 
 
-def _cycle_candidates(g, seeds) -> set | None:
-    """The nodes a cycle through a seed could use: those both reached from a seed and reaching
-    one. Searches down and up a level at a time, always on the side that has seen less; the
-    first to finish bounds the other, so a pass that rewired a few nodes near the end (or the
-    start) of a big graph costs little. None (every node) when the seeds are a large share of
-    the graph anyway."""
-    if len(seeds) * 4 > len(g):
+def _cycle_candidates(g, heads, tails) -> set | None:
+    """The nodes a cycle through an edge from ``tails`` to ``heads`` could use: those reached
+    from a head and reaching a tail. Searches down and up a level at a time, always on the
+    side that has seen less; the first to finish bounds the other, so a pass that rewired a
+    few nodes near the end (or the start) of a big graph costs little. None (every node)
+    when the seeds are a large share of the graph anyway."""
+    if (len(heads) + len(tails)) * 2 > len(g):
         return None
-    down_seen, up_seen = set(seeds), set(seeds)
+    down_seen, up_seen = set(heads), set(tails)
     down, up = set(down_seen), set(up_seen)
     while down and up:
         if len(down_seen) <= len(up_seen):
@@ -105,8 +106,8 @@ def _cycle_candidates(g, seeds) -> set | None:
         else:
             up = _next_level(g._pred, up, up_seen)
     if not down:
-        return _closure(g._pred, seeds, within=down_seen)
-    return _closure(g._succ, seeds, within=up_seen)
+        return _closure(g._pred, tails, within=down_seen)
+    return _closure(g._succ, heads, within=up_seen)
 
 
 def _next_level(adj, level: set, seen: set, within: set | None = None) -> set:
@@ -167,8 +168,9 @@ def check_structure(ir: GraphIR, changed_only: bool = False) -> None:
     last such check (every node of a freshly loaded graph), as the pipeline does after each
     pass; the full check (the default) sees every node."""
     if changed_only:
-        rewired, others = ir.take_changes()
-        errors = structural_errors(ir, nodes=rewired | others, seeds=rewired)
+        changes = ir.take_changes()
+        errors = structural_errors(ir, nodes=changes.nodes,
+                                   new_edges=(changes.linked_to, changes.linked_from))
     else:
         errors = structural_errors(ir)
     if errors:

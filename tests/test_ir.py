@@ -165,7 +165,7 @@ def test_copies_of_clean_nodes_are_clean_with_renamed_inputs():
     ir.take_unverified()
     mapping = ir.copy_nodes(["b", "c", "n", "m"], "r/")
     assert not ir.is_dirty("r/n") and ir.is_dirty("r/m")
-    assert ir.take_unverified() == set(mapping.values())
+    assert ir.take_unverified() == set()  # copies of checked nodes are well formed
     out = emitted_inputs(ir)
     assert out["r/n"] == ["a", "r/b:0", "^r/c", "^a"]  # 'a' was not copied
     assert out["r/m"] == ir.edge_inputs("r/m") == ["r/n", "^d", "^r/c"]
@@ -393,3 +393,11 @@ def test_copies_emit_once_even_when_a_replica_is_not_together():
     assert sorted(names) == sorted(lazy.nodes()) and len(names) == len(set(names))
     assert {nd.name: nd for nd in emitted.graph_def.node} == {
         nd.name: nd for nd in metagraph.to_metagraph(eager).graph_def.node}
+
+
+def test_copies_of_unchecked_nodes_are_checked_in_the_first_prefix_only():
+    ir = loaded_ir()
+    ir.take_unverified()
+    ir.add_control_input("m", "c")  # m and what copies it are unchecked
+    ir.copy_nodes_many(["b", "c", "n", "m"], ["r0/", "r1/"])
+    assert ir.take_unverified() == {"m", "r0/m"}

@@ -199,3 +199,35 @@ def test_every_corpus_graph_names_what_keeps_it_from_matching(name):
     assert ("--sync-batch-norm" in text) == ("bn" in entry["has"]), text
     assert ("--consistent-random" in text) == ("dropout" in entry["has"]), text
     assert len(reasons) == ("bn" in entry["has"]) + ("dropout" in entry["has"])
+
+
+def test_changed_only_checks_copies_of_unchecked_nodes_in_one_replica_and_changed_copies():
+    from tensorflow.core.framework import attr_value_pb2
+    ir = metagraph.load(fixture_path("mlp_sgd"))
+    verify.check_structure(ir, changed_only=True)
+    ir.add_control_input("dense0/MatMul", "x")  # unchecked, like its copies
+    names = [n for n in ir.nodes() if n.startswith("dense0/")]
+    ir.copy_nodes_many(names, ["r0/", "r1/", "r2/"])
+    ir.node("r2/dense0/Relu")["attr"]["T"].CopyFrom(attr_value_pb2.AttrValue(type=1))
+    changes = ir.take_changes()
+    assert changes.nodes == {"dense0/MatMul", "r0/dense0/MatMul", "r2/dense0/Relu"}
+    assert changes.linked_to == {"dense0/MatMul"}  # copying links nothing into older nodes
+
+
+def test_changed_only_finds_a_cycle_closed_in_a_later_replica():
+    ir = metagraph.load(fixture_path("mlp_sgd"))
+    verify.check_structure(ir, changed_only=True)
+    names = [n for n in ir.nodes() if n.startswith("dense0/")]
+    ir.copy_nodes_many(names, ["r0/", "r1/", "r2/"])
+    ir.add_control_input("r2/dense0/MatMul", "r2/dense0/Relu")
+    with pytest.raises(GraphxformError, match="cycle.*r2/dense0"):
+        verify.check_structure(ir, changed_only=True)
+
+
+def test_changed_only_skips_the_cycle_search_when_edges_only_went():
+    ir = metagraph.load(fixture_path("mlp_sgd"))
+    verify.check_structure(ir, changed_only=True)
+    control = next(n for n in ir.nodes() if ir.control_inputs(n))
+    ir.remove_control_input(control, ir.control_inputs(control)[0])
+    changes = ir.take_changes()
+    assert changes.nodes == {control} and not changes.linked_to and not changes.linked_from
