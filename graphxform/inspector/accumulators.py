@@ -26,6 +26,7 @@ TAKE_OPS = {"AccumulatorTakeGradient", "SparseAccumulatorTakeGradient",
 DEQUEUE_OPS = {"QueueDequeueV2", "QueueDequeue", "QueueDequeueManyV2", "QueueDequeueUpToV2"}
 ENQUEUE_OPS = {"QueueEnqueueV2", "QueueEnqueueManyV2", "QueueEnqueue", "QueueEnqueueMany"}
 PLAN_COLLECTION = "graphxform_cluster"
+PS_STRATEGIES = {"ps", "partitioned-ps"}  # plans whose workers sync through tokens
 _TASK = re.compile(r"/job:([^/]+)(?:/replica:\d+)?/task:(\d+)")
 _APPLY_NAME = re.compile(r"apply_([A-Za-z]+)_(\d+)$")
 
@@ -58,14 +59,15 @@ def check(ir: GraphIR) -> CheckResult:
     result = CheckResult("accumulators")
     plan = plan_of(ir)
     accumulators = ir.nodes_of(ACCUMULATOR_OPS)
-    if not accumulators and not plan:
+    parameter_servers = plan is not None and plan.get("strategy", "ps") in PS_STRATEGIES
+    if not accumulators and not parameter_servers:
         result.ran = False
         result.summary = "none (not a parameter-server graph)"
         return result
     expected = collections.Counter()
     for acc in accumulators:
         _check_accumulator(ir, result, acc, expected)
-    steps = _check_steps(ir, result, plan, accumulators) if plan else 0
+    steps = _check_steps(ir, result, plan, accumulators) if parameter_servers else 0
     counts = ", ".join(f"{n} expecting {k}" for k, n in sorted(expected.items()))
     result.summary = (f"{len(accumulators)} accumulators ({counts or 'none'}); "
                       f"{steps} task step(s) checked")

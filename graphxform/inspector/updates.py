@@ -27,6 +27,7 @@ from graphxform.ir import GraphIR, parse_tensor
 
 _LEADING_REPLICA = re.compile(r"^replica_(\d+)/")
 _QUOTED = re.compile(r"'([^']+)'")
+MODEL_AVERAGE_CENTRES = "model_average/centre/"  # graphxform.passes.model_average's centres
 
 
 @dataclasses.dataclass
@@ -79,8 +80,36 @@ def view(ir: GraphIR, train_op=None) -> View:
         var.role = _role(var, first, analysis, optimizer_scopes)
         variables[name] = var
     input_view = dataclasses.replace(analysis, variables=variables)
-    closures = [(step.name, step.closure) for step in analysis.steps]
+    closures = [(step.name, _runs(ir, step, analysis.saver_scope)) for step in analysis.steps]
+    input_view.variables = {name: var for name, var in variables.items()
+                            if not name.startswith(MODEL_AVERAGE_CENTRES)}
     return View(replica_count(ir), dict(copies), input_view, closures)
+
+
+def _runs(ir: GraphIR, step, saver_scope) -> set:
+    """What running a step runs: its closure, grown to the sinks that wait on it (the user's
+    `train_op` group runs the optimizer's op and, after it, an EMA or a model average; the
+    transformed graph's collection may name the optimizer's op alone)."""
+    node = parse_tensor(step.name)[0]
+    seen, stack, sinks = {node}, [node], []
+    while stack and len(seen) < 100000:
+        current = stack.pop()
+        after = [n for n in ir.successors(current) if not _dangling_read(ir, n)]
+        if not after and current != node:
+            sinks.append(current)
+        for n in after:
+            if n not in seen:
+                seen.add(n)
+                stack.append(n)
+    closure = set(step.closure)
+    for sink in sinks:
+        if ir.op(sink) == "NoOp" and not (saver_scope and sink.startswith(saver_scope)):
+            closure |= ir.ancestors(sink)
+    return closure
+
+
+def _dangling_read(ir: GraphIR, node: str) -> bool:
+    return ir.op(node) == "ReadVariableOp" and not any(True for _ in ir.successors(node))
 
 
 def _role(var, first, analysis, optimizer_scopes) -> str:
@@ -192,8 +221,13 @@ def _stale_copies(ir, result, found: View, closures) -> None:
 def _contract(ir, result, found: View, asynchronous) -> None:
     """What contract.check proves, on the view: a failure is an error naming the nodes its
     message quotes (a warning when no replica exchanges anything: each trains alone)."""
+    replicas = max(found.replicas, 1)
     try:
-        contract.check(ir, found.input_view, max(found.replicas, 1), asynchronous=asynchronous)
+        if ir.has_scope(MODEL_AVERAGE_CENTRES):  # averaged every K steps: its own invariant
+            contract.check(ir, found.input_view, replicas, asynchronous=True)
+            contract.check_model_average(ir, found.input_view, replicas)
+        else:
+            contract.check(ir, found.input_view, replicas, asynchronous=asynchronous)
     except contract.ContractError as e:
         nodes = [parse_tensor(q)[0] for q in _QUOTED.findall(str(e))]
         nodes = [n for n in nodes if n in ir]
