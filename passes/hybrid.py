@@ -1,0 +1,190 @@
+"""hybrid (Parallax): dense-gradient variables replicated and all-reduced, sparse-gradient ones
+(embeddings) kept in one copy on the ps tasks behind sparse accumulators.
+
+`choose-placement` decides each trainable variable's side first and records why (the decisions
+are its summary, so apply prints them). The ps passes and all-reduce then run through `OnSide`,
+which shows them a view of the training graph holding only their side's variables: the ps passes
+place, share and aggregate the ps side, all-reduce reduces the rest. `unshare-replicated` then
+hands the all-reduced variables (with their slots, initializers and reads) back to `replicate`,
+which share-variables would otherwise have kept single like every other variable."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from graphxform.errors import GraphxformError
+from graphxform.pipeline import Pass, PassResult
+
+STATE = "choose-placement"
+SIDES = ("allreduce", "ps")
+
+
+def decide(trainable, sparse_as_dense_below: int = 0, overrides=None) -> dict:
+    """{variable: (side, reason)}: an override wins; a sparse gradient goes to the ps unless
+    the variable is smaller than ``sparse_as_dense_below`` bytes; a dense one is all-reduced."""
+    overrides = dict(overrides or {})
+    known = {v.name for v in trainable}
+    for name, side in overrides.items():
+        if name not in known:
+            raise GraphxformError(f"--placement-file names '{name}', which is no trainable "
+                                  "variable with a gradient")
+        if side not in SIDES:
+            raise GraphxformError(f"--placement-file: '{name}' -> '{side}' (expected one of "
+                                  f"{', '.join(SIDES)})")
+    decisions = {}
+    for var in trainable:
+        if var.name in overrides:
+            decisions[var.name] = (overrides[var.name], "placement file")
+        elif var.gradient.kind != "sparse":
+            decisions[var.name] = ("allreduce", "dense gradient")
+        elif var.nbytes < sparse_as_dense_below:
+            decisions[var.name] = ("allreduce", f"sparse gradient, {var.nbytes} B < "
+                                                f"--sparse-as-dense-below {sparse_as_dense_below}")
+        else:
+            decisions[var.name] = ("ps", "sparse gradient")
+    return decisions
+
+
+@dataclasses.dataclass
+class ChoosePlacement(Pass):
+    name = STATE
+    sparse_as_dense_below: int = 0
+    overrides: dict = dataclasses.field(default_factory=dict)
+
+    def run(self, ir, ctx):
+        decisions = decide(ctx.training.trainable, self.sparse_as_dense_below, self.overrides)
+        ctx.state[self.name] = {side: {n for n, (s, _) in decisions.items() if s == side}
+                                for side in SIDES}
+        ctx.state[self.name]["decisions"] = decisions
+        return PassResult(modified=False, summary={
+            name: f"{side} ({why})" for name, (side, why) in sorted(decisions.items())})
+
+
+class _SideView:
+    """The training graph as one side sees it: its trainable variables only, and (``hide``)
+    without the other side's variables and their slots."""
+
+    def __init__(self, tg, keep: set, hide: set):
+        self._tg, self._keep, self._hide = tg, keep, hide
+
+    def __getattr__(self, attr):
+        return getattr(self._tg, attr)
+
+    @property
+    def trainable(self) -> list:
+        return [v for v in self._tg.trainable if v.name in self._keep]
+
+    @property
+    def variables(self) -> dict:
+        return {n: v for n, v in self._tg.variables.items()
+                if n not in self._hide and (v.slot_of or n) not in self._hide}
+
+
+@dataclasses.dataclass
+class OnSide(Pass):
+    """Runs ``inner`` on ``side``'s variables only (nothing to do when the side has none)."""
+    inner: Pass = None
+    side: str = "ps"
+    hide_other: bool = False
+
+    @property
+    def name(self):
+        return self.inner.name
+
+    def run(self, ir, ctx):
+        chosen = ctx.state[STATE]
+        keep = chosen[self.side]
+        if not keep:
+            return PassResult(modified=False, summary={"variables": 0})
+        other = chosen["ps" if self.side == "allreduce" else "allreduce"]
+        full = ctx.training
+        ctx.training = _SideView(full, keep, other if self.hide_other else set())
+        try:
+            return self.inner.run(ir, ctx)
+        finally:
+            ctx.training = full
+
+
+@dataclasses.dataclass
+class UnshareReplicated(Pass):
+    """What share-variables kept single but belongs to an all-reduced variable goes back to
+    `replicate`: the variable, its slots, and what reads them by data edges outside the step's
+    per-example work (initializers, snapshots). Refuses when that reaches the ps side's
+    update (clipping by a global norm over both sides' gradients)."""
+    name = "unshare-replicated"
+
+    def run(self, ir, ctx):
+        sharing = ctx.state.get("share-variables")
+        chosen = ctx.state[STATE]
+        if sharing is None or not chosen["allreduce"]:
+            return PassResult(modified=False)
+        tg = ctx.training
+        owners = chosen["allreduce"]
+        roots = [n for n, v in tg.variables.items() if (v.slot_of or n) in owners and n in ir]
+        shared = sharing["shared"]
+        moved = _data_closure(ir, roots, shared)
+        moved |= _only_feeding(ir, moved, shared - set(tg.variables))
+        ps_side = {n for n, v in tg.variables.items() if (v.slot_of or n) in chosen["ps"]}
+        ps_side |= {u for n in ps_side for u in tg.variables[n].updates}
+        clash = sorted(moved & ps_side)
+        if clash:
+            raise GraphxformError(f"hybrid: '{clash[0]}' (ps side) depends on an all-reduced "
+                                  "variable's value in the update; put both on one side with "
+                                  "--placement-file, or use --strategy allreduce or ps")
+        shared -= moved
+        sharing["optimizer_region"] -= moved
+        return PassResult(modified=bool(moved), summary={"unshared_nodes": len(moved)})
+
+
+def _only_feeding(ir, targets: set, within: set) -> set:
+    """Nodes of ``within`` whose every consumer is in ``targets`` or among them (an
+    initial value and its inputs), so that each replica builds its own: sync-init points
+    replicas > 0 at replica 0's copy."""
+    found = set()
+    stack = [src for n in targets for src in ir.predecessors(n)]
+    while stack:
+        node = stack.pop()
+        if node in found or node in targets or node not in within:
+            continue
+        if all(dst in targets or dst in found for dst in ir.successors(node)):
+            found.add(node)
+            stack.extend(ir.predecessors(node))
+    return found
+
+
+def _data_closure(ir, roots, within: set) -> set:
+    """``roots`` and what reads them through data edges, staying inside ``within``."""
+    seen = {r for r in roots if r in within}
+    stack = list(seen)
+    while stack:
+        for dst, _ in ir.consumers(stack.pop()):
+            if dst in within and dst not in seen:
+                seen.add(dst)
+                stack.append(dst)
+    return seen
+
+
+@dataclasses.dataclass
+class LeadCollectives(Pass):
+    """The all-reduced side's collectives span worker tasks in one session: the plan
+    insert-accumulators wrote names a group leader (the first replica's task), which the
+    servers and the client's session config need."""
+    name = "lead-collectives"
+
+    def run(self, ir, ctx):
+        from graphxform.plan import ClusterPlan
+        if ctx.cluster is None or not ctx.state[STATE]["allreduce"] or len(ctx.devices) < 2:
+            return PassResult(modified=False)
+        job, task = _job_task(ctx.devices[0])
+        plan = ClusterPlan.from_ir(ir) or ClusterPlan(  # no ps side: one client only
+            cluster=ctx.cluster.as_dict(), steps={}, losses={}, chief=f"{job}:{task}",
+            strategy=ctx.strategy, train_ops=[s.name for s in ctx.training.steps])
+        plan.collective_leader = f"/job:{job}/replica:0/task:{task}"
+        plan.write_to(ir.meta)
+        return PassResult(modified=True, summary={"collective_leader": plan.collective_leader})
+
+
+def _job_task(device: str) -> tuple[str, str]:
+    """("worker", "0") from "/job:worker/task:0/device:CPU:0"."""
+    parts = dict(p.split(":", 1) for p in device.strip("/").split("/") if ":" in p)
+    return parts.get("job", "worker"), parts.get("task", "0")
