@@ -75,34 +75,35 @@ def find_twins(ir: GraphIR) -> Twins:
     by the later replicas alone, and the first replica that has them represents the rest."""
     node_table, succ = ir.g._node, ir.g._succ
     changed = _changed_copies(ir)
-    twins, firsts, seconds, present = Twins(), {}, {}, {}
+    twins, firsts, seconds, unchanged, indices = Twins(), {}, {}, {}, {}
     for replica in ir.replicas():
-        present[id(replica)] = _present(node_table, replica)
         first = firsts.setdefault(id(replica.bases), replica)
+        if id(first) not in indices:
+            indices[id(first)] = {plan[0]: k for k, plan in enumerate(first.plans)}
+        unchanged[id(replica)] = _unchanged(_present(node_table, replica),
+                                            changed[id(replica)], indices[id(first)])
         second = seconds.setdefault(id(replica.plans), replica)
         if first is replica:
             continue
-        index = {plan[0]: k for k, plan in enumerate(first.plans)}
-        unchanged = _unchanged(present[id(replica)], changed[id(replica)], index)
-        reps = [first] * len(unchanged)
-        alike = list(map(operator.and_, unchanged,
-                         _unchanged(present[id(first)], changed[id(first)], index)))
-        if second is not replica:
-            theirs = _unchanged(present[id(second)], changed[id(second)], index)
-        for k in replica.planned_otherwise(first):
-            reps[k] = second
-            alike[k] = second is not replica and unchanged[k] and theirs[k]
-        mine = {replica.names[k]: reps[k].names[k]
-                for k in itertools.compress(range(len(alike)), alike)}
-        twins.of.update(mine)
-        if not mine:
+        mine, theirs = unchanged[id(replica)], unchanged[id(first)]
+        alike = list(map(operator.and_, mine, theirs))
+        otherwise = replica.planned_otherwise(first)
+        for k in otherwise:  # represented by the first replica with these plans
+            alike[k] = second is not replica and mine[k] and unchanged[id(second)][k]
+        found = dict(zip(itertools.compress(replica.names, alike),
+                         itertools.compress(first.names, alike)))
+        found.update((replica.names[k], second.names[k]) for k in otherwise if alike[k])
+        if not found:
             continue
+        twins.of.update(found)
+        reps = dict.fromkeys(otherwise, second)
         for k in itertools.compress(range(len(alike)), map(operator.not_, alike)):
             name = replica.names[k]
-            if present[id(replica)][k] and _read_as_data(succ[name], mine):
-                rep = reps[k] if reps[k] is not replica else None
-                counterpart = rep.names[k] if rep is not None and present[id(rep)][k] else None
-                twins.frontier.append((name, counterpart))
+            if node_table.get(name) is replica.copies[k] is not None and _read_as_data(
+                    succ[name], found):
+                rep = reps.get(k, first)
+                present = rep is not replica and node_table.get(rep.names[k]) is rep.copies[k]
+                twins.frontier.append((name, rep.names[k] if present else None))
     return twins
 
 

@@ -16,6 +16,7 @@ AttrValue list=1 s=2; AttrValue.ListValue s=2; GraphDef node=1.
 from __future__ import annotations
 
 import itertools
+import operator
 
 from graphxform.ir import BorrowedNode, GraphIR, colocation_items, parse_tensor, renamed_inputs
 
@@ -132,8 +133,11 @@ class NodeEncoder:
         alone = self._copy
         if gone:
             if not (gone.isdisjoint(replica.outside) and gone.isdisjoint(names)):
-                for name, copy in zip(names, copies):
-                    if copy is not None and node_table.get(name) is copy and name not in gone:
+                kept = itertools.compress(range(len(names)),
+                                          map(operator.not_, map(gone.__contains__, names)))
+                for k in kept:
+                    name, copy = names[k], copies[k]
+                    if copy is not None and node_table.get(name) is copy:
                         out.append(node_field(self._swapped(name, copy, left_out)))
                 return
             pred = self.ir.g._pred
