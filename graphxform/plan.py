@@ -113,6 +113,9 @@ class ClusterPlan:
     def require_per_task(self, source: str = "the graph") -> None:
         """One process per task runs one train op; refuse a graph with several (before any
         process starts, rather than hang)."""
+        if self.strategy == "hybrid":  # its all-reduce across worker processes: issue 16
+            raise GraphxformError(f"{source} is a hybrid graph: it runs with one client only "
+                                  "(`graphxform verify`, or one session on its chief) for now")
         if len(self.train_ops) > 1:
             raise GraphxformError(
                 f"{source} has {len(self.train_ops)} train ops ({', '.join(self.train_ops)}); "

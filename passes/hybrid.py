@@ -177,7 +177,8 @@ class LeadCollectives(Pass):
             return PassResult(modified=False)
         job, task = _job_task(ctx.devices[0])
         plan = ClusterPlan.from_ir(ir) or ClusterPlan(  # no ps side: one client only
-            cluster=ctx.cluster.as_dict(), steps={}, losses={}, chief=f"{job}:{task}",
+            cluster=ctx.cluster.as_dict(), chief=f"{job}:{task}", losses={},
+            steps={f"{job}:{task}": ctx.training.steps[0].op} if ctx.training.steps else {},
             strategy=ctx.strategy, train_ops=[s.name for s in ctx.training.steps])
         plan.collective_leader = f"/job:{job}/replica:0/task:{task}"
         plan.write_to(ir.meta)
