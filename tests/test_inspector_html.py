@@ -1,16 +1,20 @@
 """The HTML page: self-contained (no network, no server), loads in headless Chromium without
-console errors, and shows a picture after one box is opened (a screenshot that is not blank).
+console errors, shows a picture after one box is opened (a screenshot that is not blank), and
+answers clicks, searches and the colour switch.
 
-Chromium runs with --dump-dom and --screenshot only: it opens no port, its profile lives in the
-test's temporary directory, and its whole process group is killed however the test ends."""
+Chromium runs with --dump-dom, --screenshot or --remote-debugging-pipe (DevTools over its fds
+3 and 4): it opens no port, its profile lives in the test's temporary directory, every wait is
+bounded, and its whole process group is killed however the test ends."""
 
 import json
 import os
 import re
+import select
 import shutil
 import signal
 import struct
 import subprocess
+import time
 import zlib
 
 import numpy as np
@@ -154,3 +158,117 @@ def test_screenshot_after_opening_a_box_is_not_blank(page, tmp_path):
     assert not_white > 0.01 and colours > 20, (not_white, colours)
     dom, _ = run_chromium(tmp_path, "--dump-dom", opened)
     assert "replica_*/bn0/batchnorm/mul" in dom  # the side panel shows the selected op
+
+
+class DevTools:
+    """Headless Chromium driven over --remote-debugging-pipe: NUL-terminated JSON messages,
+    commands on its fd 3, replies on its fd 4."""
+
+    def __init__(self, tmp_path, url):
+        commands_read, self.commands = os.pipe()
+        self.replies, replies_write = os.pipe()
+
+        def plumb():
+            os.dup2(commands_read, 3)
+            os.dup2(replies_write, 4)
+
+        self.proc = subprocess.Popen(
+            [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+             "--remote-debugging-pipe", f"--user-data-dir={tmp_path / 'devtools'}",
+             f"--window-size={WINDOW[0]},{WINDOW[1]}", url],
+            pass_fds=(3, 4), preexec_fn=plumb, start_new_session=True,  # kept after plumb
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        os.close(commands_read)
+        os.close(replies_write)
+        self.buffer, self.next_id = b"", 0
+        page = next(t for t in self.call("Target.getTargets")["targetInfos"]
+                    if t["type"] == "page")
+        self.session = self.call("Target.attachToTarget", targetId=page["targetId"],
+                                 flatten=True)["sessionId"]
+
+    def call(self, method, timeout=30, session=None, **params):
+        self.next_id += 1
+        message = {"id": self.next_id, "method": method, "params": params}
+        if session:
+            message["sessionId"] = session
+        os.write(self.commands, json.dumps(message).encode() + b"\0")
+        deadline = time.monotonic() + timeout
+        while True:
+            while b"\0" in self.buffer:
+                raw, self.buffer = self.buffer.split(b"\0", 1)
+                reply = json.loads(raw)
+                if reply.get("id") == self.next_id:
+                    assert "error" not in reply, reply
+                    return reply["result"]
+            left = deadline - time.monotonic()
+            assert left > 0, f"no reply to {method} in {timeout} s"
+            if select.select([self.replies], [], [], left)[0]:
+                chunk = os.read(self.replies, 1 << 16)
+                assert chunk, "Chromium closed DevTools"
+                self.buffer += chunk
+
+    def evaluate(self, expression, timeout=30):
+        result = self.call("Runtime.evaluate", timeout, session=self.session,
+                           expression=expression, awaitPromise=True, returnByValue=True)
+        assert "exceptionDetails" not in result, result
+        return result["result"].get("value")
+
+    def wait_loaded(self, timeout=30):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if self.evaluate("document.body && document.body.dataset.ready") == "1":
+                    return
+            except AssertionError:  # the context of about:blank went away: the page loads
+                pass
+            time.sleep(0.1)
+        raise AssertionError("the page never got ready")
+
+    def close(self):
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=30)
+        os.close(self.commands)
+        os.close(self.replies)
+
+
+INTERACT = """(async () => {
+  const sleep = ms => new Promise(done => setTimeout(done, ms));
+  const before = Number(document.body.dataset.boxes);
+  const box = document.querySelector(".box.scope");
+  const entry = box.dataset.entry, r = box.getBoundingClientRect();
+  const at = {clientX: r.x + 5, clientY: r.y + 5, bubbles: true};
+  box.dispatchEvent(new PointerEvent("pointerdown", at));
+  box.dispatchEvent(new PointerEvent("pointerup", at));
+  await sleep(100);
+  const opened = !document.querySelector(`.box[data-entry="${entry}"]`);
+  const after = Number(document.body.dataset.boxes);
+  const search = document.getElementById("search");
+  search.value = "MatMul";
+  search.dispatchEvent(new Event("input"));
+  await sleep(400);
+  const results = Array.from(document.querySelectorAll("#results a")).map(a => a.textContent);
+  const colour = document.getElementById("color");
+  colour.value = "pass";
+  colour.dispatchEvent(new Event("change"));
+  await sleep(50);
+  return {before, after, opened, results,
+          legend: document.querySelector("#legend h3").textContent,
+          errors: document.body.dataset.errors || "0"};
+})()"""
+
+
+@pytest.mark.slow
+@needs_chromium
+def test_clicks_search_and_colour_switch(page, tmp_path):
+    chrome = DevTools(tmp_path, page.as_uri())
+    try:
+        chrome.wait_loaded()
+        done = chrome.evaluate(INTERACT)
+    finally:
+        chrome.close()
+    assert done["opened"] and done["after"] > done["before"] - 1, done
+    assert done["results"] and all("matmul" in r.lower() for r in done["results"])
+    assert done["legend"] == "colour: pass" and done["errors"] == "0"
