@@ -335,8 +335,11 @@ def _transformed_runner(transformed: GraphIR, fetches, steps):
         return
     cluster = servers.local_cluster(plan.job_sizes())
     job, task = plan.chief.split(":")
-    with servers.InProcessCluster(cluster, cpus=cpus_by_job(transformed)) as running:
-        config = servers.session_config(job, int(task), chief=True)
+    leader = plan.collective_leader
+    with servers.InProcessCluster(cluster, cpus=cpus_by_job(transformed),
+                                  collective_leader=leader) as running:
+        config = servers.session_config(plan.filters_of(job, int(task)),
+                                        collective_leader=leader)
         with Runner(transformed, fetches=fetches, target=running.target(job, int(task)),
                     config=config, steps=steps) as run:
             yield run

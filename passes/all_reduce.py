@@ -18,7 +18,16 @@ of every replica's rows, scaled by 1/N (a mean loss over equal slices). TF fixes
 instance's shape at its first run, so each padded length gets an instance key of its own.
 
 The reduced tensors are recorded for `rewire-consumers`, which points every consumer of the
-local gradient outside a gradients scope at them."""
+local gradient outside a gradients scope at them.
+
+Across worker tasks (devices `/job:worker/task:w/...`) every replica of every worker joins the
+same collective group: nothing changes but where the members run (`worker-steps` then gives
+every collective its timeout and writes what each task runs). With
+`hierarchical`, a dense bucket is first summed inside each worker on its first replica's device
+(an AddN: in-process copies, no network), then reduced across workers by one collective per
+bucket with one member per worker (group size W: each worker's link carries 2(W-1)/W of the
+bucket instead of 2(N-1)/N for N = W x R), divided by N, and read by the worker's other replicas
+from that device (the broadcast inside the worker). Sparse gathers stay in the flat group."""
 
 from __future__ import annotations
 
@@ -34,6 +43,7 @@ from graphxform.pipeline import Pass, PassResult
 SCOPE = "allreduce/"
 DEFAULT_BUCKET_BYTES = 32 * 1024 * 1024
 GROUP_KEY = 1
+CROSS_WORKER_GROUP_KEY = 2  # --hierarchical: one member per worker
 # A sparse gradient's gathers are keyed SPARSE_KEYS + stride * (2j + part) + padded length
 # (rows per replica < SPARSE_KEY_STRIDE), apart from the dense buckets' small keys.
 SPARSE_KEYS = 1 << 24
@@ -56,12 +66,13 @@ class AllReduce(Pass):
     name = "all-reduce"
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     sparse_as_dense: bool = False
+    hierarchical: bool = False
 
     def run(self, ir, ctx):
         tg = ctx.training
         if len(ctx.devices) < 2:
             return PassResult(modified=False)
-        collectives = Collectives(ir, self.name, ctx.devices)
+        collectives = Collectives(ir, self.name, ctx.devices, self.hierarchical)
         buckets, sparse, dense_bytes = 0, 0, 0
         for step_dense, step_sparse in gradients_by_step(tg, self.sparse_as_dense):
             previous = [None] * len(ctx.devices)
@@ -75,10 +86,12 @@ class AllReduce(Pass):
         if not buckets and not sparse:
             return PassResult(modified=False)
         ctx.state[self.name] = {"rewires": collectives.rewires}
-        return PassResult(modified=True, summary={
-            "buckets": buckets, "sparse_gathers": sparse,
-            "collectives_per_replica": buckets + 3 * sparse,
-            "dense_bytes_reduced": dense_bytes})
+        summary = {"buckets": buckets, "sparse_gathers": sparse,
+                   "collectives_per_replica": buckets + 3 * sparse,
+                   "dense_bytes_reduced": dense_bytes}
+        if collectives.hierarchical:
+            summary["hierarchical_workers"] = len(collectives.workers)
+        return PassResult(modified=True, summary=summary)
 
     def _buckets(self, grads):
         buckets, current, size = [], [], 0
@@ -120,21 +133,33 @@ class Collectives:
     """The nodes of one all-reduce pass run: keys, buckets, gathers, and the rewires they
     leave for rewire-consumers."""
 
-    def __init__(self, ir, created_by, devices):
+    def __init__(self, ir, created_by, devices, hierarchical: bool = False):
         self.ir = ir
         self.build = Builder(ir, created_by)
         self.devices = devices
         self.n = len(devices)
         self.next_instance = 1
         self.rewires = []  # (replica, local tensor in that replica, reduced tensor)
+        self.workers = replicas_by_task(devices)
+        # one worker, or one replica per worker: the flat ring is already the hierarchy
+        self.hierarchical = hierarchical and 1 < len(self.workers) < self.n
         self._keys = [self._group_consts(i) for i in range(self.n)]
+        self._cross_keys = {}
 
-    def _group_consts(self, i):
+    def _group_consts(self, i, size_value=None, key_value=GROUP_KEY, name="group"):
         scope = f"{SCOPE}{replica_prefix(i)}"
         device = self.devices[i]
-        size = self.build.const(scope + "group_size", self.n, np.int32, device=device)
-        key = self.build.const(scope + "group_key", GROUP_KEY, np.int32, device=device)
+        size = self.build.const(scope + f"{name}_size", size_value or self.n, np.int32,
+                                device=device)
+        key = self.build.const(scope + f"{name}_key", key_value, np.int32, device=device)
         return size, key
+
+    def _cross_worker_keys(self, leader):
+        """Group size and key of the cross-worker group on a worker's first replica."""
+        if leader not in self._cross_keys:
+            self._cross_keys[leader] = self._group_consts(
+                leader, len(self.workers), CROSS_WORKER_GROUP_KEY, "cross_worker_group")
+        return self._cross_keys[leader]
 
     def _instance_key(self, scope, i):
         return self.build.const(scope + "instance_key", self.next_instance, np.int32,
@@ -152,36 +177,79 @@ class Collectives:
                              [values, indices, rows], device=self.devices[i], T=g.dtype,
                              Tindices=opdefs.output_dtype(ir, *parse_tensor(indices)))
 
+    def _joined(self, b, bucket, i):
+        """Replica i's gradients of ``bucket`` as one flat tensor."""
+        ir, build = self.ir, self.build
+        device = self.devices[i]
+        scope = f"{SCOPE}bucket_{b}/{replica_prefix(i)}"
+        flat_shape = None
+        flats = []
+        for k, g in enumerate(bucket):
+            grad = self._replica_grad(ir, i, g, scope)
+            if len(g.shape) != 1:  # a vector is flat already
+                flat_shape = flat_shape or build.const(scope + "flat_shape", [-1], np.int32,
+                                                       device=device)
+                grad = build.op(scope + f"flat_{k}", "Reshape", [grad, flat_shape],
+                                device=device, T=g.dtype)
+            flats.append(grad)
+        if len(flats) == 1:
+            return flats[0]
+        axis = build.const(scope + "axis", 0, np.int32, device=device)
+        return build.op(scope + "concat", "ConcatV2", flats + [axis], device=device,
+                        N=len(flats), T=bucket[0].dtype)
+
+    def _reduce_flat(self, b, bucket, previous):
+        """One collective over every replica: replica i's mean of the bucket, per replica."""
+        out = []
+        for i in range(self.n):
+            scope = f"{SCOPE}bucket_{b}/{replica_prefix(i)}"
+            size, key = self._keys[i]
+            inputs = [self._joined(b, bucket, i), size, key, self._instance_key(scope, i)]
+            if previous[i]:
+                inputs.append("^" + previous[i])
+            out.append(self.build.op(scope + "reduce", "CollectiveReduceV2", inputs,
+                                     device=self.devices[i], T=bucket[0].dtype,
+                                     merge_op="Add", final_op="Div"))
+        return out, out
+
+    def _reduce_hierarchical(self, b, bucket, previous):
+        """Sum inside each worker, one collective across workers, mean read by the worker's
+        replicas. Returns (the mean each replica reads, each replica's last op in order)."""
+        build, dtype = self.build, bucket[0].dtype
+        means, last = [None] * self.n, [None] * self.n
+        for replicas in self.workers.values():
+            leader = replicas[0]
+            device = self.devices[leader]
+            scope = f"{SCOPE}bucket_{b}/{replica_prefix(leader)}"
+            joined = [self._joined(b, bucket, i) for i in replicas]
+            local = joined[0] if len(joined) == 1 else build.op(
+                scope + "local_sum", "AddN", joined, device=device, N=len(joined), T=dtype)
+            size, key = self._cross_worker_keys(leader)
+            inputs = [local, size, key, self._instance_key(scope, leader)]
+            inputs += ["^" + previous[i] for i in replicas if previous[i]]
+            total = build.op(scope + "reduce", "CollectiveReduceV2", inputs, device=device,
+                             T=dtype, merge_op="Add", final_op="Id")
+            count = build.const(scope + "replicas", self.n, numpy_dtype(dtype), device=device)
+            mean = build.op(scope + "mean", "RealDiv", [total, count], device=device, T=dtype)
+            for i in replicas:
+                if i == leader:
+                    means[i], last[i] = mean, total
+                    continue
+                means[i] = last[i] = build.op(
+                    f"{SCOPE}bucket_{b}/{replica_prefix(i)}broadcast", "Identity", [mean],
+                    device=self.devices[i], T=dtype)
+        return means, last
+
     def reduce_bucket(self, b, bucket, previous):
-        ir, build, out = self.ir, self.build, []
+        build = self.build
         sizes = [int(np.prod(g.shape)) for g in bucket]  # the same on every replica
+        reduce = self._reduce_hierarchical if self.hierarchical else self._reduce_flat
+        means, out = reduce(b, bucket, previous)
         for i in range(self.n):
             device = self.devices[i]
             scope = f"{SCOPE}bucket_{b}/{replica_prefix(i)}"
-            flat_shape = None
-            flats = []
-            for k, g in enumerate(bucket):
-                grad = self._replica_grad(ir, i, g, scope)
-                if len(g.shape) != 1:  # a vector is flat already
-                    flat_shape = flat_shape or build.const(scope + "flat_shape", [-1], np.int32,
-                                                           device=device)
-                    grad = build.op(scope + f"flat_{k}", "Reshape", [grad, flat_shape],
-                                    device=device, T=g.dtype)
-                flats.append(grad)
             dtype = bucket[0].dtype
-            if len(flats) > 1:
-                axis = build.const(scope + "axis", 0, np.int32, device=device)
-                joined = build.op(scope + "concat", "ConcatV2", flats + [axis], device=device,
-                                  N=len(flats), T=dtype)
-            else:
-                joined = flats[0]
-            size, key = self._keys[i]
-            reduce_inputs = [joined, size, key, self._instance_key(scope, i)]
-            if previous[i]:
-                reduce_inputs.append("^" + previous[i])
-            reduced = build.op(scope + "reduce", "CollectiveReduceV2", reduce_inputs,
-                               device=device, T=dtype, merge_op="Add", final_op="Div")
-            out.append(reduced)
+            reduced = means[i]
             if len(bucket) > 1:
                 split_sizes = build.const(scope + "sizes", sizes, np.int32, device=device)
                 axis0 = build.const(scope + "split_axis", 0, np.int32, device=device)
@@ -292,3 +360,13 @@ class Collectives:
             self.rewires.append((i, indices, f"{kept['indices']}:0"))
             last.append(padded["indices"])
         return last
+
+
+def replicas_by_task(devices) -> dict:
+    """Replica indices grouped by the task their device names ("/job:worker/task:1"; "" for
+    local devices), in device order."""
+    groups = {}
+    for i, device in enumerate(devices):
+        task = device.split("/device:")[0] if "/job:" in device else ""
+        groups.setdefault(task, []).append(i)
+    return groups

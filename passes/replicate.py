@@ -9,7 +9,12 @@ gradient, after share-variables) reads replica 0's copy; the edge is recorded as
 `cross_edge` for `insert-accumulators`, which must aggregate it. Without share-variables such an
 edge is right only when the value is equal on every replica by the end of the pipeline (an
 increment of global_step that only runs when the all-reduced gradients are finite): the
-contract check proves that or refuses."""
+contract check proves that or refuses.
+
+With ``mirror_global_step`` (allreduce across worker tasks) global_step is copied per replica
+like any variable: each replica bumps its own copy once per step, as MultiWorkerMirroredStrategy
+mirrors it, so no task reads a global_step another task moves (a learning-rate schedule on
+worker 1 would otherwise race the chief's increment)."""
 
 from __future__ import annotations
 
@@ -26,10 +31,10 @@ VARIABLE_DEF_COLLECTIONS = ("variables", "trainable_variables", "local_variables
 CONTEXT_COLLECTIONS = ("while_context", "cond_context")
 
 
-def shared_nodes(ir, tg) -> set:
+def shared_nodes(ir, tg, with_global_step: bool = True) -> set:
     """Nodes that stay single: placeholders, global_step and what only serves it."""
     shared = set(ir.nodes_of(PLACEHOLDER_OPS))
-    if tg.global_step:
+    if tg.global_step and with_global_step:
         shared.add(tg.global_step)
         users = list(ir.consumers(tg.global_step))
         while users:  # through the Switch of a legacy cond (an increment only when finite)
@@ -48,15 +53,17 @@ def shared_nodes(ir, tg) -> set:
     return shared
 
 
-def kept_single(ir, ctx) -> set:
+def kept_single(ir, ctx, mirror_global_step: bool = False) -> set:
     """What replicate leaves single: ``shared_nodes`` and what share-variables chose."""
     sharing = ctx.state.get("share-variables")
-    return shared_nodes(ir, ctx.training) | (sharing["shared"] if sharing else set())
+    return (shared_nodes(ir, ctx.training, not mirror_global_step)
+            | (sharing["shared"] if sharing else set()))
 
 
 @dataclasses.dataclass
 class Replicate(Pass):
     name = "replicate"
+    mirror_global_step: bool = False
 
     def run(self, ir, ctx):
         tg = ctx.training
@@ -64,7 +71,7 @@ class Replicate(Pass):
         if ir.has_scope("replica_0/"):
             raise GraphxformError("the graph is already transformed (it has nodes under "
                                   "replica_0/); start from the single-device graph")
-        shared = kept_single(ir, ctx)
+        shared = kept_single(ir, ctx, self.mirror_global_step)
         sync = ctx.state.get("sync-init", {"first_only": set(), "redirect": [],
                                            "initial_values": set()})
         copied = [n for n in ir.nodes() if n not in shared]

@@ -181,16 +181,21 @@ def test_local_cluster_files_and_session_configs(tmp_path):
     with pytest.raises(GraphxformError, match="at least one ps task"):
         servers.local_cluster({"ps": 0, "worker": 1})
     assert servers.grpc_target("localhost:5") == "grpc://127.0.0.1:5"
-    worker = servers.session_config("worker", 1, chief=False, timeout_s=7)
+    plan = ClusterPlan(cluster=SPEC, steps={"worker:0": "a", "worker:1": "b"}, losses={})
+    worker = servers.session_config(plan.filters_of("worker", 1), timeout_s=7)
     assert list(worker.device_filters) == ["/job:ps", "/job:worker/task:1"]
     assert worker.operation_timeout_in_ms == 7000 and not worker.isolate_session_state
-    assert not servers.session_config("worker", 0, chief=True).device_filters
+    assert not servers.session_config(plan.filters_of("worker", 0)).device_filters
+    assert not worker.experimental.collective_group_leader
+    leader = "/job:worker/replica:0/task:0"
+    assert servers.server_config(2, leader).experimental.collective_group_leader == leader
     assert "GRPC_FAIL_FAST" in os.environ  # set before any RPC (unless the user set it)
 
 
 def test_a_worker_sees_only_the_ps_tasks_and_itself(built):
     meta = metagraph.to_metagraph(built["ir"])
-    assert servers.visible_to(meta.graph_def, "worker", 1) > 0
+    plan = ClusterPlan.from_ir(built["ir"])
+    assert servers.visible_to(meta.graph_def, plan.filters_of("worker", 1))
     devices = {n.device for n in meta.graph_def.node if n.device}
     assert not any(d.startswith("/job:worker/task:0") for d in devices)
     assert any(d.startswith("/job:worker/task:1") for d in devices)
@@ -377,6 +382,29 @@ def test_serve_from_tf_config_blocks_until_sigterm(tmp_path):
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 0
     assert port_free(port)
+
+
+@pytest.mark.slow
+def test_serve_outlives_a_run_that_finished(tmp_path):
+    """Workers that end their run normally say so first: the ps task keeps serving after they
+    are gone, until SIGTERM."""
+    found = servers.local_cluster({"ps": 1, "worker": 2})
+    meta = str(tmp_path / "mlp.ps.meta")
+    metagraph.save(ps_graph(found.as_dict()), meta)
+    cluster_file = servers.write_cluster(str(tmp_path / "cluster.json"), found)
+    where = lambda job, task: ["--cluster", cluster_file, "--job", job, "--task", task,
+                               "--timeout", 10]
+    with process(cli("serve", *where("ps", 0))) as (ps, ps_lines):
+        wait_for_line(ps_lines, r"serving", 60)
+        with process(cli("run", meta, *where("worker", 0), "--steps", 3)) as (w0, _), \
+                process(cli("run", meta, *where("worker", 1), "--steps", 3)) as (w1, _):
+            assert w0.wait(timeout=120) == 0 and w1.wait(timeout=60) == 0
+        time.sleep(3)  # several rounds of the ps task's watch with both workers gone
+        assert ps.poll() is None
+        ps.send_signal(signal.SIGTERM)
+        assert ps.wait(timeout=20) == 0
+    for address in found.tasks("ps") + found.tasks("worker"):
+        assert port_free(servers.port_of(address))
 
 
 def test_launch_trains_like_a_single_device_and_leaves_nothing(run_cli, built):

@@ -103,7 +103,7 @@ def test_checkpoint_from_ps_graph_restores_into_the_original(tmp_path, name, str
     feeds = Feeds(training.analyze(original).inputs, fixture_path(name, ".npz"))
     with servers.InProcessCluster(servers.local_cluster({"ps": 2, "worker": 2})) as c:
         with Runner(ir, target=c.target("worker", 0),
-                    config=servers.session_config("worker", 0, chief=True)) as run:
+                    config=servers.session_config()) as run:
             run.initialize()
             run.step(feeds.batch(0))
             saved = run.variable_values()

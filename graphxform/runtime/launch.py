@@ -1,6 +1,9 @@
-"""`graphxform launch`: a `ps` graph's whole cluster as local processes on 127.0.0.1 (`serve` for
-each ps task, `run --cluster` for each worker/chief), per-step loss as the mean over workers, and
-a teardown that leaves no process and no bound port behind on every exit path.
+"""`graphxform launch`: a cluster graph's whole cluster (ps or allreduce) as local processes on
+127.0.0.1 (`serve` for each ps task, `run --cluster` for each worker/chief), per-step loss as the
+mean over workers, and a teardown that leaves no process and no bound port behind on every exit
+path. A task that dies or freezes is found by its peers within --timeout (each names it in one
+line and exits); the launcher then stops the rest. Its own "no step finished" watchdog is only
+the last resort.
 
 Children run in their own process groups; the launcher kills each group (SIGTERM, then SIGKILL)
 when it finishes, fails, is interrupted or gets SIGTERM/SIGHUP, and returns only once every child
@@ -103,7 +106,7 @@ class Launch:
         base = [sys.executable, "-m", "graphxform.cli"]
         where = ["--cluster", cluster_file, "--job", job, "--task", str(task)]
         if f"{job}:{task}" not in self.plan.steps:
-            return base + ["serve"] + where
+            return base + ["serve"] + where + ["--timeout", f"{self.timeout_s:g}"]
         argv = base + ["run", self.model] + where + ["--steps", str(self.steps),
                                                       "--timeout", f"{self.timeout_s:g}"]
         if self.feeds:
@@ -139,6 +142,7 @@ class Launch:
         alive = [c for c in self.children if c.proc.poll() is None]
         for c in alive:
             c.signal_group(signal.SIGTERM)
+            c.signal_group(signal.SIGCONT)  # a stopped child handles SIGTERM only once continued
         deadline = time.monotonic() + GRACE_S
         for c in alive:
             try:

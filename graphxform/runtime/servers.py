@@ -109,33 +109,41 @@ def unreachable_tasks(cluster: Cluster, tasks=None) -> list[tuple[str, int]]:
 
 
 # ---------------------------------------------------------------- TF configuration
-def server_config(cpus: int = 1):
-    """ConfigProto for a task's server: the local CPU devices its replicas are placed on."""
+def server_config(cpus: int = 1, collective_leader: str | None = None):
+    """ConfigProto for a task's server: the local CPU devices its replicas are placed on, and
+    the collective group leader when the graph's step runs collectives across tasks (the
+    server's collective executor resolves groups and step ids through it)."""
     import tensorflow as tf
-    return tf.compat.v1.ConfigProto(device_count={"CPU": max(1, cpus)})
+    config = tf.compat.v1.ConfigProto(device_count={"CPU": max(1, cpus)})
+    if collective_leader:
+        config.experimental.collective_group_leader = collective_leader
+    return config
 
 
-def session_config(job: str, task: int, chief: bool, timeout_s: float = DEFAULT_TIMEOUT_S,
-                   threads: int = 0):
+def session_config(device_filters=(), timeout_s: float = DEFAULT_TIMEOUT_S, threads: int = 0,
+                   collective_leader: str | None = None):
     """ConfigProto for a task's session.
 
-    - device_filters: a worker sees the ps jobs and itself (so a dead peer worker cannot stall
-      it); the chief sees every task, since it initialises every variable.
+    - device_filters (the plan's, graphxform.plan.ClusterPlan.filters_of): what the session
+      may see; a ps worker sees the ps jobs and itself, an allreduce worker only itself, so a
+      dead peer worker cannot stall its session; the chief sees every task, since it
+      initialises every variable. A distributed session places the whole graph (it ignores
+      place_pruned_graph) and soft placement does not move ops off a hidden task, so a task
+      imports the graph through ``visible_to`` first.
     - operation_timeout_in_ms: every blocking op (a queue dequeue, an accumulator's take_grad,
       a RecvTensor from a dead task) fails after ``timeout_s`` instead of waiting forever.
-    A distributed session places the whole graph (it ignores place_pruned_graph) and soft
-    placement does not move ops off a hidden task, so a worker imports the graph through
-    ``visible_to`` first.
-    - isolate_session_state stays False: every worker's session must share the variables,
-      accumulators and token queue on the ps tasks."""
+    - isolate_session_state stays False: every task's session must share the variables,
+      accumulators and token queue on the ps tasks, and the chief initialises the workers'
+      variables for them."""
     import tensorflow as tf
     fail_fast()
     config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=threads,
                                       intra_op_parallelism_threads=threads)
-    if not chief:
-        config.device_filters.extend(["/job:ps", f"/job:{job}/task:{task}"])
+    config.device_filters.extend(device_filters)
     config.operation_timeout_in_ms = max(1, int(timeout_s * 1000))
     config.isolate_session_state = False
+    if collective_leader:
+        config.experimental.collective_group_leader = collective_leader
     return config
 
 
@@ -149,7 +157,8 @@ def fail_fast() -> None:
     os.environ.setdefault("GRPC_FAIL_FAST", "true")
 
 
-def start_server(cluster: Cluster, job: str, task: int, cpus: int = 1):
+def start_server(cluster: Cluster, job: str, task: int, cpus: int = 1,
+                 collective_leader: str | None = None):
     """Start this task's tf.distribute.Server (it listens on 0.0.0.0:PORT)."""
     import tensorflow as tf
     fail_fast()
@@ -157,7 +166,7 @@ def start_server(cluster: Cluster, job: str, task: int, cpus: int = 1):
     try:
         return tf.distribute.Server(tf.train.ClusterSpec(cluster.as_dict()), job_name=job,
                                     task_index=task, protocol="grpc",
-                                    config=server_config(cpus), start=True)
+                                    config=server_config(cpus, collective_leader), start=True)
     except (tf.errors.OpError, ValueError, RuntimeError) as e:
         text = (getattr(e, "message", None) or str(e)).strip().splitlines()
         raise GraphxformError(f"cannot start the server of {describe(cluster, job, task)}: "
@@ -167,18 +176,44 @@ def start_server(cluster: Cluster, job: str, task: int, cpus: int = 1):
 _TASK_IN_DEVICE = re.compile(r"/job:([^/]+)(?:/replica:\d+)?/task:(\d+)")
 
 
-def visible_to(graph_def, job: str, task: int) -> int:
-    """Clear the device of every node placed on a task a worker's device filters hide (another
-    worker), in place: the worker never runs those ops, and a distributed session must place
-    every node of the graph on a device it can see. Returns how many were cleared."""
-    cleared = 0
+def sees(device_filters, job: str, task: int) -> bool:
+    """Whether a session with these filters sees task ``job:task`` (no filter: every task)."""
+    if not device_filters:
+        return True
+    for spec in device_filters:
+        match = re.fullmatch(r"/job:([^/]+)(?:/replica:\d+)?(?:/task:(\d+))?", spec)
+        if match and match.group(1) == job and (match.group(2) is None
+                                                 or int(match.group(2)) == task):
+            return True
+    return False
+
+
+def visible_to(graph_def, device_filters) -> set:
+    """Clear the device of every node placed on a task ``device_filters`` hide, in place: the
+    task never runs those ops, and a distributed session must place every node of the graph
+    on a device it can see. Returns the names of the nodes cleared."""
+    cleared = set()
     for node in graph_def.node:
         match = _TASK_IN_DEVICE.search(node.device)
-        if match and match.group(1) != "ps" and (match.group(1), int(match.group(2))) != (
-                job, task):
+        if match and not sees(device_filters, match.group(1), int(match.group(2))):
             node.device = ""
-            cleared += 1
+            cleared.add(node.name)
     return cleared
+
+
+# ---------------------------------------------------------------- news of a run, for ps tasks
+NEWS_QUEUE = "graphxform_run_news"
+
+
+def news_queue(tf, device: str):
+    """The queue on a ps task where the tasks that run steps leave news of the run for its
+    `graphxform serve`: "finished worker:0" when a task ends its run normally (it may go away
+    now), "lost worker:1 by worker:0" when a task stops because a peer stopped (so a ps task
+    that sees both gone names the cause, not the task that gave up). Built the same way by
+    both sides, as TF requires of a shared resource."""
+    with tf.device(device):
+        return tf.queue.FIFOQueue(capacity=1024, dtypes=[tf.string], shapes=[[]],
+                                  shared_name=NEWS_QUEUE, name=NEWS_QUEUE)
 
 
 class InProcessCluster(contextlib.AbstractContextManager):
@@ -188,16 +223,19 @@ class InProcessCluster(contextlib.AbstractContextManager):
     their ports live until the process exits; give each InProcessCluster fresh ports
     (``local_cluster``)."""
 
-    def __init__(self, cluster: Cluster | dict, cpus: dict | None = None):
+    def __init__(self, cluster: Cluster | dict, cpus: dict | None = None,
+                 collective_leader: str | None = None):
         self.cluster = cluster if isinstance(cluster, Cluster) else Cluster(cluster)
         self.cpus = dict(cpus or {})
+        self.collective_leader = collective_leader
         self.servers = {}
 
     def __enter__(self):
         for job, tasks in self.cluster.jobs.items():
             for task in range(len(tasks)):
                 self.servers[(job, task)] = start_server(self.cluster, job, task,
-                                                         self.cpus.get(job, 1))
+                                                         self.cpus.get(job, 1),
+                                                         self.collective_leader)
         return self
 
     def __exit__(self, *exc):

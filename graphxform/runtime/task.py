@@ -1,9 +1,12 @@
-"""One task's part of a `ps` graph's training step, on TensorFlow's gRPC runtime: start (or
-reuse) the task's server, connect a session to it, let the chief initialise (or restore) while
-the others wait, run the task's step op, and let the chief save."""
+"""One task's part of a cluster graph's training step (ps or allreduce), on TensorFlow's gRPC
+runtime: start (or reuse) the task's server configured as the graph's plan says, connect a
+session to it, let the chief initialise (or restore) while the others wait, run the task's step
+op, and let the chief save. Every blocking call is bounded (graphxform/runtime/faults.py): a
+failure names the peer that died or froze, in one line."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import time
@@ -13,7 +16,7 @@ import numpy as np
 from graphxform import metagraph, training
 from graphxform.cluster import Cluster
 from graphxform.plan import CLUSTER_COLLECTION, ClusterPlan
-from graphxform.runtime import servers
+from graphxform.runtime import faults, servers
 from graphxform.runtime.servers import describe
 from graphxform.errors import GraphxformError
 from graphxform.ir import GraphIR
@@ -35,7 +38,7 @@ def plan_of(ir: GraphIR) -> ClusterPlan:
     if plan is None:
         raise GraphxformError(f"{ir.source or 'the graph'} was not built for a cluster (no "
                               f"'{CLUSTER_COLLECTION}' collection; build it with "
-                              "`graphxform apply --strategy ps --cluster F`)")
+                              "`graphxform apply --strategy ps|allreduce --cluster F`)")
     plan.require_per_task(ir.source or "the graph")
     return plan
 
@@ -52,14 +55,17 @@ def cpus_needed(ir: GraphIR, job: str, task: int) -> int:
 
 
 class TaskRunner:
-    """A session for task ``job:task`` of the cluster a `ps` graph was built for.
+    """A session for task ``job:task`` of the cluster a graph was built for.
 
     ``target`` connects to a server already running (InProcessCluster); without one this task's
-    server is started here. ``timeout_s`` bounds every blocking op and every wait."""
+    server is started here. ``timeout_s`` bounds every blocking op and every wait: TF's own
+    timeouts (operation_timeout_in_ms, each run's timeout, collectives' timeout_seconds, set to
+    ``timeout_s`` here), and with ``on_stuck`` a watchdog that calls ``on_stuck(line)`` (which
+    ends the process) when a call is still blocked ``faults.GRACE_S`` later."""
 
     def __init__(self, ir: GraphIR, cluster: Cluster, job: str, task: int,
                  timeout_s: float = servers.DEFAULT_TIMEOUT_S, target: str | None = None,
-                 fetches=()):
+                 fetches=(), on_stuck=None):
         import tensorflow as tf
         tf1 = tf.compat.v1
         self.tf, self.tf1 = tf, tf1
@@ -71,19 +77,23 @@ class TaskRunner:
         self.step_op = self.plan.step_of(job, self.task)
         self.loss = self.plan.losses.get(f"{job}:{self.task}")
         self.chief = self.plan.is_chief(job, self.task)
+        self.filters = self.plan.filters_of(job, self.task)
         self.timeout_s = timeout_s
         self.fetches = list(fetches)
         self.inputs = training.analyze(ir).inputs
         self.steps_run = 0
+        self.watchdog = faults.Watchdog(self._stuck) if on_stuck else None
+        self.on_stuck = on_stuck
         self.server = None
         if target is None:
             self.server = servers.start_server(cluster, job, self.task,
-                                                   cpus_needed(ir, job, self.task))
+                                               cpus_needed(ir, job, self.task),
+                                               self.plan.collective_leader)
             target = servers.grpc_target(cluster.require(job, self.task))
         self.target = target
         meta = metagraph.to_metagraph(ir)
-        if not self.chief:
-            servers.visible_to(meta.graph_def, job, self.task)
+        hidden = servers.visible_to(meta.graph_def, self.filters)
+        _time_collectives(meta.graph_def, timeout_s)
         self.graph = tf.Graph()
         with self.graph.as_default():
             try:
@@ -99,18 +109,51 @@ class TaskRunner:
                                           f"by its cluster plan or --fetch)") from None
             self.global_step = tf1.train.get_global_step(self.graph)
             self.variables = tf1.global_variables() + tf1.local_variables()
+            self.own_variables = [v for v in self.variables if v.op.name not in hidden]
             self.ready_op = None  # built on first use (TF warns about an unused one)
             if self.chief:
                 self.init_op = tf1.global_variables_initializer()
                 self.local_init_op = tf1.local_variables_initializer()
                 if self.saver is None:
                     self.saver = tf1.train.Saver(allow_empty=True)
+            self._news_ops = self._news_ops_for_ps()
+        self.run_options = tf1.RunOptions(timeout_in_ms=max(1, int(timeout_s * 1000)))
         self.session = tf1.Session(target, graph=self.graph, config=servers.session_config(
-            job, self.task, self.chief, timeout_s))
+            self.filters, timeout_s, collective_leader=self.plan.collective_leader))
+
+    def _news_ops_for_ps(self) -> dict:
+        """ps task -> the op that leaves news of this run in its queue (servers.news_queue);
+        none in a cluster without ps tasks."""
+        tf = self.tf
+        ps_tasks = [t for t in range(len(self.cluster.tasks("ps")))
+                    if servers.sees(self.filters, "ps", t)]
+        if not ps_tasks:
+            return {}
+        with tf.name_scope("graphxform_runtime/"):
+            self._news = self.tf1.placeholder(tf.string, [], name="news")
+            return {t: servers.news_queue(tf, f"/job:ps/task:{t}").enqueue([self._news])
+                    for t in ps_tasks}
+
+    def _tell_ps(self, text: str, ps_tasks, timeout_s: float) -> None:
+        for t in ps_tasks:
+            self.session.run(self._news_ops[t], {self._news: text},
+                             options=self.tf1.RunOptions(timeout_in_ms=int(timeout_s * 1000)))
+
+    def blame(self, lost) -> None:
+        """Tell the ps tasks that still answer which task stopped (lost_peers' first), so they
+        name it rather than this task when it goes away. Best effort, bounded."""
+        if not self._news_ops or not lost:
+            return
+        job, task, _ = lost[0]
+        quiet = {t for j, t, _ in lost if j == "ps"}
+        with contextlib.suppress(Exception):
+            self._tell_ps(f"lost {job}:{task} by {self.job}:{self.task}",
+                          [t for t in self._news_ops if t not in quiet], faults.PROBE_S)
 
     # ---------------------------------------------------------------- life cycle
     def close(self):
-        self.session.close()
+        with self._bounded("closing the session"):
+            self.session.close()
 
     def __enter__(self):
         return self
@@ -118,13 +161,21 @@ class TaskRunner:
     def __exit__(self, *exc):
         self.close()
 
+    def peers(self) -> list[tuple[str, int]]:
+        return [(j, t) for j, ts in self.cluster.jobs.items() for t in range(len(ts))
+                if (j, t) != (self.job, self.task)]
+
     def wait_for_cluster(self):
-        """Every task this one talks to accepts connections (bounded by the timeout)."""
-        if self.chief:
-            needed = [(j, t) for j, ts in self.cluster.jobs.items() for t in range(len(ts))]
-        else:
-            needed = [("ps", t) for t in range(len(self.cluster.tasks("ps")))]
+        """Every task this one talks to accepts connections (bounded by the timeout): the chief
+        every task; another task what its session sees and the collective group leader."""
+        needed = [(j, t) for j, t in self.peers() + [(self.job, self.task)]
+                  if self.chief or servers.sees(self.filters, j, t)
+                  or self._leads_collectives(j, t)]
         servers.wait_for_tasks(self.cluster, needed, self.timeout_s)
+
+    def _leads_collectives(self, job: str, task: int) -> bool:
+        leader = self.plan.collective_leader or ""
+        return bool(re.fullmatch(rf"/job:{re.escape(job)}(?:/replica:\d+)?/task:{task}", leader))
 
     def prepare(self, restore: str | None = None):
         """The chief initialises (or restores) every variable and runs chief_init; the others
@@ -147,9 +198,12 @@ class TaskRunner:
             self._run(self.plan.chief_init, "running chief_init")
 
     def _uninitialized(self) -> list[str]:
+        """Which variables this task's session sees that are not initialised yet (another task's
+        replicas' copies are the chief's business: this session cannot see them)."""
         if self.ready_op is None:
             with self.graph.as_default():
-                self.ready_op = self.tf1.report_uninitialized_variables(self.variables)
+                self.ready_op = self.tf1.report_uninitialized_variables(
+                    self.variables if self.chief else self.own_variables)
         names = self._run(self.ready_op, "checking which variables are initialised")
         return [n.decode() if isinstance(n, bytes) else str(n) for n in names]
 
@@ -166,6 +220,17 @@ class TaskRunner:
                     f"{', '.join(missing[:3])})")
             time.sleep(POLL_S)
 
+    def finish(self):
+        """Tell the ps tasks this task ended its run normally (it may go away now)."""
+        if self._news_ops:
+            with self._bounded("telling the ps tasks the run is over"):
+                try:
+                    self._tell_ps(f"finished {self.job}:{self.task}", self._news_ops,
+                                  self.timeout_s)
+                except self.tf.errors.OpError as e:
+                    raise GraphxformError(self._explain(
+                        e, "telling the ps tasks the run is over")) from None
+
     # ---------------------------------------------------------------- steps
     def step(self, feed: dict):
         """One step of this task's part; returns (mean loss of its replicas or None, fetches)."""
@@ -176,27 +241,51 @@ class TaskRunner:
         loss = float(np.mean(got[self.loss])) if self.loss else None
         return loss, {k: got[k] for k in self.fetches}
 
+    def _bounded(self, what: str):
+        if self.watchdog is None:
+            return contextlib.nullcontext()
+        return self.watchdog.guard(self.timeout_s + faults.GRACE_S, lambda: what)
+
     def _run(self, fetches, what: str, feed=None):
         tf = self.tf
-        try:
-            return self.session.run(fetches, feed)
-        except tf.errors.OpError as e:
-            raise GraphxformError(self._explain(e, what)) from None
+        with self._bounded(what):
+            try:
+                return self.session.run(fetches, feed, options=self.run_options)
+            except tf.errors.OpError as e:
+                raise GraphxformError(self._explain(e, what)) from None
+
+    def _stuck(self, what: str) -> None:
+        """The watchdog's verdict on a call TF did not end in time: one line, then the end."""
+        waited = self.timeout_s + faults.GRACE_S
+        lost = faults.lost_peers(self.cluster, self.peers())
+        self.blame(lost)
+        if lost:
+            line = f"{self.name}: {self._who(lost)} ({what}: no answer after {waited:g} s)"
+        else:
+            line = (f"{self.name}: {what} did not finish within {waited:g} s (a task is too "
+                    "slow or stuck; see --timeout)")
+        self.on_stuck(line)
+
+    def _who(self, lost) -> str:
+        job, task, state = lost[0]
+        verb = "stopped answering" if state == faults.FROZEN else "is gone"
+        return f"{describe(self.cluster, job, task)} {verb}"
 
     def _explain(self, error, what: str) -> str:
-        """One line: which task stopped answering, else what timed out, else TF's message."""
+        """One line: which task died or froze, else what timed out, else TF's message."""
         tf = self.tf
         text = tf_message(error)
         if isinstance(error, (tf.errors.DeadlineExceededError, tf.errors.UnavailableError,
                               tf.errors.AbortedError, tf.errors.CancelledError,
-                              tf.errors.InternalError, tf.errors.UnknownError)):
-            lost = servers.unreachable_tasks(self.cluster)
+                              tf.errors.InternalError, tf.errors.UnknownError,
+                              tf.errors.FailedPreconditionError)):
+            lost = faults.lost_peers(self.cluster, self.peers())
             if not lost:  # a task killed this instant may still hold its port briefly
                 time.sleep(0.5)
-                lost = servers.unreachable_tasks(self.cluster)
+                lost = faults.lost_peers(self.cluster, self.peers())
             if lost:
-                who = ", ".join(describe(self.cluster, j, t) for j, t in lost)
-                return f"{self.name}: {who} stopped answering ({what}: {type(error).__name__})"
+                self.blame(lost)
+                return f"{self.name}: {self._who(lost)} ({what}: {type(error).__name__})"
             if isinstance(error, tf.errors.DeadlineExceededError):
                 return (f"{self.name}: {what} timed out after {self.timeout_s:g} s waiting for "
                         "other tasks (one stopped or is too slow; see --timeout)")
@@ -220,7 +309,7 @@ class TaskRunner:
             if prefix is None:
                 raise GraphxformError(f"{path}: no checkpoint in this directory")
         try:
-            with self.graph.as_default():
+            with self.graph.as_default(), self._bounded("restoring the checkpoint"):
                 self.saver.restore(self.session, prefix)
         except (ValueError, tf.errors.OpError) as e:
             raise GraphxformError(f"cannot restore checkpoint {prefix}: {tf_message(e)}") from None
@@ -240,12 +329,20 @@ class TaskRunner:
             raise GraphxformError(f"cannot save checkpoint {prefix}-{step}: cannot create "
                                   f"{directory}: {e.strerror}") from None
         try:
-            with self.graph.as_default():
+            with self.graph.as_default(), self._bounded("saving the checkpoint"):
                 return self.saver.save(self.session, prefix, global_step=step,
                                        write_meta_graph=False)
         except (ValueError, tf.errors.OpError) as e:
             raise GraphxformError(f"cannot save checkpoint {prefix}-{step}: "
                                   f"{tf_message(e)}") from None
+
+
+def _time_collectives(graph_def, seconds: float) -> None:
+    """Every collective of the step fails after ``seconds`` (--timeout) when a member never
+    comes, instead of the graph's default."""
+    for node in graph_def.node:
+        if node.op.startswith("Collective") and "timeout_seconds" in node.attr:
+            node.attr["timeout_seconds"].f = float(seconds)
 
 
 # ---------------------------------------------------------------- the CLI's halves
@@ -277,43 +374,25 @@ def resolve_task(cluster_file: str | None, job: str | None, task: int | None,
     return cluster, job, task
 
 
-def serve(cluster: Cluster, job: str, task: int, cpus: int = 1, echo=print) -> None:
-    """Start this task's server and block until SIGTERM or SIGINT."""
-    import signal
-    import threading
-    from graphxform.runtime.launch import exit_with_parent
-    stop = threading.Event()
-    previous = {sig: signal.signal(sig, lambda *_: stop.set())
-                for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        servers.start_server(cluster, job, task, cpus)
-        exit_with_parent()
-        echo(f"serving {describe(cluster, job, task)} at "
-             f"{servers.grpc_target(cluster.require(job, task))}")
-        while not stop.wait(0.5):
-            pass
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
 def run_task(ir: GraphIR, cluster: Cluster, job: str, task: int, steps: int,
              feeds: str | None = None, batch_size: int | None = None,
              restore: str | None = None, save: str | None = None, fetches=(),
-             timeout_s: float = servers.DEFAULT_TIMEOUT_S, echo=print) -> list:
+             timeout_s: float = servers.DEFAULT_TIMEOUT_S, echo=print, fail=None) -> list:
     """`graphxform run OUT --cluster F --job J --task I`: this task's part of K steps, printing
     "step k  loss X" (its replicas' mean loss); the chief initialises or restores and saves.
-    Returns the losses."""
+    Returns the losses. ``fail(line)``, when given, ends the process on any failure once the
+    task's server runs (a session blocked on a frozen peer cannot be closed cleanly)."""
     from graphxform.runtime.launch import exit_with_parent
     from graphxform.runtime.local import Feeds
     exit_with_parent()
-    runner = TaskRunner(ir, cluster, job, task, timeout_s=timeout_s, fetches=fetches)
+    runner = TaskRunner(ir, cluster, job, task, timeout_s=timeout_s, fetches=fetches,
+                        on_stuck=fail)
     losses = []
-    with runner:
+    try:
         source = Feeds(runner.inputs, feeds, batch_size)
         if restore and not runner.chief:
             raise GraphxformError(f"--restore is for the chief ({runner.plan.chief}); "
-                                  f"{runner.name} gets the variables from the ps tasks")
+                                  f"{runner.name} gets the variables the chief restores")
         runner.prepare(restore if runner.chief else None)
         echo(f"{runner.name}: ready{' (chief)' if runner.chief else ''}")
         for k in range(steps):
@@ -326,6 +405,13 @@ def run_task(ir: GraphIR, cluster: Cluster, job: str, task: int, steps: int,
             echo("  ".join(parts))
         if save and runner.chief:
             echo(f"saved {runner.save(save)}")
+        runner.finish()
+        runner.close()
+    except GraphxformError as e:
+        if fail is None:
+            runner.close()
+            raise
+        fail(str(e))
     return losses
 
 
