@@ -11,6 +11,7 @@ from conftest import FIXTURES, fixture_path
 
 from graphxform import cluster, metagraph, strategies
 from graphxform.inspector import check
+from graphxform.inspector.findings import CheckResult
 
 SPEC = {"ps": ["127.0.0.1:2222", "127.0.0.1:2223"],
         "worker": ["127.0.0.1:2224", "127.0.0.1:2225"]}
@@ -215,3 +216,22 @@ def test_stateful_ops_are_listed(run_cli, tmp_path):
     assert any(m.startswith("1 random ops") for m in infos)
     assert any("statistics" in m and "each replica keeps its own copy" in m for m in infos)
     assert any(m.startswith("1 counters") for m in infos)
+
+
+def test_apply_runs_the_checks_before_writing(run_cli, tmp_path, monkeypatch):
+    out = tmp_path / "out.meta"
+    code, text, err = run_cli("apply", fixture_path("mlp_sgd"), "--replicas", 2, "-o", out)
+    assert code == 0, err
+    assert "check: ok (collectives, losses, stateful)" in text
+    from graphxform.inspector import collectives
+
+    def broken(ir):
+        result = CheckResult("collectives")
+        result.error("made up for the test", ["allreduce/bucket_0/replica_1/reduce"])
+        return result
+
+    monkeypatch.setattr(collectives, "check", broken)
+    out.unlink()
+    code, _, err = run_cli("apply", fixture_path("mlp_sgd"), "--replicas", 2, "-o", out)
+    assert code == 1 and "made up for the test" in err and err.count("\n") == 1
+    assert not out.exists()
