@@ -222,7 +222,7 @@ def test_apply_runs_the_checks_before_writing(run_cli, tmp_path, monkeypatch):
     out = tmp_path / "out.meta"
     code, text, err = run_cli("apply", fixture_path("mlp_sgd"), "--replicas", 2, "-o", out)
     assert code == 0, err
-    assert "check: ok (collectives, losses, stateful)" in text
+    assert "check: ok (collectives, losses)" in text
     from graphxform.inspector import collectives
 
     def broken(ir):
