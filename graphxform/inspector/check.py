@@ -108,5 +108,5 @@ def require_ok(report: Report) -> None:
     first = report.errors[0]
     more = len(report.errors) - 1
     raise CheckError(f"the transformed graph fails `check` ({first.check}): {first.message}" +
-                     (f" (and {more} more error(s); run `graphxform check` on the output "
-                      "with --no-check to see them)" if more else ""))
+                     (f" (and {more} more error(s): `apply --dump-dir D` keeps the last stage "
+                      "for `graphxform check D/NN_<pass>.pbtxt`)" if more else ""))

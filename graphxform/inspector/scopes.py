@@ -104,23 +104,31 @@ class FoldedGraph:
         return found if found is not None else self.ghosts.g._node[name]
 
     def _inputs(self) -> list[list[tuple[int, int]]]:
+        """Each leaf's inputs: its first member's in order (data by port, then control), then
+        any leaf another member reads that the first does not (one C-level test per member)."""
         pred, leaf_of = self.ir.g._pred, self.leaf_of
         ghost_pred = self.ghosts.g._pred if self.ghosts is not None else {}
         out = []
         for members in self.members:
-            found = {}
-            for member in members:
-                data = []
+            found, known = {}, set()
+            for k, member in enumerate(members):
                 keyed_inputs = pred[member] if member in pred else ghost_pred[member]
+                if k and known.issuperset(map(leaf_of.get, keyed_inputs)):
+                    continue  # a replica's copy reading what the first member reads
+                data = []
                 for src, keyed in keyed_inputs.items():
-                    if src not in leaf_of:
+                    leaf = leaf_of.get(src)
+                    if leaf is None:
                         continue
                     for key, edge in keyed.items():
-                        port = -1 if key == CONTROL_KEY else edge["src_port"]
-                        data.append((key if key != CONTROL_KEY else 1 << 30, leaf_of[src], port))
+                        if key == CONTROL_KEY:
+                            data.append((1 << 30, leaf, -1))
+                        else:
+                            data.append((key, leaf, edge["src_port"]))
                 data.sort()
                 for _, leaf, port in data:
                     found.setdefault((leaf, port), None)
+                known = {leaf for leaf, _ in found}
             out.append(list(found))
         return out
 
