@@ -5,13 +5,22 @@ Every replica runs the same step from equal variables on its own even slice of t
 (split-inputs cuts it in replica order). Each output tensor of replica 0's copy gets a class:
 
 - ``identical``: equal on every replica and to the single-device value. Constants, variables and
-  their reads (replicas hold equal variables), what stays shared under its original name or
-  exists in replica 0 alone (sync-init's initial values), cross-replica results (collective
-  outputs, accumulator ``take_grad``, the value an update op returns), and anything a
-  deterministic op computes from these alone. Served: replica 0's. A variable that the step
-  writes with a value that is not identical (batch-norm statistics of the slice, an update from
-  a local gradient) drifts apart across replicas: it and its reads are unknown (the sweep runs
+  their reads (replicas hold equal variables), what every replica shares (a node without a
+  ``replica_<i>`` path component runs once) or what replica 0 alone has (sync-init's initial
+  values), cross-replica results that give the batch's value (an all-reduce averaging the
+  replicas' means, as of born gradients; accumulator ``take_grad``), the value an update op
+  returns, a seeded random draw of an identical shape, and anything a deterministic
+  op computes from these alone. Served: replica 0's. What a pass made in a replica's scope
+  (``allreduce/bucket_0/replica_0/...``) follows the same rules as the copies; a constant
+  there that differs from another replica's counterpart is unknown. A variable that the step
+  writes with a value that differs between replicas (batch-norm statistics of the slice, an
+  update from a local gradient) drifts apart: it and its reads are unknown (the sweep runs
   again with them so).
+- ``same``: equal on every replica, but not shown to be the single-device value: a collective
+  that does not average means, sum sums or gather batch slices (the gradient sums synchronised
+  batch norm exchanges), a shared node that combines the replicas' values, and what is
+  computed from these. Served: replica 0's, and named as not merged. Writing it keeps a
+  variable equal on every replica.
 - ``batch``: axis 0 is the replica's slice of the batch (the split inputs, and per-example work
   on them: elementwise ops with identical operands of no higher rank, MatMul by an identical
   matrix, convolutions, reshapes that keep a leading -1, reductions and slices that leave axis
@@ -31,15 +40,15 @@ Every replica runs the same step from equal variables on its own even slice of t
 - ``batch_shape``: the ``Shape`` of a batch tensor: its first element is a count, the rest are
   identical. It has no merge of its own (served as unknown), but slicing it gives those.
 - ``unknown``: nothing above can be shown: batch norm in training mode (statistics of the slice
-  differ from the batch's), random draws of a fixed shape, what legacy loops carry, the insides
-  of ``tf.gradients`` (scaled by the slice's size), ops without a rule here. Served: replica
-  0's value, and named as not merged.
+  differ from the batch's), unseeded random draws or draws shaped like the slice, what legacy
+  loops carry, the insides of ``tf.gradients`` (scaled by the slice's size), ops without a rule
+  here. Served: replica 0's value, and named as not merged.
 
 Two rules come from the training step rather than from an op: a loss the step minimises is a
 mean unless it is shown to be a sum (the all-reduce averages its gradients, so the mean over
 replicas is what trains), and the gradient ``tf.gradients`` bore for a variable has its loss's
-class (a gradient is linear in its loss). User overrides (``--fetch-mean``, ``--fetch-concat``)
-take precedence over everything.
+class (a gradient is linear in its loss). User overrides (the strategies' ``fetch_mean`` and
+``fetch_concat``) take precedence over everything.
 
 Only static facts are read: op types, attrs, the values of Const inputs (axes, shapes,
 permutations) and ranks carried forward from placeholders, variables and constants; what a rule
@@ -65,12 +74,12 @@ from graphxform import opdefs
 from graphxform.ir import CONTROL_KEY
 from graphxform.training import RANDOM_OPS, VARIABLE_OPS, is_mutating_op
 
-IDENTICAL, BATCH, BATCH_FILL, MEAN, SUM, COUNT, BATCH_SHAPE, UNKNOWN = (
-    "identical", "batch", "batch_fill", "mean", "sum", "count", "batch_shape", "unknown")
+IDENTICAL, SAME, BATCH, BATCH_FILL, MEAN, SUM, COUNT, BATCH_SHAPE, UNKNOWN = (
+    "identical", "same", "batch", "batch_fill", "mean", "sum", "count", "batch_shape", "unknown")
 BATCHED = frozenset({BATCH, BATCH_FILL})
 LINEAR = frozenset({MEAN, SUM, COUNT})  # merged by averaging or summing; linear ops keep them
 
-_REPLICA = re.compile(r"replica_\d+/")
+_REPLICA = re.compile(r"(?:^|/)(replica_\d+/)")  # a replica's node: a replica_<i> component
 _BACK_EDGE_OPS = frozenset({"NextIteration", "RefNextIteration"})
 _EFFECT_PREFIXES = ("Queue", "Collective", "Accumulator", "SparseAccumulator",
                     "ResourceAccumulator", "Nccl", "Barrier")
@@ -132,7 +141,7 @@ def classify(ir, prefix: str = "replica_0/", forced=None, losses=(), gradients=N
         forced.update({(variable, 0): UNKNOWN for variable in more})
 
 
-_I, _U = (IDENTICAL,), (UNKNOWN,)  # shared, so that ``is`` tells the common cases fast
+_I, _S, _U = (IDENTICAL,), (SAME,), (UNKNOWN,)  # shared: ``is`` tells the common cases fast
 _NO_RANK = (None,)
 _LAZY = object()  # ranks not worked out yet
 
@@ -189,11 +198,20 @@ class _Sweep:
 
     def _followed(self, src: str) -> bool:
         """Whether the sweep waits for ``src``: not for a loop's back edge, nor for another
-        replica's copy (remembered as foreign)."""
-        if _REPLICA.match(src) and not src.startswith(self.prefix):
+        replica's node (remembered as foreign)."""
+        if self._owner(src) is False:
             self.foreign.add(src)
             return False
         return self.nodes[src]["op"] not in _BACK_EDGE_OPS
+
+    def _owner(self, name: str):
+        """True for this replica's nodes (its copies, and what passes made in its scope, such
+        as ``allreduce/bucket_0/replica_0/...``), False for another replica's, None for a node
+        every replica shares."""
+        if name.startswith(self.prefix):
+            return True
+        found = _REPLICA.search(name)
+        return None if found is None else found.group(1) == self.prefix
 
     # ------------------------------------------------------------------ visit
     def _visit(self, name: str) -> None:
@@ -209,19 +227,25 @@ class _Sweep:
             self.effects.add(name)
         classes = self.classes
         self.ranks[name] = _LAZY
-        if not name.startswith(self.prefix) or name in self.single:
-            classes[name] = _outside_classes(data, op)
-            return
-        if effect and is_mutating_op(op):
-            self.writes.append(name)
-        identical, unknown = True, False
+        identical, unknown, same = True, False, True  # same: every input identical or same
         for src, keys in preds.items():
             if len(keys) == 1 and CONTROL_KEY in keys:
                 continue
             found = classes.get(src)
             if found is not _I:
                 identical = False
-                unknown = unknown or found is None or found is _U
+                if found is None or found is _U:
+                    unknown, same = True, False
+                elif found is not _S:
+                    same = False
+        if self._owner(name) is None or name in self.single:
+            classes[name] = _shared_classes(data, op, identical)
+            return
+        if op == "Const" and not name.startswith(self.prefix):
+            classes[name] = self._made_constant(name)
+            return
+        if effect and is_mutating_op(op):
+            self.writes.append(name)
         if name not in self.overridden:
             if identical and pure:
                 classes[name] = _I
@@ -229,10 +253,25 @@ class _Sweep:
             if unknown and op not in _PAST_UNKNOWN:
                 classes[name] = _U
                 return
+            if same and pure and op not in _CROSS_REPLICA:
+                classes[name] = _S
+                return
         found, self.ranks[name] = RULES.get(op, _default)(self._node(name, op))
         if name in self.overridden:
             found = self._adjusted(name, found)
-        classes[name] = _I if found == _I else _U if found == _U else found
+        classes[name] = _I if found == _I else _U if found == _U else _S if found == _S else found
+
+    def _made_constant(self, name: str) -> tuple:
+        """A constant a pass made in this replica's scope: identical when another replica's
+        counterpart holds the same value (a shape, a group size), else unknown (a replica's own
+        offset); identical when no other replica has one."""
+        head = _REPLICA.search(name)
+        other_prefix = "replica_1/" if self.prefix != "replica_1/" else "replica_0/"
+        other = name[:head.start(1)] + other_prefix + name[head.end(1):]
+        if other not in self.nodes:
+            return _I
+        same = self.ir.attrs(other).get("value") == self.ir.attrs(name).get("value")
+        return _I if same else _U
 
     def _node(self, name: str, op: str) -> "_Node":
         inputs = []
@@ -274,15 +313,15 @@ class _Sweep:
         return tuple(out)
 
     def drifting_variables(self, step=None) -> set:
-        """Replica 0's variables that a write (in ``step``, if given) moves by something not
-        identical on every replica (batch-norm statistics from the slice, an update from a
-        local gradient): their copies drift apart, so what reads them is not identical."""
+        """Replica 0's variables that a write (in ``step``, if given) moves by something that
+        differs between replicas (batch-norm statistics from the slice, an update from a local
+        gradient): their copies drift apart, so what reads them is not identical."""
         found = set()
         for name in self.writes:
             if step is not None and name not in step:
                 continue
             node = self._node(name, self.nodes[name]["op"])
-            if not node.inputs or all(c == IDENTICAL for c in node.cls):
+            if not node.inputs or all(c in (IDENTICAL, SAME) for c in node.cls):
                 continue
             variable = node.inputs[0][0]
             if (variable.startswith(self.prefix)
@@ -361,11 +400,13 @@ def _fold(op: str, parts: list):
     return [combine(x, y) for x, y in zip(a, b)]
 
 
-def _outside_classes(data: dict, op: str) -> tuple:
-    """A node outside the replicas runs once: identical, except the slices split-inputs cuts."""
+def _shared_classes(data: dict, op: str, inputs_identical: bool) -> tuple:
+    """A node every replica shares runs once, so it is the same for all: identical when its
+    inputs are (or it is one of the input's slices split-inputs cuts: batch); one that combines
+    replicas' values (an AddN on one device) is not shown to be the single-device value."""
     if op == "Split" and data.get("created_by") == "split-inputs":
         return (BATCH,)
-    return _I
+    return _I if inputs_identical else _S
 
 
 class _Node:
@@ -931,14 +972,28 @@ def _l2_loss(n: _Node):
 
 
 def _random(n: _Node):
-    """A draw shaped like the batch is a fresh draw per example (concatenated, a draw of the
-    global shape); a draw of a fixed shape differs per replica."""
-    rank = n.shape_length(0)
-    return (BATCH if n.cls and n.cls[0] == BATCH_SHAPE else UNKNOWN,), (rank,)
+    """A seeded draw of an identical shape draws what the single device draws (the copy keeps
+    the op's seeds); any other draw differs (unseeded: per run; shaped like the slice: the
+    replicas' draws are not the batch's)."""
+    seeded = any(n.attr(key) is not None and n.attr(key).i for key in ("seed", "seed2"))
+    kind = IDENTICAL if seeded and n.cls and n.cls[0] == IDENTICAL else UNKNOWN
+    return (kind,), (n.shape_length(0),)
 
 
 def _cross_replica(n: _Node):
-    return (IDENTICAL,), (n.rank[0] if n.rank else None,)
+    """A collective gives every replica the same result; it is the single-device value when it
+    averages means (the all-reduce of born gradients), sums sums, or gathers batch slices."""
+    c, rank = (n.cls[0] if n.cls else UNKNOWN), (n.rank[0] if n.inputs else None)
+    attr = n.attr("final_op")
+    final = attr.s.decode() if attr is not None else None
+    if n.op.startswith("CollectiveReduce"):
+        exact = (final == "Div" and c in (MEAN, IDENTICAL)
+                 or final == "Id" and n.attr("merge_op").s == b"Add" and c in (SUM, COUNT))
+    elif n.op.startswith("CollectiveGather"):
+        exact = c in BATCHED
+    else:  # an accumulator's take_grad averages every worker's born gradients
+        exact = "TakeGradient" in n.op
+    return (IDENTICAL if exact else SAME,), (rank,)
 
 
 def _update(n: _Node):

@@ -18,8 +18,9 @@ replica's copy. An Identity or IdentityN of a node whose running has effects (a 
 tf_slim's `train_op/control_dependency`, anything after a variable write, a queue op or a
 collective) also waits on the other replicas' copies, so running it runs every replica; pure
 values do not, which keeps the graph small. Every step of the training graph counts as having
-effects. The `mean` and `concat` options (`--fetch-mean`, `--fetch-concat`) override the class
-of the tensors they name. Collections that listed the copies list the original name again."""
+effects. The `mean` and `concat` options (the strategies' `fetch_mean`, `fetch_concat`) override
+the class of the tensors they name. Collections that listed the copies list the original name
+again."""
 
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ class MergeFetches(Pass):
     def run(self, ir, ctx):
         prefixes = [replica_prefix(i) for i in range(len(ctx.devices))]
         first = prefixes[0]
-        copies = replica_copies(ir, first)
+        copies = _replica_copies(ir, first)
         forced = {**_slice_constants(ir, copies, ctx.training, len(prefixes)),
                   **self._overrides(ir, first)}
         originals = _originals(ir, first, copies)
@@ -95,7 +96,7 @@ class MergeFetches(Pass):
         return forced
 
 
-def replica_copies(ir, first: str) -> list[str]:
+def _replica_copies(ir, first: str) -> list[str]:
     """The nodes named ``first`` + something, in graph order (one sweep at C speed)."""
     names = list(ir.g._node)
     return list(itertools.compress(names, map(str.startswith, names, itertools.repeat(first))))
@@ -170,7 +171,7 @@ class _Merge:
 
     def __init__(self, ir, build: Builder, prefixes: list, values):
         self.ir, self.build, self.prefixes, self.values = ir, build, prefixes, values
-        self.groups = {}  # (op, attrs) -> (attrs dict, rows), in the order first seen
+        self.groups = {}  # (op, attr values) -> (op, attrs, rows), in the order first seen
         self.stacks = {}  # the same for the Packs that Means read (added first)
         self.counts = collections.Counter()
         self.unmerged = []
