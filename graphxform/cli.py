@@ -607,6 +607,11 @@ def cost(model, batch_size, as_json, debug, **options):
     original, ir, _ = _transform(model, options)
     report = cost_mod.measure(original, ir, batch_size=batch_size, strategy=options["strategy"],
                               train_op=options["train_op"])
+    if report.links:  # allreduce across workers: the other variant's links beside these
+        other = dict(options, hierarchical=report.links[0].variant == "flat")
+        _, other_ir, _ = _transform(model, other)
+        report.links += cost_mod.measure(original, other_ir, batch_size=batch_size,
+                                         train_op=options["train_op"]).links
     click.echo(json.dumps(report.to_dict(), indent=2) if as_json else
                cost_mod.format_text(report))
 

@@ -23,11 +23,12 @@ local gradient outside a gradients scope at them.
 Across worker tasks (devices `/job:worker/task:w/...`) every replica of every worker joins the
 same collective group: nothing changes but where the members run (`worker-steps` then gives
 every collective its timeout and writes what each task runs). With
-`hierarchical`, a dense bucket is first summed inside each worker on its first replica's device
-(an AddN: in-process copies, no network), then reduced across workers by one collective per
-bucket with one member per worker (group size W: each worker's link carries 2(W-1)/W of the
-bucket instead of 2(N-1)/N for N = W x R), divided by N, and read by the worker's other replicas
-from that device (the broadcast inside the worker). Sparse gathers stay in the flat group."""
+`hierarchical`, a dense bucket is first averaged inside each worker on its first replica's
+device (an AddN and a division by R: in-process copies, no network), then averaged across
+workers by one collective per bucket with one member per worker (group size W: each worker's
+link carries 2(W-1)/W of the bucket instead of 2(N-1)/N for N = W x R; equal slices make the
+mean of the workers' means the mean of all), and read by the worker's other replicas from that
+device (the broadcast inside the worker). Sparse gathers stay in the flat group."""
 
 from __future__ import annotations
 
@@ -213,7 +214,7 @@ class Collectives:
         return out, out
 
     def _reduce_hierarchical(self, b, bucket, previous):
-        """Sum inside each worker, one collective across workers, mean read by the worker's
+        """Mean inside each worker, one collective across workers, read by the worker's
         replicas. Returns (the mean each replica reads, each replica's last op in order)."""
         build, dtype = self.build, bucket[0].dtype
         means, last = [None] * self.n, [None] * self.n
@@ -222,18 +223,22 @@ class Collectives:
             device = self.devices[leader]
             scope = f"{SCOPE}bucket_{b}/{replica_prefix(leader)}"
             joined = [self._joined(b, bucket, i) for i in replicas]
-            local = joined[0] if len(joined) == 1 else build.op(
-                scope + "local_sum", "AddN", joined, device=device, N=len(joined), T=dtype)
+            local = joined[0]
+            if len(joined) > 1:
+                total = build.op(scope + "local_sum", "AddN", joined, device=device,
+                                 N=len(joined), T=dtype)
+                count = build.const(scope + "local_replicas", len(joined), numpy_dtype(dtype),
+                                    device=device)
+                local = build.op(scope + "local_mean", "RealDiv", [total, count], device=device,
+                                 T=dtype)
             size, key = self._cross_worker_keys(leader)
             inputs = [local, size, key, self._instance_key(scope, leader)]
             inputs += ["^" + previous[i] for i in replicas if previous[i]]
-            total = build.op(scope + "reduce", "CollectiveReduceV2", inputs, device=device,
-                             T=dtype, merge_op="Add", final_op="Id")
-            count = build.const(scope + "replicas", self.n, numpy_dtype(dtype), device=device)
-            mean = build.op(scope + "mean", "RealDiv", [total, count], device=device, T=dtype)
+            mean = build.op(scope + "reduce", "CollectiveReduceV2", inputs, device=device,
+                            T=dtype, merge_op="Add", final_op="Div")
             for i in replicas:
                 if i == leader:
-                    means[i], last[i] = mean, total
+                    means[i] = last[i] = mean
                     continue
                 means[i] = last[i] = build.op(
                     f"{SCOPE}bucket_{b}/{replica_prefix(i)}broadcast", "Identity", [mean],

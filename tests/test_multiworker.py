@@ -76,7 +76,7 @@ def test_apply_writes_each_tasks_part_and_configuration():
     assert reduces == ["allreduce/bucket_0/replica_0/reduce", "allreduce/bucket_0/replica_2/reduce"]
     assert ir.op("allreduce/bucket_0/replica_2/local_sum") == "AddN"
     assert ir.input("allreduce/bucket_0/replica_3/broadcast", 0)[0] == \
-        "allreduce/bucket_0/replica_2/mean"
+        "allreduce/bucket_0/replica_2/reduce"
 
 
 def test_a_chief_job_holds_replicas_and_leads_and_bad_requests_are_refused(run_cli, tmp_path):
@@ -115,6 +115,28 @@ def test_verify_with_one_client_on_the_cluster(run_cli, tmp_path, hierarchical):
                              "--feeds", fixture_path("mlp_sgd", ".npz"), "--batch-size", BATCH,
                              *(["--hierarchical"] if hierarchical else []))
     assert code == 0 and "PASS" in out, out + err
+
+
+def test_cost_shows_each_workers_link_for_both_variants(run_cli, tmp_path):
+    """A flat ring of W x R replicas puts 2(N-1)/N of the gradients on each worker's link; the
+    hierarchical one the textbook minimum, 2(W-1)/W."""
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(WORKERS))
+    code, out, err = run_cli("cost", fixture_path("mlp_sgd"), "--strategy", "allreduce",
+                             "--cluster", path, "--replicas-per-worker", 2, "--batch-size", BATCH,
+                             "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    gradients = 780  # mlp_sgd's trainable bytes (apply: "dense bytes all-reduced")
+    assert doc["link_minimum_each_way"] == pytest.approx(2 * (2 - 1) / 2 * gradients)
+    links = {link["variant"]: link["tasks"] for link in doc["links"]}
+    for task in links["flat"]:
+        assert task["sent"] == task["received"] == pytest.approx(2 * 3 / 4 * gradients)
+        assert task["ratio"] == 1.5
+    assert [t["ratio"] for t in links["hierarchical"]] == [1.0, 1.0]
+    code, out, _ = run_cli("cost", fixture_path("mlp_sgd"), "--strategy", "allreduce",
+                           "--cluster", path, "--replicas-per-worker", 2, "--hierarchical")
+    assert code == 0 and "network link of each worker task per step (hierarchical and flat)" in out
 
 
 # ---------------------------------------------------------------- processes

@@ -16,6 +16,12 @@ run it, so a pass that sends more than it should shows up as a ratio above 1.
   sends and receives 2(N-1)/N x B per device, an all-gather (N-1)/N of the gathered bytes.
 - Only what one training step runs counts: ancestors of the train op and the loss (a
   checkpoint's reads do not).
+- Across worker tasks (allreduce on a cluster) what matters is each task's network link. TF
+  runs a CPU collective as a ring over its members sorted by task and device, each member
+  sending its share to the next: only the hops from one task to the next cross a link. The
+  links table shows that for the graph (flat: one ring of every replica, so each link carries
+  2(N-1)/N of the gradients for N = W x R; --hierarchical: one member per worker, 2(W-1)/W)
+  next to the textbook minimum of a ring over the W workers, 2(W-1)/W of the gradient bytes.
 """
 
 from __future__ import annotations
@@ -81,9 +87,11 @@ class CostReport:
     variables: dict
     transfers: list
     notes: list
+    links: list = dataclasses.field(default_factory=list)  # LinkCost per variant measured
+    link_minimum: float = 0.0  # per worker link, each way: 2(W-1)/W x the gradient bytes
 
     def to_dict(self) -> dict:
-        return {
+        doc = {
             "strategy": self.strategy, "batch_size": self.batch_size, "replicas": self.replicas,
             "minimum_model": self.model, "client": self.client,
             "tasks": [dict(dataclasses.asdict(e), ratio=_ratio(e.sent + e.received,
@@ -93,6 +101,20 @@ class CostReport:
                           for v in self.variables.values()],
             "transfers": [dataclasses.asdict(t) for t in self.transfers],
             "notes": list(self.notes)}
+        if self.links:
+            doc["links"] = [{"variant": link.variant, "tasks": [
+                {"task": task, "sent": sent, "received": received,
+                 "ratio": _ratio(sent + received, 2 * self.link_minimum)}
+                for task, (sent, received) in link.tasks.items()]} for link in self.links]
+            doc["link_minimum_each_way"] = self.link_minimum
+        return doc
+
+
+@dataclasses.dataclass
+class LinkCost:
+    """Bytes a variant's collectives move over each worker task's network link per step."""
+    variant: str  # "flat" or "hierarchical"
+    tasks: dict  # task -> (sent, received)
 
 
 def check_request(strategy: str, batch_size) -> None:
@@ -133,6 +155,10 @@ def measure(original: GraphIR, ir: GraphIR, batch_size: int = 32, strategy: str 
                      "flag selects what is kept), so what crosses devices is per step; the "
                      "minimum is a round's copies and centre spread over --interval steps")
     endpoints, variables = _tally(transfers, minimum, tg)
+    links, link_minimum = [], 0.0
+    if model == "allreduce" and len(worker_tasks(ir, client)) > 1:
+        links = [link_transfers(ir, step, shapes, client)]
+        link_minimum = ring_minimum(tg, sparse_rows, len(worker_tasks(ir, client)))
     handles = {t for t in shapes.unknown_crossing if _is_resource(ir, t)}
     unknown = shapes.unknown_crossing - handles
     if handles:
@@ -150,7 +176,7 @@ def measure(original: GraphIR, ir: GraphIR, batch_size: int = 32, strategy: str 
                  "control edges are not counted")
     return CostReport(strategy=strategy or model, batch_size=batch_size, replicas=replicas,
                       model=model, client=client, endpoints=endpoints, variables=variables,
-                      transfers=transfers, notes=notes)
+                      transfers=transfers, notes=notes, links=links, link_minimum=link_minimum)
 
 
 # ------------------------------------------------------------------ the graph as TF will run it
@@ -471,9 +497,12 @@ def _group_size(ir, node) -> int:
 
 def _bucket_shares(ir, reduce, shapes, owners) -> dict:
     """Variable -> its fraction of an all-reduce bucket, following each piece of the reduced
-    tensor to the update that consumes it."""
+    tensor to the update that consumes it (a hierarchical reduce's other replicas read
+    copies of it)."""
     pieces = []
     for consumer, _ in ir.consumers(reduce, 0):
+        if ir.op(consumer) == "Identity":  # the broadcast to another replica of the worker
+            continue
         if ir.op(consumer) == "SplitV":
             pieces += [(f"{consumer}:{k}", c) for k in range(ir.node(consumer)["attr"][
                 "num_split"].i) for c, _ in ir.consumers(consumer, k)]
@@ -508,6 +537,51 @@ def _gathered_variable(ir, node, owners) -> str:
         if found:
             return found
     return OTHER
+
+
+def link_transfers(ir, step, shapes, client) -> LinkCost:
+    """Each task's link bytes for the collectives of one step, modelled as TF's rings: the
+    members of one collective (its copies on every replica) sorted by task and device, each
+    sending to the next what collective_transfers counts per member."""
+    groups = {}
+    for node in step:
+        if ir.op(node) in (COLLECTIVE_REDUCE, COLLECTIVE_GATHER):
+            groups.setdefault(_REPLICA_PART.sub(r"\1", node), []).append(node)
+    tasks, hierarchical = {}, False
+    replicas = count_replicas(ir)
+    for members in groups.values():
+        members.sort(key=lambda n: _ring_key(ir.node(n)["device"]))
+        n = len(members)
+        hierarchical |= ir.op(members[0]) == COLLECTIVE_REDUCE and 1 < n < replicas
+        for k, member in enumerate(members):
+            successor = members[(k + 1) % n]
+            src = task_of(ir.node(member)["device"], client)
+            dst = task_of(ir.node(successor)["device"], client)
+            if n < 2 or src == dst:
+                continue
+            local = shapes.nbytes(f"{ir.inputs(member)[0][0]}:{ir.inputs(member)[0][1]}") or 0
+            moved = (2 * (n - 1) / n * local if ir.op(member) == COLLECTIVE_REDUCE
+                     else (n - 1) * local)
+            tasks[src] = (tasks.get(src, (0.0, 0.0))[0] + moved, tasks.get(src, (0.0, 0.0))[1])
+            tasks[dst] = (tasks.get(dst, (0.0, 0.0))[0], tasks.get(dst, (0.0, 0.0))[1] + moved)
+    return LinkCost("hierarchical" if hierarchical else "flat",
+                    dict(sorted(tasks.items(), key=lambda kv: _endpoint_key(kv[0]))))
+
+
+_REPLICA_PART = re.compile(r"(^|/)replica_\d+/")
+
+
+def _ring_key(device: str):
+    match = re.search(r"/job:([^/]+)(?:/replica:\d+)?/task:(\d+).*:(\d+)$", device or "")
+    return (match.group(1), int(match.group(2)), int(match.group(3))) if match else ("", 0, 0)
+
+
+def ring_minimum(tg, sparse_rows, workers: int) -> float:
+    """What each worker's link must carry each way in a ring over the W workers: 2(W-1)/W of
+    the dense gradient bytes, (W-1)/W of the rows a sparse gradient gathers."""
+    needs = _needs(tg, sparse_rows, 1)
+    return sum((1 if name in sparse_rows else 2) * (workers - 1) / workers * need.grad
+               for name, need in needs.items())
 
 
 # ------------------------------------------------------------------ textbook minimum
@@ -684,8 +758,32 @@ def format_text(report: CostReport) -> str:
                      else "-", _ratio_text(v["ratio"])])
     lines += _table(rows)
     lines.append("")
+    if report.links:
+        lines += _links_table(report)
+        lines.append("")
     lines += [f"note: {n}" for n in report.notes]
     return "\n".join(lines)
+
+
+def _links_table(report: CostReport) -> list:
+    """Each worker's network link: every variant measured, next to the ring's minimum."""
+    variants = [link.variant for link in report.links]
+    lines = [f"network link of each worker task per step ({' and '.join(variants)}); minimum "
+             "= a ring over the workers, 2(W-1)/W of the gradient bytes each way"]
+    rows = [["task"] + [f"{v} {d}" for v in variants for d in ("sent", "received")] +
+            ["min each way"] + [f"{v} ratio" for v in variants]]
+    tasks = sorted({t for link in report.links for t in link.tasks}, key=_endpoint_key)
+    for task in tasks:
+        cells = [task]
+        for link in report.links:
+            sent, received = link.tasks.get(task, (0.0, 0.0))
+            cells += [human_bytes(sent), human_bytes(received)]
+        cells.append(human_bytes(report.link_minimum))
+        for link in report.links:
+            sent, received = link.tasks.get(task, (0.0, 0.0))
+            cells.append(_ratio_text(_ratio(sent + received, 2 * report.link_minimum)))
+        rows.append(cells)
+    return lines + _table(rows)
 
 
 def _ratio_text(ratio) -> str:
