@@ -57,7 +57,7 @@ class MergeFetches(Pass):
         copies = _replica_copies(ir, first)
         forced = {**_slice_constants(ir, copies, ctx.training, len(prefixes)),
                   **self._overrides(ir, first)}
-        originals = _originals(ir, first, copies)
+        originals = _originals(ir, first, copies, ctx.training.train_closure)
         if not originals:
             return PassResult(modified=False)
         tg = ctx.training
@@ -102,11 +102,13 @@ def _replica_copies(ir, first: str) -> list[str]:
     return list(itertools.compress(names, map(str.startswith, names, itertools.repeat(first))))
 
 
-def _originals(ir, first: str, copies: list) -> list[str]:
-    """The input's nodes that exist only as replica copies (of ``copies``), in graph order."""
+def _originals(ir, first: str, copies: list, step: set) -> list[str]:
+    """The input's nodes that exist only as replica copies (of ``copies``), in graph order: a
+    copy names its original (``origin``), or, when a pass rewrote it under the same name (a
+    random op consistent-random redraws), the name is one of the input's step (``step``)."""
     node_table, start = ir.g._node, len(first)
-    return [name[start:] for name in copies
-            if node_table[name]["origin"] == name[start:] and name[start:] not in node_table]
+    return [name[start:] for name in copies if name[start:] not in node_table
+            and (node_table[name]["origin"] == name[start:] or name[start:] in step)]
 
 
 def _slice_constants(ir, copies: list, tg, replicas: int) -> dict:

@@ -188,6 +188,47 @@ def test_classes_of_replica_copies():
     assert "replica_0/probs" not in values.effects
 
 
+def dropout_graph():
+    """An MLP with seeded dropout (drawn per example), a mean loss and a train op."""
+    import tensorflow as tf
+    v1 = tf.compat.v1
+    g = tf.Graph()
+    with g.as_default():
+        v1.set_random_seed(5)
+        x = v1.placeholder(tf.float32, [None, 4], name="x")
+        y = v1.placeholder(tf.int64, [None], name="y")
+        w1, w2 = v1.get_variable("w1", [4, 6]), v1.get_variable("w2", [6, 3])
+        hidden = tf.nn.relu(tf.matmul(x, w1), name="hidden")
+        dropped = tf.nn.dropout(hidden, rate=0.5, name="dropout")
+        logits = tf.matmul(dropped, w2, name="logits")
+        loss = v1.losses.sparse_softmax_cross_entropy(y, logits)
+        step = v1.train.get_or_create_global_step()
+        v1.add_to_collection(v1.GraphKeys.TRAIN_OP,
+                             v1.train.GradientDescentOptimizer(0.1).minimize(loss, step))
+        return from_metagraph(v1.train.export_meta_graph())
+
+
+def test_every_merged_value_is_the_single_device_value():
+    """With random draws made consistent, every name served by a merge (not listed as
+    unmerged) gives exactly what the single device gives; the rest are listed."""
+    single, out = dropout_graph(), dropout_graph()
+    summary = summary_of(transformed(out, consistent_random=True))
+    served = [n + ":0" for n in single.nodes() if out.node(n)["created_by"] == "merge-fetches"
+              and n not in summary["unmerged"] and out.op(n) not in ("NoOp", "IdentityN")
+              and not out.control_inputs(n) and single.op(n) != "VarHandleOp"]
+    assert "dropout/random_uniform/RandomUniform" in summary["unmerged"]  # a pass made it
+    assert len(served) > 40
+    rng = np.random.default_rng(1)
+    feeds = {"x:0": rng.normal(size=(8, 4)).astype(np.float32),
+             "y:0": rng.integers(0, 3, size=8).astype(np.int64)}
+    import tempfile
+    start = os.path.join(tempfile.mkdtemp(), "start")
+    expected, _ = session_run(single, served, feeds, save=start)
+    got, _ = session_run(out, served, feeds, restore=start)
+    for name, a, b in zip(served, expected, got):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
 @pytest.mark.parametrize("strategy", ["allreduce", "ps"])
 @pytest.mark.parametrize("name", FIXTURES)
 def test_every_original_name_survives(name, strategy):
