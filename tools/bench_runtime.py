@@ -36,6 +36,22 @@ figure is the best window (steps/s), the median is printed too. Budgets: emitted
 
 Usage: python tools/bench_runtime.py [--model cnn|mlp] [--devices 4] [--batch 256] [--steps 30]
 Always exits 0 (a failing contender or missed budget is reported, not raised).
+
+``--cluster``: 2 worker processes x 2 replicas on this machine (127.0.0.1), the same model and
+global batch, in one run:
+
+- allreduce: ``apply --strategy allreduce --cluster`` (2 workers, ``--replicas-per-worker 2``),
+  each worker process running its task's part (graphxform.runtime.task.TaskRunner, as
+  ``graphxform run --cluster`` does); ``allreduce_hierarchical`` the same with
+  ``--hierarchical``;
+- ps: ``apply --strategy ps`` on 1 ps task and 2 workers x 2 replicas, the ps task a server of
+  its own process;
+- mwms: the tf_keras model under ``tf.distribute.MultiWorkerMirroredStrategy`` in 2 worker
+  processes (TF_CONFIG), the custom loop of ``mirrored``. On CPUs it mirrors one replica per
+  worker (it spreads a worker's replicas over GPUs only), so it runs 2 x 1 replicas.
+
+Every process gets ``--inter-op``/``--intra-op`` threads (its server's pools for ours); the
+figure is the chief's steps/s (every worker runs the same steps in lockstep).
 """
 
 from __future__ import annotations
@@ -259,7 +275,89 @@ def _keras_layers(tf_keras, opts: dict) -> list:
     return [tf_keras.Input((FEATURES,)), *hidden, layers.Dense(CLASSES)]
 
 
+# ------------------------------------------------------------------ --cluster, subprocess side
+
+def run_cluster_task(opts: dict) -> dict:
+    """One task of a graphxform cluster graph: its part of each step, as `run --cluster`."""
+    from graphxform import metagraph
+    from graphxform.cluster import Cluster
+    from graphxform.runtime.task import TaskRunner
+    runner = TaskRunner(metagraph.load(opts["path"]), Cluster(opts["cluster"]), opts["job"],
+                        opts["task"], timeout_s=opts["task_timeout"],
+                        threads=(opts["inter_op"], opts["intra_op"]))
+    runner.prepare()
+    x, y = _data(opts["model"], opts["batch"])
+    feed = {"x:0": x, "y:0": y}
+    first = runner.step(feed)[0]
+    rates = _time_windows(lambda: runner.step(feed), opts["warmup"], opts["steps"],
+                          opts["repeats"])
+    last = runner.step(feed)[0]
+    runner.finish()
+    return {"rates": rates, "loss_first": first, "loss_last": last,
+            "devices_used": opts["replicas_per_worker"] * len(opts["cluster"]["worker"])}
+
+
+def run_ps_server(opts: dict) -> None:
+    """A ps task's server, until the parent kills this process."""
+    from graphxform.cluster import Cluster
+    from graphxform.runtime import servers
+    servers.start_server(Cluster(opts["cluster"]), "ps", opts["task"],
+                         threads=(opts["inter_op"], opts["intra_op"]))
+    print(RESULT_TAG + json.dumps({"serving": True}), flush=True)
+    time.sleep(opts["task_timeout"] * 10)
+
+
+def run_mwms(opts: dict) -> dict:
+    """The tf_keras model under MultiWorkerMirroredStrategy, this process being one worker."""
+    os.environ["TF_CONFIG"] = json.dumps({"cluster": opts["cluster"], "task": {
+        "type": "worker", "index": opts["task"]}})
+    import tensorflow as tf
+    tf.config.threading.set_inter_op_parallelism_threads(opts["inter_op"])
+    tf.config.threading.set_intra_op_parallelism_threads(opts["intra_op"])
+    import tf_keras
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    batch = opts["batch"]
+    x, y = _data(opts["model"], batch)
+    with strategy.scope():
+        model = tf_keras.Sequential(_keras_layers(tf_keras, opts))
+        optimizer = tf_keras.optimizers.SGD(opts["lr"])
+    options = tf.data.Options()  # every worker reads the same fixed global batch, as ours do
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+    dataset = tf.data.Dataset.from_tensors((x, y)).repeat().unbatch().batch(
+        batch, drop_remainder=True).with_options(options)
+    iterator = iter(strategy.experimental_distribute_dataset(dataset))
+
+    def step_fn(xb, yb):
+        with tf.GradientTape() as tape:
+            logits = model(xb, training=True)
+            per_example = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=yb, logits=logits)
+            loss = tf.nn.compute_average_loss(per_example, global_batch_size=batch)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    @tf.function
+    def train_step(it):
+        xb, yb = next(it)
+        per_replica = strategy.run(step_fn, args=(xb, yb))
+        return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
+
+    state = {}
+
+    def step():
+        state["loss"] = train_step(iterator)
+
+    first = float(train_step(iterator))
+    rates = _time_windows(step, opts["warmup"], opts["steps"], opts["repeats"],
+                          sync=lambda: state["loss"].numpy())
+    return {"rates": rates, "loss_first": first, "loss_last": float(state["loss"]),
+            "devices_used": strategy.num_replicas_in_sync}
+
+
 def worker(kind: str, opts: dict) -> None:
+    if kind == "ps_server":
+        run_ps_server(opts)
+        return
     if kind == "build":
         build_graph(opts["path"], opts)
         result = {"path": opts["path"]}
@@ -267,9 +365,16 @@ def worker(kind: str, opts: dict) -> None:
         result = run_session(opts["path"], opts)
     elif kind == "mirrored":
         result = run_mirrored(opts)
+    elif kind == "cluster_task":
+        result = run_cluster_task(opts)
+    elif kind == "mwms":
+        result = run_mwms(opts)
     else:
         raise ValueError(kind)
     print(RESULT_TAG + json.dumps(result), flush=True)
+    if kind in ("cluster_task", "mwms"):  # a gRPC server's teardown takes seconds; skip it
+        sys.stdout.flush()
+        os._exit(0)
 
 
 # ------------------------------------------------------------------ parent side
@@ -282,6 +387,93 @@ def spawn(kind: str, opts: dict, timeout: float) -> dict:
             return json.loads(line[len(RESULT_TAG):])
     tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
     raise RuntimeError(f"{kind} worker failed (exit {proc.returncode}):\n{tail}")
+
+
+# ------------------------------------------------------------------ --cluster, parent side
+CLUSTER_CONTENDERS = ("allreduce", "allreduce_hierarchical", "ps", "mwms")
+
+
+def spawn_cluster(kind: str, opts: dict, jobs: dict, timeout: float) -> dict:
+    """One process per task of ``jobs`` ({"ps": 1, "worker": 2}) on free 127.0.0.1 ports; the
+    chief's (worker 0's) result. Every process is killed, with its group, at the end."""
+    import signal
+    from graphxform.runtime import servers
+    spec = servers.local_cluster(jobs).as_dict()
+    procs = {}
+    try:
+        for job, count in sorted(jobs.items()):  # ps first
+            for task in range(count):
+                task_kind = "ps_server" if job == "ps" else kind
+                cmd = [sys.executable, os.path.abspath(__file__), "--_worker", task_kind,
+                       json.dumps(dict(opts, cluster=spec, job=job, task=task))]
+                procs[(job, task)] = subprocess.Popen(
+                    cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                    start_new_session=True)
+        out, _ = procs[("worker", 0)].communicate(timeout=timeout)
+        for key, proc in procs.items():
+            if key[0] == "worker":
+                proc.wait(timeout=60)
+    finally:
+        for proc in procs.values():
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            proc.wait()
+    for line in reversed(out.splitlines()):
+        if line.startswith(RESULT_TAG):
+            return json.loads(line[len(RESULT_TAG):])
+    tail = "\n".join(out.strip().splitlines()[-15:])
+    raise RuntimeError(f"{kind} chief failed:\n{tail}")
+
+
+def cluster_main(args, opts: dict, original: str) -> dict:
+    """Build the cluster graphs from ``original``, run every contender, print the figures."""
+    from graphxform import metagraph, strategies
+    from graphxform.cluster import Cluster
+    from graphxform.passes.worker_steps import replica_devices
+    workers = Cluster({"worker": ["127.0.0.1:1", "127.0.0.1:2"]})
+    with_ps = Cluster({"ps": ["127.0.0.1:3"], "worker": ["127.0.0.1:1", "127.0.0.1:2"]})
+    stem = original[: -len(".meta")]
+    paths = {}
+    for kind, cluster, options in (
+            ("allreduce", workers, {}), ("allreduce_hierarchical", workers,
+                                         {"hierarchical": True}), ("ps", with_ps, {})):
+        ir = metagraph.load(original)
+        strategy = "ps" if kind == "ps" else "allreduce"
+        devices = (replica_devices(cluster, 2) if strategy == "allreduce"
+                   else cluster.worker_devices(2))
+        strategies.transform(ir, strategy, devices=devices, cluster=cluster, **options)
+        paths[kind] = f"{stem}.{kind}-2x2.meta"
+        metagraph.save(ir, paths[kind])
+    only = [k.strip() for k in (args.only or ",".join(CLUSTER_CONTENDERS)).split(",")
+            if k.strip()]
+    print("cluster: 2 worker processes x 2 replicas on 127.0.0.1 (ps: and 1 ps task; mwms: "
+          "1 replica per worker on CPUs); steps/s of the chief")
+    results = {}
+    for kind in only:
+        jobs = {"ps": 1, "worker": 2} if kind == "ps" else {"worker": 2}
+        task_opts = dict(opts, path=paths.get(kind), replicas_per_worker=2, task_timeout=120.0)
+        try:
+            res = spawn_cluster("mwms" if kind == "mwms" else "cluster_task", task_opts, jobs,
+                                args.timeout)
+        except Exception as e:  # noqa: BLE001 - reported; the tool always exits 0
+            print(f"{kind}: FAILED: {e}")
+            continue
+        res["best"] = max(res["rates"])
+        res["median"] = statistics.median(res["rates"])
+        results[kind] = res
+        print(f"{kind:22s} {res['best']:8.2f} steps/s best ({res['median']:.2f} median; windows "
+              f"{', '.join(f'{r:.2f}' for r in res['rates'])})  {res['devices_used']} replicas  "
+              f"loss {res['loss_first']:.3f} -> {res['loss_last']:.3f}")
+    print()
+    ratios = {}
+    for ours in ("allreduce", "allreduce_hierarchical"):
+        for other in ("ps", "mwms"):
+            if ours in results and other in results:
+                ratios[f"{ours}/{other}"] = results[ours]["best"] / results[other]["best"]
+                print(f"{ours} / {other} = {ratios[f'{ours}/{other}']:.2f}x")
+    return {"results": results, "ratios": ratios}
 
 
 def main(argv=None) -> int:
@@ -311,6 +503,10 @@ def main(argv=None) -> int:
                         "replicated:SPEC (e.g. replicated:pscpu, replicated:xring) or "
                         "independent (the no-exchange ceiling)")
     parser.add_argument("--timeout", type=float, default=600, help="seconds per subprocess")
+    parser.add_argument("--cluster", action="store_true",
+                        help="2 worker processes x 2 replicas on 127.0.0.1: allreduce (flat, "
+                        "hierarchical) against ps against MultiWorkerMirroredStrategy "
+                        "(--only picks from allreduce,allreduce_hierarchical,ps,mwms)"),
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args(argv)
 
@@ -338,6 +534,13 @@ def main(argv=None) -> int:
     try:
         spawn("build", dict(opts, path=original), args.timeout)
         sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        if args.cluster:
+            figures = cluster_main(args, opts, original)
+            print(f"total benchmark time {time.perf_counter() - start:.0f} s")
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump({"options": opts, **figures}, f, indent=1)
+            return 0
         from graphxform import metagraph, strategies
         t0 = time.perf_counter()
         ir = metagraph.load(original)

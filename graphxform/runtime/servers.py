@@ -109,12 +109,15 @@ def unreachable_tasks(cluster: Cluster, tasks=None) -> list[tuple[str, int]]:
 
 
 # ---------------------------------------------------------------- TF configuration
-def server_config(cpus: int = 1, collective_leader: str | None = None):
-    """ConfigProto for a task's server: the local CPU devices its replicas are placed on, and
-    the collective group leader when the graph's step runs collectives across tasks (the
-    server's collective executor resolves groups and step ids through it)."""
+def server_config(cpus: int = 1, collective_leader: str | None = None, threads=(0, 0)):
+    """ConfigProto for a task's server: the local CPU devices its replicas are placed on, the
+    collective group leader when the graph's step runs collectives across tasks (the server's
+    collective executor resolves groups and step ids through it), and its (inter-op,
+    intra-op) thread pools (0: TF's choice), which run every op placed on the task."""
     import tensorflow as tf
-    config = tf.compat.v1.ConfigProto(device_count={"CPU": max(1, cpus)})
+    config = tf.compat.v1.ConfigProto(device_count={"CPU": max(1, cpus)},
+                                      inter_op_parallelism_threads=threads[0],
+                                      intra_op_parallelism_threads=threads[1])
     if collective_leader:
         config.experimental.collective_group_leader = collective_leader
     return config
@@ -158,7 +161,7 @@ def fail_fast() -> None:
 
 
 def start_server(cluster: Cluster, job: str, task: int, cpus: int = 1,
-                 collective_leader: str | None = None):
+                 collective_leader: str | None = None, threads=(0, 0)):
     """Start this task's tf.distribute.Server (it listens on 0.0.0.0:PORT)."""
     import tensorflow as tf
     fail_fast()
@@ -166,7 +169,8 @@ def start_server(cluster: Cluster, job: str, task: int, cpus: int = 1,
     try:
         return tf.distribute.Server(tf.train.ClusterSpec(cluster.as_dict()), job_name=job,
                                     task_index=task, protocol="grpc",
-                                    config=server_config(cpus, collective_leader), start=True)
+                                    config=server_config(cpus, collective_leader, threads),
+                                    start=True)
     except (tf.errors.OpError, ValueError, RuntimeError) as e:
         text = (getattr(e, "message", None) or str(e)).strip().splitlines()
         raise GraphxformError(f"cannot start the server of {describe(cluster, job, task)}: "

@@ -61,11 +61,12 @@ class TaskRunner:
     server is started here. ``timeout_s`` bounds every blocking op and every wait: TF's own
     timeouts (operation_timeout_in_ms, each run's timeout, collectives' timeout_seconds, set to
     ``timeout_s`` here), and with ``on_stuck`` a watchdog that calls ``on_stuck(line)`` (which
-    ends the process) when a call is still blocked ``faults.GRACE_S`` later."""
+    ends the process) when a call is still blocked ``faults.GRACE_S`` later. ``threads``:
+    the (inter-op, intra-op) pools of the server started here."""
 
     def __init__(self, ir: GraphIR, cluster: Cluster, job: str, task: int,
                  timeout_s: float = servers.DEFAULT_TIMEOUT_S, target: str | None = None,
-                 fetches=(), on_stuck=None):
+                 fetches=(), on_stuck=None, threads=(0, 0)):
         import tensorflow as tf
         tf1 = tf.compat.v1
         self.tf, self.tf1 = tf, tf1
@@ -88,7 +89,7 @@ class TaskRunner:
         if target is None:
             self.server = servers.start_server(cluster, job, self.task,
                                                cpus_needed(ir, job, self.task),
-                                               self.plan.collective_leader)
+                                               self.plan.collective_leader, threads)
             target = servers.grpc_target(cluster.require(job, self.task))
         self.target = target
         meta = metagraph.to_metagraph(ir)
