@@ -130,27 +130,19 @@ class NodeEncoder:
         the others (``replica.touched``) one by one. See ``nodes`` for ``left_out``."""
         node_table, names, copies = self.ir.g._node, replica.names, replica.copies
         gone = (left_out or {}).keys()
-        alone = self._copy
-        if gone:
-            if not (gone.isdisjoint(replica.outside) and gone.isdisjoint(names)):
-                kept = itertools.compress(range(len(names)),
-                                          map(operator.not_, map(gone.__contains__, names)))
-                for k in kept:
-                    name, copy = names[k], copies[k]
-                    if copy is not None and node_table.get(name) is copy:
-                        out.append(node_field(self._swapped(name, copy, left_out)))
-                return
-            pred = self.ir.g._pred
-
-            def alone(name, copy):  # a changed copy may read a node left out
-                if gone.isdisjoint(pred[name]):
-                    return self._copy(name, copy)
-                return self._swapped(name, copy, left_out)
+        if gone and not (gone.isdisjoint(replica.outside) and gone.isdisjoint(names)):
+            kept = itertools.compress(range(len(names)),
+                                      map(operator.not_, map(gone.__contains__, names)))
+            for k in kept:
+                name, copy = names[k], copies[k]
+                if copy is not None and node_table.get(name) is copy:
+                    out.append(node_field(self._swapped(name, copy, left_out)))
+            return
         block = self._block(replica)
         if block is None:
             for name, copy in zip(names, copies):
                 if copy is not None and node_table.get(name) is copy:
-                    out.append(node_field(alone(name, copy)))
+                    out.append(node_field(self._alone(name, copy, left_out)))
             return
         segments, starts, device_stand_in, index = block
         filled = replica.prefix.encode().join(segments)
@@ -161,10 +153,16 @@ class NodeEncoder:
             if starts[k] > starts[start]:
                 out.append(view[starts[start]:starts[k]])
             if copies[k] is not None and node_table.get(names[k]) is copies[k]:
-                out.append(node_field(alone(names[k], copies[k])))
+                out.append(node_field(self._alone(names[k], copies[k], left_out)))
             start = k + 1
         if starts[-1] > starts[start]:
             out.append(view[starts[start]:])
+
+    def _alone(self, name, copy, left_out: dict | None) -> bytes:
+        """A changed copy's NodeDef bytes, written on its own (reading no node left out)."""
+        if left_out and not left_out.keys().isdisjoint(self.ir.g._pred[name]):
+            return self._swapped(name, copy, left_out)
+        return self._copy(name, copy)
 
     def _block(self, replica) -> tuple | None:
         """Every copy of ``replica`` as made, in order, as one bytes object with stand-ins of

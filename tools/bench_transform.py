@@ -1,26 +1,35 @@
-"""Benchmark `apply --strategy allreduce` on large graphs against two baselines, in one run.
+"""Benchmark `graphxform apply` as users type it, against the protobuf floor, in one run.
 
-For each graph (ResNet-50 and a 24-layer transformer encoder, both from tools/models.py) and the
-same replica count, every method starts from the .meta file on disk (page-cached; reading it is
-part of the timed region for all three) and ends with the serialized output bytes:
+For each graph (ResNet-50 and a 24-layer transformer encoder, both from tools/models.py) at
+``--replicas`` (8), every round runs each of these once, in turn:
 
-- graphxform: ``metagraph.load`` -> ``strategies.transform(verify=False)`` ->
-  ``metagraph.to_bytes(ir)`` (the bytes ``save`` writes); also timed with ``verify=True``.
-- floor: the protobuf floor. Parse the bytes into a MetaGraphDef, copy every NodeDef once per
-  replica into a new graph (``replica_i/`` prefix on name and inputs, the replica's device), copy
-  the rest of the MetaGraphDef once, serialize. Nothing a real transform could skip.
-- import_graph_def: parse, then ``tf.compat.v1.import_graph_def(graph_def, name="replica_i")``
-  once per replica into one tf.Graph under ``tf.device``, then
-  ``graph.as_graph_def().SerializeToString()``.
+- cli: ``graphxform apply --strategy allreduce --replicas 8 MODEL -o OUT`` in a subprocess,
+  exactly as typed, default checks on (the structural check after every pass and the proof that
+  TensorFlow accepts the output); wall time.
+- startup: ``python -c "import tensorflow"`` in a subprocess, the bare start-up the cli pays
+  before any work; the headline is cli less startup.
+- floor: the protobuf floor, in this process. Parse the bytes into a MetaGraphDef, copy every
+  NodeDef once per replica into a new graph (``replica_i/`` prefix on name and inputs, the
+  replica's device), copy the rest of the MetaGraphDef once, serialize.
+- import_graph_def: parse, ``tf.compat.v1.import_graph_def(graph_def, name="replica_i")`` once
+  per replica into one tf.Graph under ``tf.device``, ``graph.as_graph_def()``, serialize.
+- pipeline: what the cli does, in this process, phase by phase (the breakdown): ``metagraph.load``,
+  ``strategies.transform(verify=True)`` (passes and the structural check after each),
+  ``verify.check_imports`` (TensorFlow accepts the output), ``metagraph.to_bytes``.
 
-Each figure is the best of ``--repeats`` runs after one warm-up run (garbage from the previous run
-is collected outside the timed region); the methods take turns, one run each per round, so a
-slow stretch of a shared machine hits all of them. Budgets: graphxform <= 2.0x the floor, and
->= 5x faster than import_graph_def. Then graphxform alone on ResNet-50 at 1, 2, 4, 8, 16, 32
-replicas with a least-squares line through time vs replicas. ``--profile`` adds a cProfile of one graphxform run
-per graph with the hot spots in graphxform/ and passes/.
+Every method starts from the .meta file on disk (page-cached) and ends with the output bytes
+(the cli writes them to a file). Each figure is the best of ``--repeats`` rounds after one
+warm-up round; interleaved, a slow stretch of a shared machine hits every method alike.
+Budgets: cli less startup <= 3.0x the floor; the pipeline with verification on (load, transform
+with verify=True, emit) <= 2.0x the floor, also shown with the TensorFlow check.
+Then the cli alone at 1, 2, 4, 8, 16, 32 replicas of ResNet-50 (less startup) with a
+least-squares line, to show growth stays linear.
 
-Usage: python tools/bench_transform.py [--repeats 3] [--quick] [--profile] [--cache-dir DIR]
+``--memory``: peak RSS of the cli on DenseNet-121 x 32 replicas (tools/models.py builds it; about
+1 GB of output) less that of a bare ``import tensorflow``, against the output's size; budget 4x.
+``--profile`` adds a cProfile of one in-process pipeline run per graph.
+
+Usage: python tools/bench_transform.py [--repeats 3] [--quick] [--profile] [--memory]
 Always exits 0 (a budget miss or a failing method is reported, not raised).
 """
 
@@ -32,7 +41,11 @@ import gc
 import json
 import os
 import platform
+import shutil
+import subprocess
 import sys
+import tempfile
+import threading
 import time
 import traceback
 
@@ -42,21 +55,22 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)  # tools/models.py
 
-FLOOR_BUDGET = 2.0      # graphxform time / floor time, at most
-IMPORT_BUDGET = 5.0     # import_graph_def time / graphxform time, at least
+CLI_BUDGET = 3.0       # (cli - startup) / floor, at most
+PIPELINE_BUDGET = 2.0  # in-process pipeline with verification on / floor, at most
+MEMORY_BUDGET = 4.0    # (peak RSS of the cli - that of a bare TF import) / output bytes, at most
 SCALING_REPLICAS = (1, 2, 4, 8, 16, 32)
 QUICK_REPLICAS = (1, 2, 4, 8)
 
 
-# ------------------------------------------------------------------ the three methods
+# ------------------------------------------------------------------ the methods
 
 @dataclasses.dataclass
 class Sample:
     seconds: float
     nodes: int = 0
     out_bytes: int = 0
-    phases: dict = dataclasses.field(default_factory=dict)   # load/transform/emit/serialize
-    passes: list = dataclasses.field(default_factory=list)   # [(pass name, seconds)]
+    phases: dict = dataclasses.field(default_factory=dict)  # seconds per phase; peak_rss
+    passes: list = dataclasses.field(default_factory=list)  # [(pass, seconds, verify seconds)]
 
 
 def _read(path: str) -> bytes:
@@ -64,18 +78,76 @@ def _read(path: str) -> bytes:
         return f.read()
 
 
-def run_graphxform(path: str, devices: list[str], strategy: str, verify: bool) -> Sample:
-    from graphxform import metagraph, strategies
+def run_pipeline(path: str, devices: list[str], strategy: str, check: bool = True) -> Sample:
+    """What ``apply`` does, in this process: load, transform (verify=True), check_imports,
+    emit; each phase and each pass timed."""
+    from graphxform import metagraph, strategies, verify
     t0 = time.perf_counter()
     ir = metagraph.load(path)
     t1 = time.perf_counter()
-    pipeline = strategies.transform(ir, strategy, devices=devices, verify=verify)
+    pipeline = strategies.transform(ir, strategy, devices=devices, verify=True)
     t2 = time.perf_counter()
-    data = metagraph.to_bytes(ir)
+    if check:
+        verify.check_imports(ir)
     t3 = time.perf_counter()
-    return Sample(t3 - t0, len(ir), len(data),
-                  {"load": t1 - t0, "transform": t2 - t1, "emit": t3 - t2},
-                  [(t.name, t.seconds) for t in pipeline.timings])
+    data = metagraph.to_bytes(ir)
+    t4 = time.perf_counter()
+    return Sample(t4 - t0, len(ir), len(data),
+                  {"load": t1 - t0, "transform": t2 - t1, "check_imports": t3 - t2,
+                   "emit": t4 - t3},
+                  [(t.name, t.seconds, t.verify_seconds) for t in pipeline.timings])
+
+
+def cli_command(path: str, replicas: int, strategy: str, out: str) -> list[str]:
+    """``graphxform apply`` exactly as a user types it (the installed console script)."""
+    exe = shutil.which("graphxform") or os.path.join(os.path.dirname(sys.executable), "graphxform")
+    return [exe, "apply", "--strategy", strategy, "--replicas", str(replicas), path, "-o", out]
+
+
+def run_cli(path: str, replicas: int, strategy: str, out_dir: str) -> Sample:
+    out = os.path.join(out_dir, f"out-{replicas}.meta")
+    try:
+        sample = measure_child(cli_command(path, replicas, strategy, out))
+        sample.out_bytes = os.path.getsize(out)
+        return sample
+    finally:
+        if os.path.exists(out):
+            os.unlink(out)
+
+
+def run_startup() -> Sample:
+    return measure_child([sys.executable, "-c", "import tensorflow"])
+
+
+def measure_child(args: list[str]) -> Sample:
+    """Run ``args``; its wall time, and its peak RSS in bytes (``phases["peak_rss"]``) read
+    from the child's own rusage (os.wait4), so other children do not count. Raise on failure."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    with proc.stdout, proc.stderr:
+        out_reader = _Drain(proc.stdout)
+        err_reader = _Drain(proc.stderr)
+        _, status, usage = os.wait4(proc.pid, 0)
+        seconds = time.perf_counter() - t0
+        out_reader.join()
+        err_reader.join()
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        text = (err_reader.data or out_reader.data).decode(errors="replace").strip()
+        raise RuntimeError(f"exit {proc.returncode}: {(text.splitlines() or [''])[-1][:300]}")
+    return Sample(seconds, phases={"peak_rss": usage.ru_maxrss * 1024})
+
+
+class _Drain(threading.Thread):
+    """Read a child's pipe to its end in the background (so the child never blocks on it)."""
+
+    def __init__(self, stream):
+        super().__init__(daemon=True)
+        self.stream, self.data = stream, b""
+        self.start()
+
+    def run(self):
+        self.data = self.stream.read()
 
 
 def run_floor(path: str, devices: list[str]) -> Sample:
@@ -124,22 +196,6 @@ def run_import_graph_def(path: str, devices: list[str]) -> Sample:
     graph_def = graph.as_graph_def()
     data = graph_def.SerializeToString()
     return Sample(time.perf_counter() - t0, len(graph_def.node), len(data))
-
-
-def best_of(fn, repeats: int, warmup: bool = True) -> Sample:
-    """Best (least total time) of ``repeats`` runs after an untimed warm-up run."""
-    runs = ([None] if warmup else []) + [None] * repeats
-    best = None
-    for k, _ in enumerate(runs):
-        gc.collect()
-        sample = fn()
-        if warmup and k == 0:
-            continue
-        if best is None or sample.seconds < best.seconds:
-            best = sample
-        del sample
-    gc.collect()
-    return best
 
 
 def interleaved(methods: dict, repeats: int) -> dict:
@@ -196,16 +252,16 @@ def _fmt(x, spec=".3f", missing="-"):
 
 
 def print_table(rows) -> None:
-    head = ("graph", "nodes", "floor s", "graphxform s", "x floor", "floor budget",
-            "import_graph_def s", "speedup", "import budget", "verify=True s")
+    head = ("graph", "nodes out", "floor s", "startup s", "cli s", "cli-startup x floor",
+            "pipeline s", "x floor", "+check s", "x floor", "import_graph_def s", "x floor")
     table = [head]
     for r in rows:
         table.append((
-            r["graph"], str(r["nodes"]), _fmt(r["floor_s"]), _fmt(r["graphxform_s"]),
-            _fmt(r["ratio_to_floor"], ".2f") + ("x" if r["ratio_to_floor"] is not None else ""),
-            _verdict(r["within_floor_budget"]), _fmt(r["import_graph_def_s"]),
-            _fmt(r["speedup_over_import"], ".2f") + ("x" if r["speedup_over_import"] is not None else ""),
-            _verdict(r["within_import_budget"]), _fmt(r["graphxform_verify_s"])))
+            r["graph"], str(r["nodes_out"] or "-"), _fmt(r["floor_s"]), _fmt(r["startup_s"]),
+            _fmt(r["cli_s"]), _ratio(r["cli_ratio"], CLI_BUDGET), _fmt(r["pipeline_s"]),
+            _ratio(r["pipeline_ratio"], PIPELINE_BUDGET), _fmt(r["pipeline_checked_s"]),
+            _ratio(r["pipeline_checked_ratio"]), _fmt(r["import_graph_def_s"]),
+            _ratio(r["import_ratio"])))
     widths = [max(len(row[c]) for row in table) for c in range(len(head))]
     for k, row in enumerate(table):
         print("  ".join(cell.ljust(w) if c == 0 else cell.rjust(w)
@@ -214,16 +270,19 @@ def print_table(rows) -> None:
             print("  ".join("-" * w for w in widths))
 
 
-def _verdict(ok):
-    return "-" if ok is None else ("within budget" if ok else "OVER budget")
+def _ratio(x, budget=None) -> str:
+    if x is None:
+        return "-"
+    verdict = "" if budget is None else (" (within)" if x <= budget else " (OVER)")
+    return f"{x:.2f}x{verdict}"
 
 
 def print_breakdown(name: str, sample: Sample) -> None:
     phases = "  ".join(f"{k} {v:.3f}" for k, v in sample.phases.items())
     print(f"  {name}: total {sample.seconds:.3f} s = {phases}")
-    for pass_name, seconds in sample.passes:
-        share = 100.0 * seconds / sample.seconds if sample.seconds else 0.0
-        print(f"      {pass_name:18s} {seconds:8.3f} s  {share:5.1f}%")
+    print(f"      {'pass':18s} {'seconds':>8s} {'of which verify':>16s}")
+    for pass_name, seconds, verify_seconds in sample.passes:
+        print(f"      {pass_name:18s} {seconds:8.3f} {verify_seconds:16.3f}")
 
 
 def profile_hot_spots(path: str, devices: list[str], strategy: str, top: int) -> None:
@@ -234,7 +293,7 @@ def profile_hot_spots(path: str, devices: list[str], strategy: str, top: int) ->
     prof = cProfile.Profile()
     gc.collect()
     prof.enable()
-    run_graphxform(path, devices, strategy, verify=False)
+    run_pipeline(path, devices, strategy)
     prof.disable()
     stats = pstats.Stats(prof).stats  # {(file, line, func): (cc, nc, tt, ct, callers)}
     total = sum(tt for (_, _, tt, _, _) in stats.values())
@@ -286,16 +345,21 @@ def main(argv=None) -> int:
     parser.add_argument("--replicas", type=int, default=8, help="replicas for the comparison")
     parser.add_argument("--cache-dir", default=os.path.expanduser("~/.cache/graphxform-bench"),
                         help="where tools/models.py builds (or finds) the .meta files")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per figure (best)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed rounds per figure (best)")
     parser.add_argument("--models", default="resnet50,transformer",
-                        help="comma-separated: resnet50, transformer")
+                        help="comma-separated: resnet50, transformer, densenet121")
     parser.add_argument("--scaling-repeats", type=int, default=1,
-                        help="timed runs per replica count in the scaling sweep (best)")
+                        help="timed rounds per replica count in the scaling sweep (best)")
     parser.add_argument("--quick", action="store_true",
                         help="scaling sweep at replicas 1,2,4,8 only")
     parser.add_argument("--no-scaling", action="store_true", help="skip the scaling sweep")
+    parser.add_argument("--no-import-graph-def", action="store_true",
+                        help="leave out the import_graph_def baseline (the slowest method)")
+    parser.add_argument("--memory", action="store_true",
+                        help="only the peak-memory figure: the cli on DenseNet-121 x 32")
+    parser.add_argument("--memory-replicas", type=int, default=32)
     parser.add_argument("--profile", action="store_true",
-                        help="cProfile one graphxform run per graph and print the hot spots")
+                        help="cProfile one in-process pipeline run per graph")
     parser.add_argument("--top", type=int, default=15, help="rows per profile listing")
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args(argv)
@@ -311,16 +375,37 @@ def main(argv=None) -> int:
     except Exception:  # noqa: BLE001
         pb_impl = "?"
     start = time.perf_counter()
-    print(f"bench_transform: strategy {args.strategy}, {args.replicas} replicas, best of "
-          f"{args.repeats} interleaved rounds after 1 warm-up; python {platform.python_version()}, tensorflow "
+    print(f"bench_transform: strategy {args.strategy}, best of {args.repeats} interleaved "
+          f"rounds after 1 warm-up; python {platform.python_version()}, tensorflow "
           f"{tf.__version__}, protobuf {google.protobuf.__version__} ({pb_impl}), numpy "
-          f"{numpy.__version__}, {os.cpu_count()} CPUs")
-    devices = [f"/device:CPU:{i}" for i in range(args.replicas)]
+          f"{numpy.__version__}, {os.cpu_count()} CPUs, load average "
+          f"{', '.join(f'{x:.1f}' for x in os.getloadavg())}")
     builders = {"resnet50": lambda: models.resnet50(args.cache_dir),
-                "transformer": lambda: models.transformer(args.cache_dir, layers=24)}
-    names = [m.strip() for m in args.models.split(",") if m.strip()]
+                "transformer": lambda: models.transformer(args.cache_dir, layers=24),
+                "densenet121": lambda: models.densenet121(args.cache_dir)}
+    out_dir = tempfile.mkdtemp(prefix="bench-transform-")
+    report = {}
+    try:
+        if args.memory:
+            report["memory"] = memory_figure(builders["densenet121"], args, out_dir)
+        else:
+            report.update(timing_figures(builders, args, out_dir))
+    finally:
+        shutil.rmtree(out_dir, ignore_errors=True)
+    elapsed = time.perf_counter() - start
+    print(f"\ntotal benchmark time {elapsed:.0f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({**report, "elapsed_s": elapsed}, f, indent=1, default=str)
+    return 0
+
+
+def timing_figures(builders: dict, args, out_dir: str) -> dict:
+    """The interleaved comparison per graph, then the scaling sweep."""
+    from tensorflow.core.protobuf import meta_graph_pb2
+    devices = [f"/device:CPU:{i}" for i in range(args.replicas)]
     rows, details, paths = [], {}, {}
-    for name in names:
+    for name in [m.strip() for m in args.models.split(",") if m.strip()]:
         if name not in builders:
             print(f"{name}: unknown model (known: {', '.join(builders)})")
             continue
@@ -329,82 +414,105 @@ def main(argv=None) -> int:
         if path is None:
             continue
         paths[name] = path
-        from tensorflow.core.protobuf import meta_graph_pb2
         nodes = len(meta_graph_pb2.MetaGraphDef.FromString(_read(path)).graph_def.node)
         print(f"\n{name}: {nodes} nodes, {os.path.getsize(path) / 2**20:.2f} MiB, {path} "
               f"(ready in {time.perf_counter() - t0:.1f} s)")
-        found = interleaved({
+        methods = {
+            "cli": lambda: run_cli(path, args.replicas, args.strategy, out_dir),
+            "startup": run_startup,
             "floor": lambda: run_floor(path, devices),
-            "graphxform": lambda: run_graphxform(path, devices, args.strategy, False),
-            "graphxform verify=True": lambda: run_graphxform(path, devices, args.strategy, True),
-            "import_graph_def": lambda: run_import_graph_def(path, devices)}, args.repeats)
-        floor, gx, gx_verify, imp = found.values()
-        for label, s in (("floor", floor), ("import_graph_def", imp)):
-            if s:
-                print(f"  {label}: {s.seconds:.3f} s, {s.nodes} nodes, {s.out_bytes / 2**20:.1f} MiB")
-        if gx:
-            print_breakdown("graphxform verify=False", gx)
-            print(f"      -> {gx.nodes} nodes, {gx.out_bytes / 2**20:.1f} MiB")
-        if gx_verify:
-            print_breakdown("graphxform verify=True", gx_verify)
-        ratio = gx.seconds / floor.seconds if gx and floor else None
-        speedup = imp.seconds / gx.seconds if gx and imp else None
+            "pipeline": lambda: run_pipeline(path, devices, args.strategy),
+            "import_graph_def": lambda: run_import_graph_def(path, devices)}
+        if args.no_import_graph_def:
+            del methods["import_graph_def"]
+        found = interleaved(methods, args.repeats)
+        cli, startup, floor, pipe = (found[k] for k in ("cli", "startup", "floor", "pipeline"))
+        imp = found.get("import_graph_def")
+        for label, sample in found.items():
+            if sample:
+                print(f"  {label}: {sample.seconds:.3f} s")
+        if pipe:
+            print_breakdown("pipeline (verify=True, check_imports)", pipe)
+            print(f"      -> {pipe.nodes} nodes, {pipe.out_bytes / 2**20:.1f} MiB")
+        checked = pipe and pipe.seconds
+        unchecked = pipe and pipe.seconds - pipe.phases["check_imports"]
         rows.append({
-            "graph": name, "nodes": nodes, "replicas": args.replicas,
-            "floor_s": floor and floor.seconds, "graphxform_s": gx and gx.seconds,
-            "graphxform_verify_s": gx_verify and gx_verify.seconds,
+            "graph": name, "nodes_in": nodes, "nodes_out": pipe and pipe.nodes,
+            "replicas": args.replicas, "floor_s": floor and floor.seconds,
+            "startup_s": startup and startup.seconds, "cli_s": cli and cli.seconds,
+            "cli_ratio": (cli.seconds - startup.seconds) / floor.seconds
+            if cli and startup and floor else None,
+            "pipeline_s": unchecked, "pipeline_checked_s": checked,
+            "pipeline_ratio": unchecked / floor.seconds if pipe and floor else None,
+            "pipeline_checked_ratio": checked / floor.seconds if pipe and floor else None,
             "import_graph_def_s": imp and imp.seconds,
-            "ratio_to_floor": ratio, "speedup_over_import": speedup,
-            "within_floor_budget": None if ratio is None else ratio <= FLOOR_BUDGET,
-            "within_import_budget": None if speedup is None else speedup >= IMPORT_BUDGET})
-        details[name] = {"graphxform": dataclasses.asdict(gx) if gx else None,
-                         "graphxform_verify": dataclasses.asdict(gx_verify) if gx_verify else None}
+            "import_ratio": imp.seconds / floor.seconds if imp and floor else None})
+        details[name] = {k: dataclasses.asdict(v) for k, v in found.items() if v}
 
-    print(f"\n{args.strategy}, {args.replicas} replicas (budgets: graphxform <= {FLOOR_BUDGET}x "
-          f"floor, >= {IMPORT_BUDGET}x faster than import_graph_def):")
+    print(f"\n{args.strategy}, {args.replicas} replicas (budgets: cli - startup <= {CLI_BUDGET}x "
+          f"floor, pipeline with verification on <= {PIPELINE_BUDGET}x floor; '+check' adds "
+          "the TensorFlow check to the pipeline):")
     print_table(rows)
-
-    scaling = []
+    scaling, fit = [], None
     if not args.no_scaling and "resnet50" in paths:
-        counts = QUICK_REPLICAS if args.quick else SCALING_REPLICAS
-        print(f"\ngraphxform (verify=False) on resnet50 by replica count, best of "
-              f"{args.scaling_repeats} after 1 warm-up:")
-        print(f"  {'replicas':>8}  {'nodes':>7}  {'seconds':>8}  {'s/replica':>9}  "
-              f"{'replicate s':>11}")
-        for n in counts:
-            devs = [f"/device:CPU:{i}" for i in range(n)]
-            s = attempt(f"replicas {n}", lambda: best_of(
-                lambda: run_graphxform(paths["resnet50"], devs, args.strategy, False),
-                args.scaling_repeats, warmup=(n == counts[0])))
-            if s is None:
-                continue
-            rep = sum(sec for p, sec in s.passes if p == "replicate")
-            scaling.append({"replicas": n, "seconds": s.seconds, "nodes": s.nodes,
-                            "replicate_s": rep})
-            print(f"  {n:8d}  {s.nodes:7d}  {s.seconds:8.3f}  {s.seconds / n:9.3f}  {rep:11.3f}")
-        if len(scaling) >= 2:
-            slope, intercept, r2 = linear_fit([p["replicas"] for p in scaling],
-                                              [p["seconds"] for p in scaling])
-            print(f"  linear fit: seconds = {slope:.4f} * replicas + {intercept:.4f}, "
-                  f"R^2 = {r2:.4f}")
-            scaling_fit = {"slope": slope, "intercept": intercept, "r2": r2}
-        else:
-            scaling_fit = None
-    else:
-        scaling_fit = None
-
+        scaling, fit = scaling_sweep(paths["resnet50"], args, out_dir)
     if args.profile:
         for name, path in paths.items():
-            print(f"\nprofile: graphxform on {name}, {args.replicas} replicas, verify=False")
+            print(f"\nprofile: pipeline on {name}, {args.replicas} replicas")
             attempt("profile", lambda: profile_hot_spots(path, devices, args.strategy, args.top))
+    return {"rows": rows, "details": details, "scaling": scaling, "scaling_fit": fit}
 
-    elapsed = time.perf_counter() - start
-    print(f"\ntotal benchmark time {elapsed:.0f} s")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"rows": rows, "details": details, "scaling": scaling,
-                       "scaling_fit": scaling_fit, "elapsed_s": elapsed}, f, indent=1)
-    return 0
+
+def scaling_sweep(path: str, args, out_dir: str) -> tuple[list, dict | None]:
+    """The cli (less startup) on ResNet-50 by replica count, interleaved with startup."""
+    counts = QUICK_REPLICAS if args.quick else SCALING_REPLICAS
+    methods = {"startup": run_startup}
+    for n in counts:
+        methods[n] = lambda n=n: run_cli(path, n, args.strategy, out_dir)
+    print(f"\ncli on resnet50 by replica count, less startup, best of {args.scaling_repeats} "
+          "interleaved rounds after 1 warm-up:")
+    found = interleaved(methods, args.scaling_repeats)
+    startup = found.pop("startup")
+    points = []
+    print(f"  {'replicas':>8}  {'cli s':>7}  {'less startup':>12}  {'MiB out':>8}")
+    for n, sample in found.items():
+        if sample is None or startup is None:
+            continue
+        work = sample.seconds - startup.seconds
+        points.append({"replicas": n, "cli_s": sample.seconds, "work_s": work,
+                       "out_bytes": sample.out_bytes})
+        print(f"  {n:8d}  {sample.seconds:7.3f}  {work:12.3f}  {sample.out_bytes / 2**20:8.1f}")
+    if len(points) < 2:
+        return points, None
+    slope, intercept, r2 = linear_fit([p["replicas"] for p in points],
+                                      [p["work_s"] for p in points])
+    print(f"  linear fit: seconds = {slope:.4f} * replicas + {intercept:.4f}, R^2 = {r2:.4f}")
+    return points, {"slope": slope, "intercept": intercept, "r2": r2}
+
+
+def memory_figure(build, args, out_dir: str) -> dict | None:
+    """Peak RSS of the cli on DenseNet-121 x ``--memory-replicas``, less a bare TF import's,
+    against the output's size."""
+    t0 = time.perf_counter()
+    path = attempt("densenet121 build", build)
+    if path is None:
+        return None
+    print(f"\ndensenet121: {os.path.getsize(path) / 2**20:.2f} MiB, {path} "
+          f"(ready in {time.perf_counter() - t0:.1f} s)")
+    startup = attempt("startup", run_startup)
+    cli = attempt("cli", lambda: run_cli(path, args.memory_replicas, args.strategy, out_dir))
+    if startup is None or cli is None:
+        return None
+    base, peak = startup.phases["peak_rss"], cli.phases["peak_rss"]
+    ratio = (peak - base) / cli.out_bytes
+    verdict = "within" if ratio <= MEMORY_BUDGET else "OVER"
+    print(f"  bare import tensorflow: peak RSS {base / 2**30:.2f} GiB, {startup.seconds:.1f} s")
+    print(f"  apply x{args.memory_replicas}: peak RSS {peak / 2**30:.2f} GiB, "
+          f"{cli.seconds:.1f} s, output {cli.out_bytes / 2**30:.2f} GiB")
+    print(f"  peak RSS less the bare import: {(peak - base) / 2**30:.2f} GiB = {ratio:.2f}x the "
+          f"output ({verdict} the {MEMORY_BUDGET}x budget)")
+    return {"replicas": args.memory_replicas, "startup_rss": base, "cli_rss": peak,
+            "out_bytes": cli.out_bytes, "cli_s": cli.seconds, "ratio": ratio}
 
 
 if __name__ == "__main__":

@@ -14,6 +14,8 @@ the optimizer's ``minimize`` op in the TRAIN_OP ("train_op") collection; devices
   dependencies of the train op, MomentumOptimizer(0.1, 0.9).
 - ``transformer(out_dir)``: a 24-layer post-LN transformer encoder from plain tf.compat.v1 ops on
   token ids ``ids`` int64 [None, seq], mean-pooled, dense to 2 classes, AdamOptimizer.
+- ``densenet121(out_dir)``: tf_keras DenseNet121 (weights=None), built like ``resnet50``: the
+  large graph of the memory benchmark (its 120 batch-norm updates wait on every gradient op).
 
 Usage: python tools/models.py OUT_DIR [--model resnet50|transformer|all] [--force]
 """
@@ -50,7 +52,12 @@ def transformer(out_dir: str | None = None, layers: int = 24, d_model: int = 256
     return _cached(out_dir, name, spec, force)
 
 
-MODELS = {"resnet50": resnet50, "transformer": transformer}
+def densenet121(out_dir: str | None = None, force: bool = False) -> str:
+    """Path of the DenseNet-121 training MetaGraph in ``out_dir`` (built on first use)."""
+    return _cached(out_dir, "densenet121", {"model": "densenet121"}, force)
+
+
+MODELS = {"resnet50": resnet50, "transformer": transformer, "densenet121": densenet121}
 
 
 def _cached(out_dir, name, spec, force) -> str:
@@ -97,6 +104,15 @@ def _xent_loss(logits, y):
 
 
 def _build_resnet50(batch=None):
+    return _build_keras_application("ResNet50", batch)
+
+
+def _build_densenet121():
+    return _build_keras_application("DenseNet121")
+
+
+def _build_keras_application(name: str, batch=None):
+    """A tf_keras.applications model (weights=None) trained with Momentum(0.1, 0.9)."""
     import warnings
 
     import tensorflow as tf
@@ -111,8 +127,8 @@ def _build_resnet50(batch=None):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             with tf_keras.backend.learning_phase_scope(1):
-                model = tf_keras.applications.ResNet50(weights=None, input_tensor=x,
-                                                       classifier_activation=None)
+                model = getattr(tf_keras.applications, name)(weights=None, input_tensor=x,
+                                                             classifier_activation=None)
         loss = _xent_loss(model.output, y)
         # The moving mean/variance updates: keras does not put them in UPDATE_OPS.
         _finish(g, loss, v1.train.MomentumOptimizer(0.1, 0.9), extra_updates=model.updates)
@@ -205,7 +221,8 @@ def _export(g, path: str) -> None:
 def _build_one(spec: dict, path: str) -> None:
     spec = dict(spec)
     model = spec.pop("model")
-    builder = {"resnet50": _build_resnet50, "transformer": _build_transformer}[model]
+    builder = {"resnet50": _build_resnet50, "transformer": _build_transformer,
+               "densenet121": _build_densenet121}[model]
     g = builder(**spec)
     _export(g, path)
 
