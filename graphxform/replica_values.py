@@ -171,8 +171,13 @@ class _Sweep:
         usual order costs one look at each input); losses go first, so that a gradient can
         take its loss's class."""
         losses = [node for node, _ in self.gradients.values()]
+        classes, pred = self.classes, self.pred
         for name in itertools.chain(losses, copies):
-            if name not in self.classes:
+            if name in classes:
+                continue
+            if pred[name].keys() <= classes.keys():  # the usual order: its inputs are done
+                self._visit(name)
+            else:
                 self._visit_after_inputs(name)
         return ReplicaValues(self.classes, self.effects)
 
