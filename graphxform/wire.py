@@ -274,11 +274,11 @@ class NodeEncoder:
         mark = self._mark(data["created_by"])
         if type(data) is BorrowedNode and data._proto is None:
             plan = data._plan
-            if data["op"] == plan[1].op:
+            if data["op"] == plan[1].op and plan[2] is not None:  # the snapshot has no inputs
                 replica = data._replica
                 return copy_bytes(plan, replica.prefix, dict.__getitem__(data, "device"),
                                   replica.mapping, swapped) + mark
-            proto = data.fill(type(plan[1])())  # its op changed: a NodeDef for the moment
+            proto = data.fill(type(plan[1])())  # a NodeDef for the moment
         else:
             proto = self._node_def(name, data)
         if proto.op != data["op"]:
