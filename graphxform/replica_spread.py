@@ -17,14 +17,16 @@ back edges are just edges; values only ever grow, so it ends):
   others' data.
 
 A write that makes a variable differ (or narrows its coverage) carries to the variable's
-reads: batch-norm statistics updated per replica feed the next step.
+reads: batch-norm statistics updated per replica feed the next step. Nodes are visited in
+topological order (each once per sweep); a sweep that changed a variable is followed by one
+more, usually the last.
 """
 
 from __future__ import annotations
 
 import re
 
-from graphxform.ir import GraphIR
+from graphxform.ir import CONTROL_KEY, GraphIR
 from graphxform.training import VARIABLE_OPS, is_mutating_op
 
 CROSS_REPLICA_OPS = {"CollectiveReduceV2", "CollectiveReduce", "CollectiveGatherV2",
@@ -35,6 +37,7 @@ LOCAL_SOURCE_OPS = {"QueueDequeueV2", "QueueDequeueManyV2", "QueueDequeueUpToV2"
                     "IteratorGetNext"}
 RANDOM_PREFIXES = ("Random", "TruncatedNormal", "Multinomial", "ParameterizedTruncatedNormal")
 SPLIT_SCOPE = "split_inputs/"
+_BACK_EDGE_OPS = {"NextIteration", "RefNextIteration"}
 _REPLICA = re.compile(r"(?:^|/)replica_\d+/")
 
 
@@ -57,48 +60,109 @@ class ReplicaSpread:
         return [i for i in range(self.all.bit_length()) if mask >> i & 1]
 
     def _sweep(self) -> None:
+        """Visit what the sources reach, each node after its inputs (Kahn's order over data
+        edges, loops' back edges left out); a write that changed a variable's state sends its
+        reads, and what they reach, through one more sweep of just those."""
         ir = self.ir
-        work = [n for n in ir.nodes() if self._is_source(n)]
-        queued = set(work)
-        while work:
-            node = work.pop()
-            queued.discard(node)
-            for changed in self._update(node):
-                for dst in ir.successors(changed):
-                    if dst not in queued:
-                        queued.add(dst)
-                        work.append(dst)
+        self._unseeded = {n for n in ir.nodes() if _unseeded_random(ir, n)}
+        reach = self._reach([n for n in ir.nodes() if self._is_source(n)])
+        order = self._in_order(reach)
+        todo = order
+        while True:
+            changed_variables = []
+            for node in todo:
+                changed_variables += self._update(node)[1:]
+            if not changed_variables:
+                return
+            again = self._reach([dst for var in changed_variables
+                                 for dst in ir.successors(var)])
+            if not again <= reach:
+                reach |= again
+                order = self._in_order(reach)
+            todo = [n for n in order if n in again]
+
+    def _reach(self, seeds) -> set:
+        """``seeds`` and every node their data edges lead to."""
+        succ = self.ir.g._succ
+        reach, stack = set(seeds), list(seeds)
+        while stack:
+            for dst, keyed in succ[stack.pop()].items():
+                if dst not in reach and (len(keyed) > 1 or CONTROL_KEY not in keyed):
+                    reach.add(dst)
+                    stack.append(dst)
+        return reach
+
+    def _in_order(self, members: set) -> list:
+        """``members`` with each after its data inputs among them (a legacy loop's back edge,
+        from a NextIteration, does not count); what a cycle holds comes last."""
+        ir, pred, succ = self.ir, self.ir.g._pred, self.ir.g._succ
+        back = {n for n in members if ir.op(n) in _BACK_EDGE_OPS}
+        waiting = {n: sum(len(keyed) - (CONTROL_KEY in keyed) for src, keyed in pred[n].items()
+                          if src in members and src not in back)
+                   for n in members}
+        ready = [n for n, count in waiting.items() if count == 0]
+        order = []
+        while ready:
+            node = ready.pop()
+            order.append(node)
+            if node in back:
+                continue
+            for dst, keyed in succ[node].items():
+                if dst in waiting:
+                    edges = len(keyed) - (CONTROL_KEY in keyed)
+                    if edges:  # a control edge alone does not hold dst back
+                        waiting[dst] -= edges
+                        if waiting[dst] == 0:
+                            ready.append(dst)
+        if len(order) < len(members):
+            placed = set(order)
+            order += [n for n in members if n not in placed]
+        return order
 
     def _is_source(self, node: str) -> bool:
         ir = self.ir
         return ((node.startswith(SPLIT_SCOPE) and ir.op(node) in ("Split", "SplitV"))
-                or ir.op(node) in LOCAL_SOURCE_OPS or _unseeded_random(ir, node))
+                or ir.op(node) in LOCAL_SOURCE_OPS or node in self._unseeded)
 
     def _update(self, node: str) -> list[str]:
         """Recompute ``node`` from its inputs; returns the nodes whose state changed (``node``,
         and the variables a write op gives its state to)."""
-        ir = self.ir
-        op = ir.op(node)
-        in_replica = self.all > 1 and bool(_REPLICA.search(node))  # one replica: all of it
+        ir, nodes = self.ir, self.ir.g._node
+        op = nodes[node]["op"]
+        in_replica = self.all > 1 and "replica_" in node and bool(_REPLICA.search(node))
         differs, coverage = False, 0
-        if node.startswith(SPLIT_SCOPE) and op in ("Split", "SplitV"):
+        splits = self._splits
+        if node in splits:
             coverage = self.all
-        elif op in LOCAL_SOURCE_OPS or _unseeded_random(ir, node):
+        elif op in LOCAL_SOURCE_OPS or node in self._unseeded:
             differs = in_replica
-        for src, port in ir.inputs(node):
-            if src.startswith(SPLIT_SCOPE) and ir.op(src) in ("Split", "SplitV"):
-                coverage |= 1 << port
-                differs = differs or in_replica
-            else:
-                coverage |= self.coverage.get(src, 0)
-                differs = differs or (in_replica and src in self.differs)
+        cover, differing = self.coverage, self.differs
+        for src, keyed in ir.g._pred[node].items():
+            if src in splits:
+                for key, edge in keyed.items():
+                    if key != CONTROL_KEY:
+                        coverage |= 1 << edge["src_port"]
+                        differs = differs or in_replica
+            elif src in cover or src in differing:
+                if len(keyed) > 1 or CONTROL_KEY not in keyed:
+                    coverage |= cover.get(src, 0)
+                    differs = differs or (in_replica and src in differing)
         if op in CROSS_REPLICA_OPS:
             differs, coverage = False, self.all if coverage else 0
         changed = [node] if self._set(node, differs, coverage) else []
-        if changed and is_mutating_op(op):
-            changed += [src for src, _ in ir.inputs(node)
-                        if ir.op(src) in VARIABLE_OPS and self._set(src, differs, coverage)]
+        if changed and is_mutating_op(op) and (differs or coverage != self.all):
+            # a write from values equal everywhere and covering every replica (an update from
+            # the all-reduced gradient) changes nothing its reads could be refused for
+            changed += [src for src in ir.g._pred[node]
+                        if nodes[src]["op"] in VARIABLE_OPS and self._set(src, differs, coverage)]
         return changed
+
+    @property
+    def _splits(self) -> set:
+        if not hasattr(self, "_split_nodes"):
+            self._split_nodes = {n for n in self.ir.nodes_of(("Split", "SplitV"))
+                                 if n.startswith(SPLIT_SCOPE)}
+        return self._split_nodes
 
     def _set(self, node: str, differs: bool, coverage: int) -> bool:
         """Grow ``node``'s state; True when it grew."""

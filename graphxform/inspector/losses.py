@@ -100,6 +100,9 @@ def check(ir: GraphIR, view=None) -> CheckResult:
     return result
 
 
+STATISTICS_SCOPES = ("sync_batch_norm/",)  # sync-batch-norm's all-reduces sum statistics
+
+
 def _check_gradients(ir, result, averaged: bool) -> int:
     """All-reduces of float gradients divide, dense accumulators average, a sparse
     accumulator's sum is divided; returns how many were looked at."""
@@ -107,6 +110,8 @@ def _check_gradients(ir, result, averaged: bool) -> int:
     for node in ir.nodes_of({"CollectiveReduceV2", "CollectiveReduce"}):
         attrs = ir.attrs(node)
         if "T" in attrs and attrs["T"].type not in _FLOAT_TYPES:
+            continue
+        if node.startswith(STATISTICS_SCOPES):  # sums of batch statistics, not gradients
             continue
         count += 1
         final = attrs["final_op"].s.decode() if "final_op" in attrs else "?"
