@@ -1,6 +1,7 @@
 """Running graphs: local sessions (``local``), the servers and configs of a cluster
-(``servers``), one task's part of a cluster graph's step (``task``), a whole local cluster
-(``launch``) and the bounds on every blocking call (``faults``).
+(``servers``), one task's part of a cluster graph's step (``task``), a ps task's server that
+watches its peers (``serve``), a whole local cluster (``launch``) and the bounds on every
+blocking call (``faults``).
 
 ``from graphxform.runtime import Feeds, Runner`` still works: the local runner's names are
 looked up here on first use, so importing a sibling module does not load the others."""

@@ -224,13 +224,15 @@ class TaskRunner:
     def finish(self):
         """Tell the ps tasks this task ended its run normally (it may go away now)."""
         if self._news_ops:
-            with self._bounded("telling the ps tasks the run is over"):
+            what = "telling the ps tasks the run is over"
+            with self._bounded(what):
                 try:
                     self._tell_ps(f"finished {self.job}:{self.task}", self._news_ops,
                                   self.timeout_s)
+                    return
                 except self.tf.errors.OpError as e:
-                    raise GraphxformError(self._explain(
-                        e, "telling the ps tasks the run is over")) from None
+                    error = e
+            raise GraphxformError(self._explain(error, what)) from None
 
     # ---------------------------------------------------------------- steps
     def step(self, feed: dict):
@@ -248,12 +250,13 @@ class TaskRunner:
         return self.watchdog.guard(self.timeout_s + faults.GRACE_S, lambda: what)
 
     def _run(self, fetches, what: str, feed=None):
-        tf = self.tf
         with self._bounded(what):
             try:
                 return self.session.run(fetches, feed, options=self.run_options)
-            except tf.errors.OpError as e:
-                raise GraphxformError(self._explain(e, what)) from None
+            except self.tf.errors.OpError as e:
+                error = e
+        # outside the watchdog's guard: naming the cause takes probes of its own (bounded)
+        raise GraphxformError(self._explain(error, what)) from None
 
     def _stuck(self, what: str) -> None:
         """The watchdog's verdict on a call TF did not end in time: one line, then the end."""
