@@ -44,11 +44,11 @@ Every replica runs the same step from equal variables on its own even slice of t
   loops carry, the insides of ``tf.gradients`` (scaled by the slice's size), ops without a rule
   here. Served: replica 0's value, and named as not merged.
 
-Two rules come from the training step rather than from an op: a loss the step minimises is a
-mean unless it is shown to be a sum (the all-reduce averages its gradients, so the mean over
-replicas is what trains), and the gradient ``tf.gradients`` bore for a variable has its loss's
-class (a gradient is linear in its loss). User overrides (the strategies' ``fetch_mean`` and
-``fetch_concat``) take precedence over everything.
+One rule comes from the training step rather than from an op: the gradient ``tf.gradients``
+bore for a variable has its loss's class (a gradient is linear in its loss), so losses are
+classified first. (merge-fetches then serves a loss that is not shown to be a mean, as under
+batch norm, as the mean anyway: that is what the averaged gradients train.) User overrides (the
+strategies' ``fetch_mean`` and ``fetch_concat``) take precedence over everything.
 
 Only static facts are read: op types, attrs, the values of Const inputs (axes, shapes,
 permutations) and ranks carried forward from placeholders, variables and constants; what a rule
@@ -113,13 +113,12 @@ class ReplicaValues:
         return found[port] if port < len(found) else found[-1]
 
 
-def classify(ir, prefix: str = "replica_0/", forced=None, losses=(), gradients=None,
-             copies=None, single=frozenset(), step=None) -> ReplicaValues:
+def classify(ir, prefix: str = "replica_0/", forced=None, gradients=None, copies=None,
+             single=frozenset(), step=None) -> ReplicaValues:
     """Classify every node named ``prefix`` + something (``copies``, if the caller has them),
     and what they read.
 
     ``forced``: {(node, port): class} set whatever the rules say (user overrides).
-    ``losses``: (node, port) of losses a step minimises: mean unless shown a sum or identical.
     ``gradients``: {(node, port): (loss node, loss port)}: a born gradient has its loss's class.
     ``single``: copies no other replica has (sync-init's initial values, which every replica
     reads): one instance, identical like a shared node.
@@ -132,7 +131,7 @@ def classify(ir, prefix: str = "replica_0/", forced=None, losses=(), gradients=N
                                                     itertools.repeat(prefix))))
     forced, drifting = dict(forced or {}), set()
     while True:
-        sweep = _Sweep(ir, prefix, forced, set(losses), dict(gradients or {}), single)
+        sweep = _Sweep(ir, prefix, forced, dict(gradients or {}), single)
         values = sweep.run(copies)
         more = sweep.drifting_variables(step) - drifting
         if not more:
@@ -150,14 +149,14 @@ class _Sweep:
     """One pass over replica 0's copies and the shared and pass-made nodes they read, each
     visited after its inputs."""
 
-    def __init__(self, ir, prefix, forced, losses, gradients, single=frozenset()):
+    def __init__(self, ir, prefix, forced, gradients, single=frozenset()):
         self.ir = ir
         self.prefix = prefix
         self.single = single
         self.nodes, self.pred = ir.g._node, ir.g._pred
-        self.forced, self.losses, self.gradients = forced, losses, gradients
+        self.forced, self.gradients = forced, gradients
         self.overridden = {}  # node -> ports a step rule or an override names
-        for node, port in [*forced, *losses, *gradients]:
+        for node, port in [*forced, *gradients]:
             self.overridden.setdefault(node, set()).add(port)
         self.classes, self.ranks, self.effects = {}, {}, set()
         self.foreign = set()  # other replicas' copies met on the way: unknown, effectful
@@ -303,7 +302,7 @@ class _Sweep:
         return ranks
 
     def _adjusted(self, name: str, classes: tuple) -> tuple:
-        """``classes`` with the step's rules and then the user's overrides applied per port."""
+        """``classes`` with the gradient rule and then the user's overrides applied per port."""
         ports = self.overridden[name]
         out = list(classes) + [classes[-1]] * (max(ports) + 1 - len(classes))
         for port in ports:
@@ -311,8 +310,6 @@ class _Sweep:
             if key in self.gradients:
                 kind = self.class_of(*self.gradients[key])
                 out[port] = kind if kind in (MEAN, SUM, IDENTICAL) else UNKNOWN
-            if key in self.losses and out[port] not in (SUM, IDENTICAL):
-                out[port] = MEAN
             if key in self.forced:
                 out[port] = self.forced[key]
         return tuple(out)

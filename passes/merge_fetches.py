@@ -3,7 +3,8 @@ the single-device graph gives for the whole global batch.
 
 `replicate` copied each node of the step as `replica_{i}/<name>` and removed the original. Here
 each such original gets one node under its name that reads the copies, chosen by the class
-graphxform/replica_values.py finds for its output (its docstring has the rules):
+graphxform/replica_values.py finds for its output (its docstring has the rules), and a loss
+(or a tensor step, which returns its loss) unless shown a sum as the mean of its copies:
 
 - identical: Identity of replica 0's copy;
 - batch: ConcatV2 of the copies along axis 0, in replica order;
@@ -63,12 +64,13 @@ class MergeFetches(Pass):
         tg = ctx.training
         only_first = ctx.state.get("sync-init", {}).get("first_only", set())
         values = replica_values.classify(ir, first, forced=forced,
-                                         losses=_copies_of(ir, first, tg.losses),
                                          gradients=_gradient_losses(ir, first, tg),
                                          copies=copies,
                                          single={first + name for name in only_first},
                                          step={first + name for name in tg.train_closure})
         steps = {parse_tensor(step.name)[0] for step in tg.steps}
+        tensor_steps = [step.name for step in tg.steps if step.is_tensor]
+        _losses_as_means(values, _copies_of(ir, first, [*tg.losses, *tensor_steps]), forced)
         merge = _Merge(ir, Builder(ir, self.name), prefixes, values)
         for name in originals:
             merge.node(name, effect=name in steps or first + name in values.effects,
@@ -138,6 +140,18 @@ def _slice_constants(ir, copies: list, tg, replicas: int) -> dict:
                 v >= size and v % size == 0 for v in values.tolist())):
             found[(name, 0)] = replica_values.UNKNOWN
     return found
+
+
+def _losses_as_means(values, losses: set, forced: dict) -> None:
+    """A loss (or a step that is a tensor, which returns its loss) is served as the mean of the
+    copies unless it is shown to be a sum or identical: that is what the averaged gradients
+    train, also where it is not the batch's mean (batch norm, dropout). What is computed from
+    it keeps its own class, and the user's overrides stay."""
+    for node, port in losses - forced.keys():
+        found = values.classes.get(node, (replica_values.UNKNOWN,))
+        kind = found[port] if port < len(found) else found[-1]
+        if kind not in (SUM, IDENTICAL) and len(found) == 1 and port == 0:
+            values.classes[node] = (MEAN,)
 
 
 def _copies_of(ir, first: str, tensors) -> set:
