@@ -1,7 +1,9 @@
 """Checks that a GraphIR is a well-formed TF graph: run after every pass by the pipeline.
 
-The pipeline checks only what a pass changed (the nodes it added or rewired, and cycles through
-them); `graphxform verify` and the full ``check_structure`` look at every node."""
+The pipeline checks only what a pass changed (see ``GraphIR.take_changes``): the nodes it added
+or rewired, copies of nodes no check had seen (in one replica: the others mirror it), and
+cycles through the edges it added; the full ``check_structure`` looks at every node.
+``check_imports`` is the TensorFlow-level check `apply` ends with (graphxform/import_check.py)."""
 
 from __future__ import annotations
 
