@@ -20,27 +20,35 @@ from graphxform.passes.split_inputs import SplitInputs
 from graphxform.passes.strip_saver import StripSaver
 from graphxform.passes.sync_batch_norm import SyncBatchNorm
 from graphxform.passes.sync_init import SyncInit
+from graphxform.passes.worker_steps import DEFAULT_TIMEOUT_S, WorkerSteps, replica_devices
 from graphxform.pipeline import Pipeline
 
 
 def allreduce(bucket_bytes: int = DEFAULT_BUCKET_BYTES, sparse_as_dense: bool = False,
               fetch_mean=(), fetch_concat=(), verify: bool = True,
               dump_dir: str | None = None, sync_batch_norm: bool = False,
-              consistent_random: bool = False) -> Pipeline:
+              consistent_random: bool = False, on_cluster: bool = False,
+              hierarchical: bool = False,
+              collective_timeout_s: float = DEFAULT_TIMEOUT_S) -> Pipeline:
     """In-graph replication with collective all-reduce (devices come from the PassContext).
     ``sync_batch_norm``: batch norms use the global batch's statistics;
-    ``consistent_random``: random ops draw what one device would draw."""
+    ``consistent_random``: random ops draw what one device would draw. ``on_cluster``: the
+    replicas are on a cluster's worker tasks: global_step is mirrored per replica and each
+    task's part of the step is written into the graph (``hierarchical``: reduce inside each
+    worker, then across workers)."""
     return Pipeline([
         StripSaver(),
         SyncInit(),
-        Replicate(),
+        Replicate(mirror_global_step=on_cluster),
         SplitInputs(),
         *([SyncBatchNorm()] if sync_batch_norm else []),
         *([ConsistentRandom()] if consistent_random else []),
-        AllReduce(bucket_bytes=bucket_bytes, sparse_as_dense=sparse_as_dense),
+        AllReduce(bucket_bytes=bucket_bytes, sparse_as_dense=sparse_as_dense,
+                  hierarchical=hierarchical),
         RewireConsumers(),
         MergeFetches(mean=tuple(fetch_mean), concat=tuple(fetch_concat)),
         DropInSaver(),
+        *([WorkerSteps(timeout_s=collective_timeout_s)] if on_cluster else []),
     ], verify=verify, dump_dir=dump_dir)
 
 
@@ -126,14 +134,15 @@ def transform(ir, strategy: str = "allreduce", devices=None, train_op: str | Non
     """Analyse ``ir``, run the strategy's pipeline on it in place and prove the result keeps
     the drop-in contract (graphxform.contract; refuses otherwise); returns the Pipeline (its
     ``timings`` say what each pass did). Cluster strategies take ``cluster`` (a
-    graphxform.cluster.Cluster) and default ``devices`` to one per worker task."""
+    graphxform.cluster.Cluster) and default ``devices`` to one per worker task; so does
+    allreduce given a cluster (its replicas on the workers, and the chief job's task)."""
     from graphxform import contract, training
     from graphxform.errors import GraphxformError
     from graphxform.pipeline import PassContext
     if strategy not in STRATEGIES:
         raise GraphxformError(f"unknown strategy '{strategy}' (known: {', '.join(STRATEGIES)})")
     if strategy in CLUSTER_STRATEGIES:
-        for flag in ("sync_batch_norm", "consistent_random"):
+        for flag in ("sync_batch_norm", "consistent_random", "hierarchical"):
             if options.get(flag):
                 raise GraphxformError(f"--{flag.replace('_', '-')} is an option of --strategy "
                                       f"allreduce (not yet of {strategy})")
@@ -145,6 +154,12 @@ def transform(ir, strategy: str = "allreduce", devices=None, train_op: str | Non
             raise GraphxformError(f"{cluster.source}: strategy {strategy} needs a 'ps' job")
         devices = devices or cluster.worker_devices()
         options.setdefault("ps_tasks", len(cluster.tasks("ps")))
+    elif strategy == "allreduce" and cluster is not None:
+        devices = devices or replica_devices(cluster)
+        options["on_cluster"] = True
+    elif options.get("hierarchical"):
+        raise GraphxformError("--hierarchical reduces inside each worker, then across workers: "
+                              "it needs --strategy allreduce with --cluster F (or TF_CONFIG)")
     devices = list(devices or ["/device:CPU:0"])
     ctx = PassContext(training=training.analyze(ir, train_op=train_op), devices=devices,
                       cluster=cluster, strategy=strategy)
