@@ -356,6 +356,30 @@ class _Sweep:
             return None
         return found[port] if port < len(found) else found[-1]
 
+    def vector_length(self, src: str, port: int, depth: int = 0):
+        """How many entries the 1-D int tensor ``src:port`` has, from Consts, Shapes (the rank
+        of what they measure) and the ops that build shape vectors from them; else None."""
+        op, ir = self.nodes[src]["op"], self.ir
+        if op == "Const":
+            values = self.const_ints(src)
+            return None if values is None else len(values)
+        if op in ("Shape", "ShapeN"):
+            return self.rank_of(*ir.input(src, port if op == "ShapeN" else 0))
+        if op == "Pack":
+            return len(ir.inputs(src))
+        if op in ("Reshape", "Slice", "Gather", "GatherV2"):  # to [k], of size [k], k picked
+            at = {"Reshape": 1, "Slice": 2}.get(op, 1)
+            size = self.const_ints(ir.input(src, at)[0])
+            if op in ("Gather", "GatherV2"):
+                return len(size) if size is not None and self.rank_of(*ir.input(src, 1)) == 1 \
+                    else None
+            return size[0] if size and len(size) == 1 and size[0] >= 0 else None
+        if op in ("ConcatV2", "Identity", "Cast") and depth < 8:
+            parts = ir.inputs(src)[:-1] if op == "ConcatV2" else ir.inputs(src)[:1]
+            lengths = [self.vector_length(part, at, depth + 1) for part, at in parts]
+            return None if not lengths or None in lengths else sum(lengths)
+        return None
+
     def const_ints(self, src: str, depth: int = 0):
         """The integer values of ``src`` as a list when they follow from Consts alone (a
         Const, and Identity, Pack, ConcatV2, Range, Add, Sub and Mul of such, as TF builds
@@ -448,20 +472,7 @@ class _Node:
         """How many entries the 1-D shape vector at input ``k`` has: the rank it makes."""
         if k >= len(self.inputs):
             return None
-        src, port = self.inputs[k]
-        sweep = self.sweep
-        op = sweep.nodes[src]["op"]
-        if op == "Const":
-            values = sweep.const_ints(src)
-            return None if values is None else len(values)
-        if op in ("Shape", "ShapeN"):
-            return sweep.rank_of(*sweep.ir.input(src, port if op == "ShapeN" else 0))
-        if op == "Pack":
-            return len(sweep.ir.inputs(src))
-        if op in ("Reshape", "Slice"):  # to [k] / of size [k]: a vector of k entries
-            size = sweep.const_ints(sweep.ir.input(src, 1 if op == "Reshape" else 2)[0])
-            return size[0] if size and len(size) == 1 and size[0] >= 0 else None
-        return None
+        return self.sweep.vector_length(*self.inputs[k])
 
     def others_identical(self, *kept: int) -> bool:
         """Whether every input but those at ``kept`` is identical."""
@@ -829,7 +840,11 @@ def _concat(n: _Node):
     rank = next((r for r in ranks if r is not None), None)
     if n.cls[-1] != IDENTICAL:
         return (UNKNOWN,), (rank,)
-    return (_join(values, n.axis(len(n.inputs) - 1, rank)),), (rank,)
+    axis = n.axis(len(n.inputs) - 1, rank)
+    if (axis == 0 and rank == 1 and values and values[0] == BATCH_SHAPE
+            and all(c == IDENTICAL for c in values[1:])):
+        return (BATCH_SHAPE,), (rank,)  # a batch tensor's shape with identical dims appended
+    return (_join(values, axis),), (rank,)
 
 
 def _pack(n: _Node):
@@ -936,6 +951,8 @@ def _gather(n: _Node):
                 return (IDENTICAL,), (rank,)
             if picked == [0] and ri == 0:
                 return (COUNT,), (rank,)
+            if picked and picked[0] == 0 and 0 not in picked[1:] and ri == 1:
+                return (BATCH_SHAPE,), (rank,)  # tf.tensordot's free dims, the batch's first
     elif axis is not None and params in BATCHED and indices == IDENTICAL:
         return (params,), (rank,)
     return (UNKNOWN,), (rank,)

@@ -189,7 +189,8 @@ def test_classes_of_replica_copies():
 
 
 def dropout_graph():
-    """An MLP with seeded dropout (drawn per example), a mean loss and a train op."""
+    """An MLP with seeded dropout (drawn per example) beside a tf.tensordot projection with a
+    layer norm (a transformer's way), a mean loss and a train op."""
     import tensorflow as tf
     v1 = tf.compat.v1
     g = tf.Graph()
@@ -200,7 +201,12 @@ def dropout_graph():
         w1, w2 = v1.get_variable("w1", [4, 6]), v1.get_variable("w2", [6, 3])
         hidden = tf.nn.relu(tf.matmul(x, w1), name="hidden")
         dropped = tf.nn.dropout(hidden, rate=0.5, name="dropout")
-        logits = tf.matmul(dropped, w2, name="logits")
+        projected = tf.tensordot(tf.reshape(x, [-1, 2, 2]), v1.get_variable("w3", [2, 5]),
+                                 axes=1, name="projected")
+        mean, variance = tf.nn.moments(projected, axes=[-1], keepdims=True)
+        normed = tf.identity((projected - mean) * tf.math.rsqrt(variance + 1e-6), name="normed")
+        pooled = tf.reduce_mean(normed, axis=[1, 2], keepdims=True, name="pooled")
+        logits = tf.add(tf.matmul(dropped, w2), tf.reshape(pooled, [-1, 1]), name="logits")
         loss = v1.losses.sparse_softmax_cross_entropy(y, logits)
         step = v1.train.get_or_create_global_step()
         v1.add_to_collection(v1.GraphKeys.TRAIN_OP,
@@ -217,6 +223,7 @@ def test_every_merged_value_is_the_single_device_value():
               and n not in summary["unmerged"] and out.op(n) not in ("NoOp", "IdentityN")
               and not out.control_inputs(n) and single.op(n) != "VarHandleOp"]
     assert "dropout/random_uniform/RandomUniform" in summary["unmerged"]  # a pass made it
+    assert {"projected:0", "normed:0", "pooled:0"} <= set(served)
     assert len(served) > 40
     rng = np.random.default_rng(1)
     feeds = {"x:0": rng.normal(size=(8, 4)).astype(np.float32),
