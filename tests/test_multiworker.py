@@ -344,7 +344,7 @@ def test_standalone_tasks_stop_when_a_peer_dies_or_freezes(fault_graphs, tmp_pat
             assert_one_line_naming(p, name)
     for p in tasks.values():
         wait_until(lambda: gone(p.pid), 10, f"pid {p.pid} left behind")
-    for address in cluster_file and [a for ts in found.jobs.values() for a in ts]:
+    for address in [a for ts in found.jobs.values() for a in ts]:
         wait_until(lambda: port_free(servers.port_of(address)), 10, f"{address} still bound")
 
 

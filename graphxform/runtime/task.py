@@ -22,6 +22,7 @@ from graphxform.errors import GraphxformError
 from graphxform.ir import GraphIR
 
 POLL_S = 0.2
+STARTUP_S = 60.0  # at least: how long a task waits for its peers' servers to come up at the start
 _REMOTE_TASK = re.compile(r"(?:From|remote target) /job:([^/\s]+)/replica:\d+/task:(\d+)")
 
 
@@ -167,12 +168,15 @@ class TaskRunner:
                 if (j, t) != (self.job, self.task)]
 
     def wait_for_cluster(self):
-        """Every task this one talks to accepts connections (bounded by the timeout): the chief
-        every task; another task what its session sees and the collective group leader."""
+        """Every task this one talks to accepts connections: the chief every task; another task
+        what its session sees, the collective group leader and the chief (whose work it waits
+        for next). Bounded by the timeout, but at least STARTUP_S: tasks on several hosts start
+        in any order, and each takes seconds to import TensorFlow."""
+        chief_job, chief_task = self.plan.chief.split(":")
         needed = [(j, t) for j, t in self.peers() + [(self.job, self.task)]
                   if self.chief or servers.sees(self.filters, j, t)
-                  or self._leads_collectives(j, t)]
-        servers.wait_for_tasks(self.cluster, needed, self.timeout_s)
+                  or self._leads_collectives(j, t) or (j, t) == (chief_job, int(chief_task))]
+        servers.wait_for_tasks(self.cluster, needed, max(self.timeout_s, STARTUP_S))
 
     def _leads_collectives(self, job: str, task: int) -> bool:
         leader = self.plan.collective_leader or ""
