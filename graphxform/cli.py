@@ -407,19 +407,22 @@ def _prepare_dump_dir(dump_dir: str) -> None:
 @click.option("--fetch", "fetches", multiple=True, help="Tensor to print each step (repeatable).")
 @click.option("--train-op", help="Train op name when the graph has no 'train_op' collection.")
 @click.option("--cluster", "cluster_file", type=click.Path(dir_okay=False),
-              help="ps graphs: ClusterSpec JSON; run this task's part of each step on "
+              help="cluster graphs: ClusterSpec JSON; run this task's part of each step on "
               "TensorFlow's gRPC runtime (default: TF_CONFIG).")
-@click.option("--job", help="ps graphs: this task's job (worker or chief; default: TF_CONFIG).")
+@click.option("--job", help="cluster graphs: this task's job (worker or chief; default: "
+              "TF_CONFIG).")
 @click.option("--task", "task_index", type=click.IntRange(min=0),
-              help="ps graphs: this task's index in its job (default: TF_CONFIG).")
+              help="cluster graphs: this task's index in its job (default: TF_CONFIG).")
 @click.option("--timeout", default=DEFAULT_TIMEOUT_S, show_default=True,
               type=click.FloatRange(min=0, min_open=True),
-              help="ps graphs: seconds any blocking op or wait may take before failing.")
+              help="cluster graphs: seconds any blocking op or wait may take before the task "
+              "stops, naming the peer that died or froze.")
 @debug_option
 def run(model, steps, feeds, batch_size, restore, save_to, fetches, train_op, cluster_file, job,
         task_index, timeout, debug):
-    """Train MODEL (original or transformed) for some steps, printing the loss. A ps graph runs
-    one task of its cluster: `--cluster F --job worker --task I` (or TF_CONFIG)."""
+    """Train MODEL (original or transformed) for some steps, printing the loss. A cluster graph
+    (ps, partitioned-ps, allreduce --cluster) runs one task of its cluster: `--cluster F --job
+    worker --task I` (or TF_CONFIG)."""
     from graphxform import metagraph
     from graphxform.runtime.local import Feeds, Runner
     ir = metagraph.load(model)
@@ -468,8 +471,8 @@ def _progress(steps: int):
 
 
 def _on_cluster(ir, cluster_file, job, task_index) -> bool:
-    """Whether `run` runs one task of a cluster: --cluster/--job/--task, or a ps graph with
-    TF_CONFIG set; a ps graph with neither is an error (it names no local devices)."""
+    """Whether `run` runs one task of a cluster: --cluster/--job/--task, or a cluster graph
+    with TF_CONFIG set; a cluster graph with neither is an error (it names no local devices)."""
     from graphxform.plan import ClusterPlan
     if cluster_file or job or task_index is not None:
         return True
@@ -520,7 +523,7 @@ def _short(value) -> str:
 @debug_option
 def verify_command(model, steps, feeds, batch_size, fetches, rtol, debug, **options):
     """Transform MODEL, then run the same train op(s) on both from the same checkpoint and
-    compare every variable and each step's loss (a ps graph runs on its cluster's servers,
+    compare every variable and each step's loss (a cluster graph runs on its cluster's servers,
     started in this process on 127.0.0.1)."""
     from graphxform import equivalence
     original, ir, _ = _transform(model, options)
@@ -571,8 +574,8 @@ def serve(cluster_file, job, task_index, cpus, timeout, debug):
               help="Seconds any blocking op or wait may take before a task fails.")
 @debug_option
 def launch(model, steps, feeds, batch_size, cluster_file, restore, save_to, timeout, debug):
-    """Start the cluster a ps graph was built for as local processes, train, print the mean
-    loss over workers per step, and tear everything down."""
+    """Start the cluster a graph was built for (ps or allreduce) as local processes, train,
+    print the mean loss over workers per step, and tear everything down."""
     from graphxform import metagraph
     from graphxform.cluster import load_cluster
     from graphxform.runtime.launch import Launch
