@@ -160,6 +160,9 @@ def _transform(model, options, no_verify=False, dump_dir=None):
     from graphxform import cluster, metagraph, strategies, verify as verify_mod
     strategy = options["strategy"]
     kwargs = {}
+    if strategy != "hybrid" and (options["sparse_as_dense_below"] or options["placement_file"]):
+        raise GraphxformError("--sparse-as-dense-below and --placement-file are options of "
+                              "--strategy hybrid")
     if strategy in strategies.CLUSTER_STRATEGIES:
         found, _ = cluster.load_cluster(options["cluster"])
         if options["devices"] or options["replicas"]:
@@ -169,6 +172,8 @@ def _transform(model, options, no_verify=False, dump_dir=None):
                                            options["worker_device"])
         kwargs = {"cluster": found, "staleness": options["staleness"],
                   "asynchronous": options["async_"]}
+        if strategy == "hybrid":
+            kwargs = {"cluster": found, **_hybrid_options(options)}
         if strategy == "partitioned-ps":
             kwargs.update(partitions=options["partitions"],
                           partition_min_bytes=options["partition_min_bytes"])
@@ -209,6 +214,28 @@ def _transform(model, options, no_verify=False, dump_dir=None):
     return original, ir, pipeline
 
 
+def _hybrid_options(options: dict) -> dict:
+    """hybrid's options; --staleness/--async are the ps strategies' alone."""
+    if options["staleness"] or options["async_"]:
+        raise GraphxformError("--staleness and --async are options of --strategy ps and "
+                              "partitioned-ps, not hybrid")
+    placement = {}
+    if options["placement_file"]:
+        path = options["placement_file"]
+        try:
+            with open(path) as f:
+                placement = json.load(f)
+        except OSError as e:
+            raise GraphxformError(f"--placement-file {path}: {e.strerror}") from None
+        except ValueError as e:
+            raise GraphxformError(f"--placement-file {path}: not JSON ({e})") from None
+        if not isinstance(placement, dict):
+            raise GraphxformError(f"--placement-file {path}: expected an object mapping "
+                                  "variable names to \"allreduce\" or \"ps\"")
+    return {"sparse_as_dense_below": options["sparse_as_dense_below"],
+            "placement": placement}
+
+
 def _local_strategy_options(strategy: str, options: dict) -> dict:
     """The options of the strategies that run on one process's devices."""
     replicated = {"all_reduce_spec": options["all_reduce_spec"],
@@ -237,8 +264,15 @@ REPLICATED_DEFAULTS = {"all_reduce_spec": None, "gradient_repacking": 0,
 strategy_options = [
     click.option("--strategy", default="allreduce", show_default=True,
                  type=click.Choice(["allreduce", "replicated", "independent", "ps",
-                                    "partitioned-ps", "model-average"]),
+                                    "partitioned-ps", "hybrid", "model-average"]),
                  help="How to distribute the training step."),
+    click.option("--sparse-as-dense-below", default=0, show_default=True,
+                 type=click.IntRange(min=0),
+                 help="hybrid: a variable with sparse gradients smaller than this many bytes "
+                 "is all-reduced as dense instead of living on a ps task."),
+    click.option("--placement-file", type=click.Path(dir_okay=False),
+                 help="hybrid: JSON mapping variable names to \"allreduce\" or \"ps\", "
+                 "overriding the choice by gradient kind."),
     click.option("--all-reduce-spec", default=None,
                  help="replicated: tf_cnn_benchmarks' spec, e.g. pscpu, xring#2, "
                  "pscpu:32k:xring, collective (default: collective)."),
@@ -344,6 +378,9 @@ def apply(model, output, no_verify, dump_dir, explain, debug, **options):
                    f"replicas, {how}; collectives fail after {summary['collective_timeout_s']:g}"
                    " s without a member (launch/run --cluster: --timeout)")
     for t in pipeline.timings:
+        if t.name == "choose-placement":
+            for variable, decision in sorted(t.summary.items()):
+                click.echo(f"  {variable}: {decision}")
         if t.name == "sync-batch-norm":
             count = t.summary.get("batch_norms_synchronised", 0)
             click.echo(f"  sync-batch-norm: {count} batch norm(s) synchronised, "

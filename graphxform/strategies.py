@@ -7,6 +7,8 @@ from graphxform import allreduce_spec
 from graphxform.passes.all_reduce import DEFAULT_BUCKET_BYTES, AllReduce
 from graphxform.passes.consistent_random import ConsistentRandom
 from graphxform.passes.drop_in_saver import DropInSaver
+from graphxform.passes.hybrid import (ChoosePlacement, LeadCollectives, OnSide,
+                                     UnshareReplicated)
 from graphxform.passes.insert_accumulators import InsertAccumulators
 from graphxform.passes.merge_fetches import MergeFetches
 from graphxform.passes.model_average import ModelAverage
@@ -123,10 +125,38 @@ def partitioned_ps(ps_tasks: int = 1, partitions: int | None = None,
     return pipeline
 
 
+def hybrid(ps_tasks: int = 1, sparse_as_dense_below: int = 0, placement=None,
+           bucket_bytes: int = DEFAULT_BUCKET_BYTES, fetch_mean=(), fetch_concat=(),
+           verify: bool = True, dump_dir: str | None = None) -> Pipeline:
+    """Parallax: variables with dense gradients replicated and all-reduced, variables with
+    sparse gradients on the ps tasks behind sparse accumulators (passes/hybrid.py);
+    ``sparse_as_dense_below`` bytes and ``placement`` ({variable: "allreduce" | "ps"}) decide
+    the borderline."""
+    return Pipeline([
+        StripSaver(),
+        ChoosePlacement(sparse_as_dense_below=sparse_as_dense_below,
+                        overrides=dict(placement or {})),
+        OnSide(PlaceVariables(ps_tasks=ps_tasks), side="ps", hide_other=True),
+        OnSide(ShareVariables(), side="ps"),
+        UnshareReplicated(),
+        SyncInit(),
+        Replicate(),
+        SplitInputs(),
+        OnSide(AllReduce(bucket_bytes=bucket_bytes, sparse_as_dense=True), side="allreduce"),
+        RewireConsumers(),
+        OnSide(InsertAccumulators(), side="ps"),
+        LeadCollectives(),
+        MergeFetches(mean=tuple(fetch_mean), concat=tuple(fetch_concat)),
+        DropInSaver(),
+    ], verify=verify, dump_dir=dump_dir)
+
+
 STRATEGIES = {"allreduce": allreduce, "replicated": replicated, "independent": independent,
-              "ps": ps, "partitioned-ps": partitioned_ps, "model-average": model_average}
+              "ps": ps, "partitioned-ps": partitioned_ps, "model-average": model_average,
+              "hybrid": hybrid}
 NOT_DROP_IN = {"independent"}  # documented as such: the contract check proves only the start
-CLUSTER_STRATEGIES = {"ps", "partitioned-ps"}  # strategies whose devices are a cluster's worker tasks
+# strategies whose devices are a cluster's worker tasks (hybrid: its ps side needs ps tasks)
+CLUSTER_STRATEGIES = {"ps", "partitioned-ps", "hybrid"}
 
 
 def transform(ir, strategy: str = "allreduce", devices=None, train_op: str | None = None,

@@ -8,6 +8,7 @@ import os
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 
 import pytest  # noqa: E402
+from conftest import fixture_path  # noqa: E402
 from recipe_loop import load_manifest, recipe_meta  # noqa: E402
 
 from graphxform import cluster, equivalence, metagraph, strategies, training  # noqa: E402
@@ -81,3 +82,27 @@ def test_per_task_runs_are_refused_in_one_line():
     ir, _ = transform(EMBEDDING)
     with pytest.raises(GraphxformError, match="hybrid graph: it runs with one client only"):
         ClusterPlan.from_ir(ir).require_per_task()
+
+
+def test_cli_apply_prints_each_decision_and_verify_passes(run_cli, tmp_path):
+    spec = tmp_path / "cluster.json"
+    spec.write_text('{"ps": ["127.0.0.1:2222"], "worker": ["127.0.0.1:2223"]}')
+    placement = tmp_path / "placement.json"
+    placement.write_text('{"dense0/bias": "ps"}')
+    code, out, err = run_cli("apply", fixture_path("embedding_adam"), "--strategy", "hybrid",
+                             "--cluster", spec, "--placement-file", placement,
+                             "-o", tmp_path / "out.meta")
+    assert code == 0, err
+    assert "embedding/weights: ps (sparse gradient)" in out
+    assert "dense0/kernel: allreduce (dense gradient)" in out
+    assert "dense0/bias: ps" in out
+    code, out, err = run_cli("verify", fixture_path("embedding_adam"), "--strategy", "hybrid",
+                             "--cluster", spec, "--feeds", fixture_path("embedding_adam", ".npz"),
+                             "--steps", 3)
+    assert code == 0 and "PASS" in out, out + err
+
+
+def test_cli_hybrid_options_refused_elsewhere(run_cli, tmp_path):
+    code, _, err = run_cli("apply", fixture_path("mlp_sgd"), "--replicas", 2,
+                           "--sparse-as-dense-below", 100, "-o", tmp_path / "out.meta")
+    assert code != 0
