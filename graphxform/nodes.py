@@ -163,11 +163,13 @@ class Builder:
         """A new node that takes the place of ``name``: same name, and every consumer (data,
         port by port, and control) reads it instead. Passes that rewrite an op into several
         keep its name this way, so fetches and later passes still find it."""
+        origin = self.ir.node(name).get("origin")
         stand_in = self.ir.unique_name(name + "/replaced")
         self.op(stand_in, "NoOp")
         self.ir.replace_all_uses_with(name, stand_in)
         self.ir.remove_node(name)
         self.op(name, op_type, inputs, device=device, **attrs)
+        self.ir.node(name)["origin"] = origin  # still the copy of the same original
         self.ir.replace_all_uses_with(stand_in, name)
         self.ir.remove_node(stand_in)
         return name

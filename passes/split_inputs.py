@@ -109,14 +109,12 @@ def _live_shape(ir, name: str, value, from_batch: set):
 
 
 def _make_live(ir, build, name: str, op: str, src: str, port: int) -> str:
+    """The constant ``name`` becomes a live Shape/Size of the replica's tensor, under its own
+    name (so the original name still has a copy to serve it from)."""
     dtype = ir.attrs(name)["dtype"].type
-    live = build.op(f"{name}/live", op, [f"{src}:{port}"], device=ir.node(name)["device"],
-                    T=opdefs.output_dtype(ir, src, port), out_type=dtype)
-    ir.replace_all_uses_with(f"{name}:0", f"{live}:0")
-    for waits_on in ir.control_inputs(name):
-        ir.add_control_input(live, waits_on)
-    ir.remove_node(name)
-    return live
+    waits = ["^" + waits_on for waits_on in ir.control_inputs(name)]
+    return build.replace(name, op, [f"{src}:{port}", *waits], device=ir.node(name)["device"],
+                         T=opdefs.output_dtype(ir, src, port), out_type=dtype)
 
 
 def _forward_op(ir, name: str) -> str | None:
