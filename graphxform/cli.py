@@ -582,15 +582,26 @@ def verify_command(model, steps, feeds, batch_size, fetches, rtol, debug, **opti
 @click.option("--timeout", default=DEFAULT_TIMEOUT_S, show_default=True,
               type=click.FloatRange(min=0, min_open=True),
               help="Stop, naming the task, when a peer is gone or silent this long during a run.")
+@click.option("--graph", "graph_file", type=click.Path(dir_okay=False),
+              help="A cluster graph this server will run ops of with one client (your own "
+              "session on the chief): its CPU devices and collective group leader come from it.")
 @debug_option
-def serve(cluster_file, job, task_index, cpus, timeout, debug):
-    """Start one task's TensorFlow gRPC server (a ps task) and block until SIGTERM/Ctrl-C; stop
-    when a peer dies or freezes during a run."""
+def serve(cluster_file, job, task_index, cpus, timeout, graph_file, debug):
+    """Start one task's TensorFlow gRPC server (a ps task, or any task of a graph run with one
+    client) and block until SIGTERM/Ctrl-C; stop when a peer dies or freezes during a run."""
     from graphxform.runtime import serve as serve_mod
     from graphxform.runtime import task as task_mod
     found, job, task_index = task_mod.resolve_task(cluster_file, job, task_index)
+    leader = None
+    if graph_file:
+        from graphxform import metagraph
+        graph = metagraph.load(graph_file)
+        plan = task_mod.plan_of(graph, per_task=False)
+        plan.check_cluster(found)
+        cpus, leader = max(cpus, task_mod.cpus_needed(graph, job, task_index)), \
+            plan.collective_leader
     serve_mod.serve(found, job, task_index, cpus, timeout_s=timeout, echo=_echo_flush,
-                    fail=_fail_now)
+                    fail=_fail_now, collective_leader=leader)
     from graphxform.runtime.launch import finish_child
     finish_child()
 

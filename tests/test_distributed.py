@@ -407,6 +407,37 @@ def test_serve_outlives_a_run_that_finished(tmp_path):
         assert port_free(servers.port_of(address))
 
 
+@pytest.mark.slow
+def test_a_users_own_session_on_servers_started_for_an_allreduce_graph(built, tmp_path):
+    """`serve --graph` takes the server's CPU devices and collective group leader from the
+    graph; the user's own plain session on the chief then runs the original train op across
+    both workers like one device, and the servers, never told a run started, just serve."""
+    import tensorflow as tf
+    from graphxform.passes.worker_steps import replica_devices
+    found = servers.local_cluster({"worker": 2})
+    ir = metagraph.load(fixture_path("mlp_sgd"))
+    strategies.transform(ir, "allreduce", cluster=found, devices=replica_devices(found, 2))
+    meta = str(tmp_path / "mlp.allreduce.meta")
+    metagraph.save(ir, meta)
+    cluster_file = servers.write_cluster(str(tmp_path / "cluster.json"), found)
+    serve = lambda task: cli("serve", "--cluster", cluster_file, "--job", "worker", "--task",
+                             task, "--graph", meta, "--timeout", 5)
+    feeds = Feeds(training.analyze(ir).inputs, fixture_path("mlp_sgd", ".npz"), BATCH)
+    with process(serve(0)) as (chief, chief_lines), process(serve(1)) as (worker, lines):
+        wait_for_line(chief_lines, r"serving", 60)
+        wait_for_line(lines, r"serving", 60)
+        target = servers.grpc_target(found.tasks("worker")[0])
+        with Runner(ir, target=target, config=tf.compat.v1.ConfigProto()) as run:
+            run.restore(built["start"])
+            losses = [run.step(feeds.batch(k)).loss for k in range(STEPS)]
+        assert_close(losses, built["losses"])
+        time.sleep(2)  # the servers' watch saw no run start: no error
+        assert chief.poll() is None and worker.poll() is None
+        for proc in (worker, chief):
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=20) == 0
+
+
 def test_launch_trains_like_a_single_device_and_leaves_nothing(run_cli, built):
     save = built["dir"] / "launched" / "model"
     code, out, err = run_cli("launch", built["meta"], "--steps", STEPS, "--feeds",

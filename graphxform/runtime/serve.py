@@ -3,14 +3,15 @@ stops, in one line naming the task, when a peer dies or freezes during a run.
 
 A ps task runs no step of its own, so nothing of ours would ever time out in it: it watches its
 peers instead (graphxform/runtime/faults.py's probe, every second, in parallel). A run is on
-while some task that runs steps has been seen and has not said it finished (each says so in the
-ps task's news queue, servers.news_queue, before it exits normally). During a run, a peer that
-is gone, or has not answered for ``timeout`` seconds, stops this task, but only once the tasks
-that run steps are gone too (or after ``LINGER_S`` more): they find the fault themselves and
-name its cause, which they could not if this task went first and looked like one. A task that
-stops because of a peer leaves "lost <peer>" in the news first, so the line this task prints
-names the cause too, not the task that gave up on it. Between runs the server just serves,
-until SIGTERM or Ctrl-C, as before; a finished task that comes back starts a new run."""
+while some task that runs steps (`graphxform run --cluster`) has said it started and has not
+said it finished: each leaves that news in the ps task's queue (servers.news_queue). During a
+run, a peer that is gone, or has not answered for ``timeout`` seconds, stops this task, but
+only once the tasks that run steps are gone too (or after ``LINGER_S`` more): they find the
+fault themselves and name its cause, which they could not if this task went first and looked
+like one. A task that stops because of a peer leaves "lost <peer>" in the news first, so the
+line this task prints names the cause too, not the task that gave up on it. Outside a run (and
+for servers a single client uses, whose peers never say they started) the server just serves,
+until SIGTERM or Ctrl-C, as before."""
 
 from __future__ import annotations
 
@@ -34,11 +35,11 @@ class Peer:
     job: str
     task: int
     address: str
-    runs_steps: bool  # a worker or chief (ps tasks never finish a run)
+    runs_steps: bool  # a worker or chief (ps tasks never start or finish a run)
     seen: bool = False
     last_answer: float = 0.0
+    started: bool = False
     finished: bool = False
-    gone_since_finished: bool = False
 
 
 class RunWatch:
@@ -72,14 +73,15 @@ class RunWatch:
             who, _, reporter = rest.partition(" by ")
             job, _, task = who.partition(":")
             key = (job, int(task)) if task.isdigit() else None
-            if kind == "finished" and key in self.peers:
+            if kind == "started" and key in self.peers:
+                self.peers[key].started, self.peers[key].finished = True, False
+            elif kind == "finished" and key in self.peers:
                 self.peers[key].finished = True
-                self.peers[key].gone_since_finished = False
             elif kind == "lost" and key is not None and self.blamed is None:
                 self.blamed = (key, reporter.replace(":", " "))
 
     def in_run(self) -> bool:
-        return any(p.seen and not p.finished for p in self.peers.values() if p.runs_steps)
+        return any(p.started and not p.finished for p in self.peers.values() if p.runs_steps)
 
     def check(self):
         """One round: None while all is well, else (the peer lost, its state)."""
@@ -87,18 +89,14 @@ class RunWatch:
         states = faults.probe_all({key: p.address for key, p in self.peers.items()})
         now = time.monotonic()
         for key, state in states.items():
-            peer = self.peers[key]
             if state == faults.OK:
-                if peer.finished and peer.gone_since_finished:  # back for a new run
-                    peer.finished = peer.gone_since_finished = False
-                peer.seen, peer.last_answer = True, now
-            elif peer.finished and state == faults.GONE:
-                peer.gone_since_finished = True
+                self.peers[key].seen, self.peers[key].last_answer = True, now
         if not self.in_run():
             return None
         for key, state in sorted(states.items(), key=lambda kv: kv[1] != faults.FROZEN):
             peer = self.peers[key]
-            if not peer.seen or peer.finished or state == faults.OK:
+            if not peer.seen or peer.finished or state == faults.OK or (
+                    peer.runs_steps and not peer.started):
                 continue
             if state == faults.GONE:
                 self._read_news()  # it may have finished and left since the last read
@@ -128,7 +126,7 @@ class RunWatch:
         """Keep serving until no task that runs steps answers any more, at most LINGER_S."""
         deadline = time.monotonic() + LINGER_S
         runners = {key: p.address for key, p in self.peers.items()
-                   if p.runs_steps and p.seen and not p.finished}
+                   if p.runs_steps and p.started and not p.finished}
         while time.monotonic() < deadline and not stop.is_set():
             states = faults.probe_all(runners, timeout=0.5)
             if all(state != faults.OK for state in states.values()):
@@ -137,15 +135,17 @@ class RunWatch:
 
 
 def serve(cluster: Cluster, job: str, task: int, cpus: int = 1,
-          timeout_s: float = servers.DEFAULT_TIMEOUT_S, echo=print, fail=None) -> None:
+          timeout_s: float = servers.DEFAULT_TIMEOUT_S, echo=print, fail=None,
+          collective_leader: str | None = None) -> None:
     """Start this task's server, watch the runs, and block until SIGTERM or SIGINT. A peer lost
-    during a run calls ``fail(line)`` (which ends the process) or raises GraphxformError."""
+    during a run calls ``fail(line)`` (which ends the process) or raises GraphxformError.
+    ``collective_leader``: for a server whose ops a graph's collectives run (one client)."""
     from graphxform.runtime.launch import exit_with_parent
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set())
                 for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        server = servers.start_server(cluster, job, task, cpus)
+        server = servers.start_server(cluster, job, task, cpus, collective_leader)
         exit_with_parent()
         echo(f"serving {describe(cluster, job, task)} at "
              f"{servers.grpc_target(cluster.require(job, task))}")

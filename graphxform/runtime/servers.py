@@ -211,10 +211,10 @@ NEWS_QUEUE = "graphxform_run_news"
 
 def news_queue(tf, device: str):
     """The queue on a ps task where the tasks that run steps leave news of the run for its
-    `graphxform serve`: "finished worker:0" when a task ends its run normally (it may go away
-    now), "lost worker:1 by worker:0" when a task stops because a peer stopped (so a ps task
-    that sees both gone names the cause, not the task that gave up). Built the same way by
-    both sides, as TF requires of a shared resource."""
+    `graphxform serve`: "started worker:0" once it is connected, "finished worker:0" when it
+    ends its run normally (it may go away now), "lost worker:1 by worker:0" when it stops
+    because a peer stopped (so a ps task that sees both gone names the cause, not the task that
+    gave up). Built the same way by both sides, as TF requires of a shared resource."""
     with tf.device(device):
         return tf.queue.FIFOQueue(capacity=1024, dtypes=[tf.string], shapes=[[]],
                                   shared_name=NEWS_QUEUE, name=NEWS_QUEUE)

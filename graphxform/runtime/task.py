@@ -32,15 +32,16 @@ def tf_message(error) -> str:
     return tf_error_line(error)
 
 
-def plan_of(ir: GraphIR) -> ClusterPlan:
-    """The plan one process per task runs (`launch`, `run --cluster`); a one-line error for a
-    graph without one, or one only a single client can run."""
+def plan_of(ir: GraphIR, per_task: bool = True) -> ClusterPlan:
+    """The plan a cluster graph carries; a one-line error for a graph without one, or (with
+    ``per_task``: `launch`, `run --cluster`) one only a single client can run."""
     plan = ClusterPlan.from_ir(ir)
     if plan is None:
         raise GraphxformError(f"{ir.source or 'the graph'} was not built for a cluster (no "
                               f"'{CLUSTER_COLLECTION}' collection; build it with "
                               "`graphxform apply --strategy ps|allreduce --cluster F`)")
-    plan.require_per_task(ir.source or "the graph")
+    if per_task:
+        plan.require_per_task(ir.source or "the graph")
     return plan
 
 
@@ -184,8 +185,9 @@ class TaskRunner:
 
     def prepare(self, restore: str | None = None):
         """The chief initialises (or restores) every variable and runs chief_init; the others
-        wait until it has."""
+        wait until it has. Each tells the ps tasks its run started (they watch it from now)."""
         self.wait_for_cluster()
+        self._announce("started")
         if not self.chief:
             self._wait_until_ready()
             return
@@ -227,16 +229,19 @@ class TaskRunner:
 
     def finish(self):
         """Tell the ps tasks this task ended its run normally (it may go away now)."""
-        if self._news_ops:
-            what = "telling the ps tasks the run is over"
-            with self._bounded(what):
-                try:
-                    self._tell_ps(f"finished {self.job}:{self.task}", self._news_ops,
-                                  self.timeout_s)
-                    return
-                except self.tf.errors.OpError as e:
-                    error = e
-            raise GraphxformError(self._explain(error, what)) from None
+        self._announce("finished")
+
+    def _announce(self, news: str):
+        if not self._news_ops:
+            return
+        what = f"telling the ps tasks the run {'is over' if news == 'finished' else news}"
+        with self._bounded(what):
+            try:
+                self._tell_ps(f"{news} {self.job}:{self.task}", self._news_ops, self.timeout_s)
+                return
+            except self.tf.errors.OpError as e:
+                error = e
+        raise GraphxformError(self._explain(error, what)) from None
 
     # ---------------------------------------------------------------- steps
     def step(self, feed: dict):
