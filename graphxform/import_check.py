@@ -254,11 +254,12 @@ def _check_colocation(ir: GraphIR) -> None:
         if "_class" in proto.attr:
             _colocated(node_table, [name], _targets(proto.attr["_class"].list.s))
     by_plans = {}  # id(plans) -> (the originals with a _class by index, and their targets)
+    by_plan = {}  # id(plan) -> its targets, or None without a _class
     for replica in ir.replicas():
         plans, names, copies = replica.plans, replica.names, replica.copies
         touched = replica.touched
         if id(plans) not in by_plans:
-            by_plans[id(plans)] = _plans_targets(plans)
+            by_plans[id(plans)] = _plans_targets(plans, by_plan)
         colocated, kept, copied = by_plans[id(plans)]
         present = [k for k in colocated
                    if copies[k] is not None and node_table.get(names[k]) is copies[k]]
@@ -274,13 +275,19 @@ def _check_colocation(ir: GraphIR) -> None:
                    [replica.prefix + node for k in rest for node in copied[k]])
 
 
-def _plans_targets(plans: list) -> tuple[list, dict, dict]:
+def _plans_targets(plans: list, by_plan: dict) -> tuple[list, dict, dict]:
     """The indices of the plans whose copies have a ``_class``, and per index its targets
-    kept as they are and its copied targets (see ``_plan_targets``)."""
-    colocated = [k for k, plan in enumerate(plans) if plan[3] or "_class" in plan[1].attr]
-    kept, copied = {}, {}
-    for k in colocated:
-        kept[k], copied[k] = _plan_targets(plans[k])
+    kept as they are and its copied targets (see ``_plan_targets``); ``by_plan`` keeps what
+    each plan gave (the plans lists of one call share most plans)."""
+    colocated, kept, copied = [], {}, {}
+    for k, plan in enumerate(plans):
+        found = by_plan.get(id(plan), ())
+        if found == ():
+            has_class = plan[3] or "_class" in plan[1].attr
+            found = by_plan[id(plan)] = _plan_targets(plan) if has_class else None
+        if found is not None:
+            colocated.append(k)
+            kept[k], copied[k] = found
     return colocated, kept, copied
 
 
