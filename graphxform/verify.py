@@ -182,6 +182,14 @@ def check_structure(ir: GraphIR, changed_only: bool = False) -> None:
 def check_imports(ir: GraphIR) -> dict:
     """The TF-level check: TensorFlow's importer accepts the graph emit writes. Copies that
     are byte for byte another replica's are proven alike instead of imported again (see
-    graphxform/import_check.py). Returns what was imported."""
+    graphxform/import_check.py). TF would also refuse a cycle, which may run through such a
+    copy, so edges no structural check has seen (the pipeline ran without one) are searched
+    for cycles first. Returns what was imported."""
     from graphxform import import_check
+    changes = ir.take_changes()
+    if changes.linked_to:
+        errors = structural_errors(ir, nodes=(), new_edges=(changes.linked_to,
+                                                            changes.linked_from))
+        if errors:
+            raise GraphxformError("TensorFlow rejects the graph: " + "; ".join(errors))
     return import_check.check(ir)

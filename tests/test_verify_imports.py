@@ -90,6 +90,14 @@ def test_a_changed_node_equal_to_its_representative_keeps_the_twins(transformed)
     assert not info["whole"] and info["frontier"] > 0
 
 
+def test_a_cycle_through_a_twin_is_rejected(transformed):
+    """replica_2's MatMul waits on the Relu it feeds; the Relu stays a twin (left out of the
+    import, read as replica_0's), so the import alone would not see the cycle."""
+    transformed.add_control_input("replica_2/dense0/MatMul", "replica_2/dense0/Relu")
+    with pytest.raises(GraphxformError, match="TensorFlow rejects the graph: cycle"):
+        verify.check_imports(transformed)
+
+
 def test_colocation_with_a_missing_node_is_rejected(transformed):
     value = transformed.node("split_inputs/x/split")["attr"]["_class"]
     value.list.s.append(b"loc:@nowhere")
