@@ -40,7 +40,7 @@ def check(ir: GraphIR, tg: TrainingGraph, replicas: int, asynchronous: bool = Fa
     if replicas > 1 and not asynchronous:
         _check_losses_are_means(ir, tg)
     closure = _step_closure(ir, tg)
-    spread = ReplicaSpread(ir, replicas)
+    spread = ReplicaSpread(ir, replicas, step=closure)
     checked = 0
     for var in sorted(tg.variables.values(), key=lambda v: v.name):
         if not var.updates:

@@ -45,8 +45,11 @@ class ReplicaSpread:
     """``differs`` (a set of nodes) and ``coverage`` (node -> bit mask) of a replicated graph
     with ``replicas`` replicas (see the module docstring)."""
 
-    def __init__(self, ir: GraphIR, replicas: int):
+    def __init__(self, ir: GraphIR, replicas: int, step: set | None = None):
+        """``step``: the nodes a training step runs, when known: only their writes and random
+        draws count (initializers run once, and sync-init makes them equal)."""
         self.ir = ir
+        self.step = step
         self.all = (1 << replicas) - 1
         self.differs: set = set()
         self.coverage: dict = {}
@@ -64,22 +67,18 @@ class ReplicaSpread:
         edges, loops' back edges left out); a write that changed a variable's state sends its
         reads, and what they reach, through one more sweep of just those."""
         ir = self.ir
-        self._unseeded = {n for n in ir.nodes() if _unseeded_random(ir, n)}
-        reach = self._reach([n for n in ir.nodes() if self._is_source(n)])
-        order = self._in_order(reach)
-        todo = order
+        self._unseeded = {n for n in ir.nodes() if _unseeded_random(ir, n)
+                          and (self.step is None or n in self.step)}
+        todo = self._in_order(self._reach([n for n in ir.nodes() if self._is_source(n)]))
         while True:
             changed_variables = []
             for node in todo:
                 changed_variables += self._update(node)[1:]
             if not changed_variables:
                 return
-            again = self._reach([dst for var in changed_variables
-                                 for dst in ir.successors(var)])
-            if not again <= reach:
-                reach |= again
-                order = self._in_order(reach)
-            todo = [n for n in order if n in again]
+            # only what the changed variables' reads reach can change: order just that
+            todo = self._in_order(self._reach([dst for var in changed_variables
+                                               for dst in ir.successors(var)]))
 
     def _reach(self, seeds) -> set:
         """``seeds`` and every node their data edges lead to."""
@@ -150,7 +149,8 @@ class ReplicaSpread:
         if op in CROSS_REPLICA_OPS:
             differs, coverage = False, self.all if coverage else 0
         changed = [node] if self._set(node, differs, coverage) else []
-        if changed and is_mutating_op(op) and (differs or coverage != self.all):
+        if changed and is_mutating_op(op) and (differs or coverage != self.all) and (
+                self.step is None or node in self.step):
             # a write from values equal everywhere and covering every replica (an update from
             # the all-reduced gradient) changes nothing its reads could be refused for
             changed += [src for src in ir.g._pred[node]

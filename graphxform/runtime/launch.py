@@ -69,6 +69,15 @@ def _reader(child: Child, stream, kind: str, events: queue.Queue) -> None:
         events.put(("eof", child, kind))
 
 
+def _is_frozen(pid: int) -> bool:
+    """The process is stopped (SIGSTOP/SIGTSTP), read from /proc (Linux; elsewhere: no)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
 def _exit_text(code: int) -> str:
     if code < 0:
         try:
@@ -208,6 +217,11 @@ class Launch:
                 if code != 0 or c not in runners:
                     self._drain(events, c)
                     detail = f": {c.last_error}" if c.last_error else ""
+                    frozen = [o for o in self.children if o is not c and _is_frozen(o.pid)]
+                    if frozen and code < 0:  # a peer's crash while waiting on a frozen task
+                        raise GraphxformError(
+                            f"{frozen[0].name} stopped answering (frozen, e.g. SIGSTOP); "
+                            f"{c.name} then stopped: {_exit_text(code)}")
                     raise GraphxformError(f"{c.name} stopped: {_exit_text(code)}{detail}")
             if all(c.proc.poll() == 0 for c in runners):
                 self._drain_all(events, loss_keys, threads)
