@@ -155,8 +155,9 @@ def default_output(model: str, strategy: str) -> str:
     return f"{stem}.{strategy}.meta"
 
 
-def _transform(model, options, no_verify=False, dump_dir=None):
-    """Load MODEL twice (original, to transform) and run the strategy the options name."""
+def _transform(model, options, no_verify=False, dump_dir=None, keep_original=True):
+    """Load MODEL (twice with ``keep_original``: the original, and the one transformed) and run
+    the strategy the options name; the original is None without ``keep_original``."""
     from graphxform import cluster, metagraph, strategies, verify as verify_mod
     strategy = options["strategy"]
     kwargs = {}
@@ -206,7 +207,7 @@ def _transform(model, options, no_verify=False, dump_dir=None):
     from graphxform.pipeline import refuse_oversized_output
     refuse_oversized_output(model, len(device_list))  # before loading: it can be big
     ir = metagraph.load(model)
-    original = metagraph.load(model)
+    original = metagraph.load(model) if keep_original else None
     pipeline = strategies.transform(ir, strategy, devices=device_list,
                                     train_op=options["train_op"], verify=not no_verify,
                                     dump_dir=dump_dir, **kwargs)
@@ -354,7 +355,8 @@ def apply(model, output, no_verify, dump_dir, explain, debug, **options):
     metagraph.check_output_path(output, model)
     if dump_dir:
         _prepare_dump_dir(dump_dir)
-    original, ir, pipeline = _transform(model, options, no_verify, dump_dir)
+    original, ir, pipeline = _transform(model, options, no_verify, dump_dir,
+                                        keep_original=explain)
     metagraph.save(ir, output)
     summary = {}
     for t in pipeline.timings:
