@@ -26,7 +26,8 @@ class ClusterPlan:
     What a task's server and session need, derived from the graph when it was built:
     ``collective_leader`` ("/job:worker/replica:0/task:0") when the step runs collectives
     across tasks; ``device_filters`` maps "job:task" to the devices its session may see (a
-    task not listed sees every task, as the chief does)."""
+    task not listed sees every task, as the chief does). ``one_client_only`` says why the
+    graph cannot run one process per task, when it cannot."""
 
     cluster: dict
     steps: dict
@@ -39,6 +40,7 @@ class ClusterPlan:
     train_ops: list = dataclasses.field(default_factory=list)
     collective_leader: str | None = None
     device_filters: dict = dataclasses.field(default_factory=dict)
+    one_client_only: str | None = None
 
     # ------------------------------------------------------------ (de)serialise
     def to_json(self) -> str:
@@ -50,6 +52,8 @@ class ClusterPlan:
             data["collective_leader"] = self.collective_leader
         if self.device_filters:
             data["device_filters"] = self.device_filters
+        if self.one_client_only:
+            data["one_client_only"] = self.one_client_only
         return json.dumps(data, sort_keys=True)
 
     @classmethod
@@ -80,7 +84,8 @@ class ClusterPlan:
                    strategy=data.get("strategy", "ps"), staleness=int(data.get("staleness", 0)),
                    is_async=bool(data.get("async", False)), train_ops=list(train_ops),
                    collective_leader=data.get("collective_leader") or None,
-                   device_filters={k: list(v) for k, v in filters.items()})
+                   device_filters={k: list(v) for k, v in filters.items()},
+                   one_client_only=data.get("one_client_only") or None)
         if plan.steps and plan.chief not in plan.steps:
             raise GraphxformError(f"{where}: the chief '{plan.chief}' has no step op")
         return plan
@@ -113,9 +118,9 @@ class ClusterPlan:
     def require_per_task(self, source: str = "the graph") -> None:
         """One process per task runs one train op; refuse a graph with several (before any
         process starts, rather than hang)."""
-        if self.strategy == "hybrid":  # its all-reduce across worker processes: issue 16
-            raise GraphxformError(f"{source} is a hybrid graph: it runs with one client only "
-                                  "(`graphxform verify`, or one session on its chief) for now")
+        if self.one_client_only:
+            raise GraphxformError(f"{source} runs with one client only (`graphxform verify`, or "
+                                  f"one session on its chief): {self.one_client_only}")
         if len(self.train_ops) > 1:
             raise GraphxformError(
                 f"{source} has {len(self.train_ops)} train ops ({', '.join(self.train_ops)}); "

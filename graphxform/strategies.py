@@ -7,7 +7,7 @@ from graphxform import allreduce_spec
 from graphxform.passes.all_reduce import DEFAULT_BUCKET_BYTES, AllReduce
 from graphxform.passes.consistent_random import ConsistentRandom
 from graphxform.passes.drop_in_saver import DropInSaver
-from graphxform.passes.hybrid import (ChoosePlacement, LeadCollectives, OnSide,
+from graphxform.passes.hybrid import (ChoosePlacement, HybridWorkerSteps, OnSide,
                                      UnshareReplicated)
 from graphxform.passes.insert_accumulators import InsertAccumulators
 from graphxform.passes.merge_fetches import MergeFetches
@@ -145,7 +145,7 @@ def hybrid(ps_tasks: int = 1, sparse_as_dense_below: int = 0, placement=None,
         OnSide(AllReduce(bucket_bytes=bucket_bytes, sparse_as_dense=True), side="allreduce"),
         RewireConsumers(),
         OnSide(InsertAccumulators(), side="ps"),
-        LeadCollectives(),
+        HybridWorkerSteps(),
         MergeFetches(mean=tuple(fetch_mean), concat=tuple(fetch_concat)),
         DropInSaver(),
     ], verify=verify, dump_dir=dump_dir)

@@ -6,17 +6,27 @@ are its summary, so apply prints them). The ps passes and all-reduce then run th
 which shows them a view of the training graph holding only their side's variables: the ps passes
 place, share and aggregate the ps side, all-reduce reduces the rest. `unshare-replicated` then
 hands the all-reduced variables (with their slots, initializers and reads) back to `replicate`,
-which share-variables would otherwise have kept single like every other variable."""
+which share-variables would otherwise have kept single like every other variable.
+`hybrid-worker-steps` last makes each worker task's step run its own replicas only, so the graph
+also runs one process per task."""
 
 from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from graphxform.errors import GraphxformError
+from graphxform.nodes import Builder, replica_prefix
+from graphxform.passes.worker_steps import DEFAULT_TIMEOUT_S, set_collective_timeouts, tasks_of
 from graphxform.pipeline import Pass, PassResult
+from graphxform.training import REPLICA_SCOPE
 
 STATE = "choose-placement"
 SIDES = ("allreduce", "ps")
+SCOPE = "hybrid_sync/"
+BARRIER_DEVICE = "/job:ps/task:0/device:CPU:0"
+INT64 = 9  # DataType enum DT_INT64
 
 
 def decide(trainable, sparse_as_dense_below: int = 0, overrides=None) -> dict:
@@ -165,27 +175,89 @@ def _data_closure(ir, roots, within: set) -> set:
 
 
 @dataclasses.dataclass
-class LeadCollectives(Pass):
-    """The all-reduced side's collectives span worker tasks in one session: the plan
-    insert-accumulators wrote names a group leader (the first replica's task), which the
-    servers and the client's session config need."""
-    name = "lead-collectives"
+class HybridWorkerSteps(Pass):
+    """Each worker task's part of the step, for one process per task (`launch`, `run
+    --cluster`): insert-accumulators wrote the ps side's per-task steps and token queue; this
+    adds the all-reduced side.
+
+    The once-per-step update region waits on every replica's all-reduced update (Adam's
+    beta-power assigns and global_step's increment run after them), so the chief's step would
+    run the other workers' replicas too. Those control edges go through a barrier instead:
+    worker w's `hybrid_sync/<w>/done` enqueues one token once its replicas' updates ran, and the
+    region waits on `hybrid_sync/all_done`, which dequeues one per worker. Each task's step
+    runs its own `done`; the original train op (one client) runs all of them. The plan also
+    names the collective group leader and each task's device filters, and every collective
+    gets a timeout."""
+    name = "hybrid-worker-steps"
+    timeout_s: float = DEFAULT_TIMEOUT_S
 
     def run(self, ir, ctx):
         from graphxform.plan import ClusterPlan
-        if ctx.cluster is None or not ctx.state[STATE]["allreduce"] or len(ctx.devices) < 2:
+        chosen = ctx.state[STATE]
+        if ctx.cluster is None or not chosen["allreduce"] or len(ctx.devices) < 2:
             return PassResult(modified=False)
-        job, task = _job_task(ctx.devices[0])
-        plan = ClusterPlan.from_ir(ir) or ClusterPlan(  # no ps side: one client only
-            cluster=ctx.cluster.as_dict(), chief=f"{job}:{task}", losses={},
-            steps={f"{job}:{task}": ctx.training.steps[0].op} if ctx.training.steps else {},
-            strategy=ctx.strategy, train_ops=[s.name for s in ctx.training.steps])
-        plan.collective_leader = f"/job:{job}/replica:0/task:{task}"
+        tasks = tasks_of(ctx.devices)
+        first = next(iter(tasks))
+        leader = "/job:{}/replica:0/task:{}".format(*first.split(":"))
+        plan = ClusterPlan.from_ir(ir)
+        if plan is None:  # nothing on the ps side: no accumulators, no tokens
+            plan = ClusterPlan(
+                cluster=ctx.cluster.as_dict(), chief=first, losses={},
+                steps={first: ctx.training.steps[0].op} if ctx.training.steps else {},
+                strategy=ctx.strategy, train_ops=[s.name for s in ctx.training.steps],
+                one_client_only="every variable is all-reduced (none on the ps side); for one "
+                                "process per task use --strategy allreduce --cluster F")
+        elif plan.steps and len(tasks) > 1:
+            _barrier(ir, Builder(ir, self.name), plan, tasks, ctx.training.steps[0].op)
+            plan.device_filters = {t: [] if t == plan.chief else
+                                   ["/job:ps", "/job:" + t.replace(":", "/task:")]
+                                   for t in plan.steps}
+        plan.collective_leader = leader
         plan.write_to(ir.meta)
-        return PassResult(modified=True, summary={"collective_leader": plan.collective_leader})
+        timed = set_collective_timeouts(ir, self.timeout_s)
+        return PassResult(modified=True, summary={"collective_leader": leader,
+                                                  "collectives_timed": timed})
 
 
-def _job_task(device: str) -> tuple[str, str]:
-    """("worker", "0") from "/job:worker/task:0/device:CPU:0"."""
-    parts = dict(p.split(":", 1) for p in device.strip("/").split("/") if ":" in p)
-    return parts.get("job", "worker"), parts.get("task", "0")
+def _barrier(ir, build, plan, tasks, entry) -> None:
+    """Route the control edges from replicas into the chief's once-per-step region through
+    the done/all_done barrier (see HybridWorkerSteps), then prove that each task's step runs
+    its own replicas only."""
+    prefix_task = {replica_prefix(k): t for t, ks in tasks.items() for k in ks}
+    steps = set(plan.steps.values())
+    cut = {t: [] for t in tasks}  # task -> its replicas' nodes the region waited on
+    waiting = []
+    for node in sorted(ir.ancestors(plan.steps[plan.chief]) - steps):
+        if REPLICA_SCOPE.match(node):
+            continue
+        sources = [s for s in ir.control_inputs(node) if REPLICA_SCOPE.match(s)]
+        if sources:
+            waiting.append((node, sources))
+            for src in sources:
+                cut[prefix_task[REPLICA_SCOPE.match(src).group(0)]].append(src)
+    if waiting:
+        queue = build.op(SCOPE + "done_queue", "FIFOQueueV2", component_types=[INT64],
+                         shapes=[[]], capacity=-1, shared_name=SCOPE + "done_queue",
+                         device=BARRIER_DEVICE)
+        token = build.const(SCOPE + "token", [0], np.int64, device=BARRIER_DEVICE)
+        count = build.const(SCOPE + "workers", len(tasks), np.int32, device=BARRIER_DEVICE)
+        all_done = build.op(SCOPE + "all_done", "QueueDequeueManyV2", [queue, count],
+                            component_types=[INT64], device=BARRIER_DEVICE)
+        for node, sources in waiting:
+            for src in sources:
+                ir.remove_control_input(node, src)
+            ir.add_control_input(node, all_done)
+        for task, sources in cut.items():
+            done = build.op(f"{SCOPE}{task.replace(':', '_')}/done", "QueueEnqueueManyV2",
+                            [queue, token] + ["^" + s for s in dict.fromkeys(sources)],
+                            Tcomponents=[INT64], device=BARRIER_DEVICE)
+            ir.add_control_input(entry, done)
+            ir.add_control_input(plan.steps[task], done)
+    for task, step in plan.steps.items():
+        mine = {replica_prefix(k) for k in tasks.get(task, ())}
+        other = sorted(n for n in ir.ancestors(step)
+                       if REPLICA_SCOPE.match(n) and REPLICA_SCOPE.match(n).group(0) not in mine)
+        if other:
+            raise GraphxformError(f"hybrid: {task.replace(':', ' ')}'s step would also run "
+                                  f"'{other[0]}', another task's replica; run this graph with "
+                                  "one client, or use --strategy allreduce or ps")

@@ -68,7 +68,7 @@ class WorkerSteps(Pass):
             raise GraphxformError(f"the collectives' timeout must be positive, not "
                                   f"{self.timeout_s}")
         tg = ctx.training
-        tasks = _tasks_of(ctx.devices)
+        tasks = tasks_of(ctx.devices)
         build = Builder(ir, self.name)
         steps, losses = {}, {}
         if len(tg.steps) == 1:  # several train ops run with one client only (plan_of says so)
@@ -102,7 +102,7 @@ class WorkerSteps(Pass):
                         device=devices[replicas[0]])
 
 
-def _tasks_of(devices) -> dict:
+def tasks_of(devices) -> dict:
     """'job:task' -> its replicas' indices, in replica order."""
     import tensorflow as tf
     tasks = {}

@@ -1,9 +1,12 @@
 """hybrid (Parallax): dense-gradient variables all-reduced per replica, sparse-gradient ones on
 the ps tasks behind sparse accumulators. The corpus's exact recipes and the embedding fixture,
 transformed for 2 ps + 2 workers (and 1 worker x 2 replicas), match the single-device graph
-for 3 steps within 1e-5; the borderline options decide as documented."""
+for 3 steps within 1e-5 with one client; wide & deep launched one process per task (1 ps, 2
+workers x 2 replicas on 127.0.0.1) matches it too; the borderline options decide as
+documented."""
 
 import os
+import re
 
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 
@@ -11,10 +14,14 @@ import pytest  # noqa: E402
 from conftest import fixture_path  # noqa: E402
 from recipe_loop import load_manifest, recipe_meta  # noqa: E402
 
+from test_multiworker import STARTED, assert_close, gone, port_free  # noqa: E402
+
 from graphxform import cluster, equivalence, metagraph, strategies, training  # noqa: E402
 from graphxform.errors import GraphxformError  # noqa: E402
 from graphxform.passes.hybrid import decide  # noqa: E402
 from graphxform.plan import ClusterPlan  # noqa: E402
+from graphxform.runtime import servers  # noqa: E402
+from graphxform.runtime.local import Feeds, Runner  # noqa: E402
 
 SPEC = {"ps": ["127.0.0.1:2222", "127.0.0.1:2223"],
         "worker": ["127.0.0.1:2224", "127.0.0.1:2225"]}
@@ -78,10 +85,61 @@ def test_bad_placement_file_entries_are_refused():
         decide(tg.trainable, overrides={"dense0/kernel": "gpu"})
 
 
-def test_per_task_runs_are_refused_in_one_line():
-    ir, _ = transform(EMBEDDING)
-    with pytest.raises(GraphxformError, match="hybrid graph: it runs with one client only"):
+def test_each_task_runs_its_own_replicas_and_a_barrier_orders_the_update():
+    ir, _ = transform(EMBEDDING, devices=cluster.Cluster(SPEC).worker_devices(2))
+    plan = ClusterPlan.from_ir(ir)
+    assert plan.collective_leader == "/job:worker/replica:0/task:0"
+    assert plan.device_filters == {"worker:0": [], "worker:1": ["/job:ps", "/job:worker/task:1"]}
+    for task, mine in (("worker:0", {"replica_0", "replica_1"}),
+                       ("worker:1", {"replica_2", "replica_3"})):
+        ran = {n.split("/")[0] for n in ir.ancestors(plan.steps[task]) if n.startswith("replica_")}
+        assert ran == mine
+        assert f"hybrid_sync/{task.replace(':', '_')}/done" in ir.control_inputs(plan.steps[task])
+    # Adam's beta powers move once all replicas' dense updates ran: through the barrier
+    assert "hybrid_sync/all_done" in ir.control_inputs("Adam/update")
+    assert not [c for c in ir.control_inputs("Adam/update") if c.startswith("replica_")]
+    assert {"hybrid_sync/worker_0/done", "hybrid_sync/worker_1/done"} <= set(
+        ir.control_inputs("Adam"))  # one client still runs every replica
+
+
+def test_per_task_runs_are_refused_in_one_line_when_nothing_is_on_the_ps():
+    ir, _ = transform(EMBEDDING, placement={"embedding/weights": "allreduce"})
+    with pytest.raises(GraphxformError, match="runs with one client only.*every variable is "
+                                              "all-reduced"):
         ClusterPlan.from_ir(ir).require_per_task()
+
+
+@pytest.mark.slow
+def test_launched_per_task_trains_like_one_device(run_cli, tmp_path):
+    """wide & deep (FTRL and Adagrad on embeddings, dense layers) for 1 ps + 2 workers x 2
+    replicas, one process per task: each step's mean loss over workers and the chief's
+    checkpoint match the single-device graph."""
+    meta, entry, steps = recipe_meta("wide_deep"), MANIFEST["wide_deep"], 3
+    feeds = meta.replace(".meta", ".npz")
+    original = metagraph.load(meta)
+    source = Feeds(training.analyze(original).inputs, feeds, entry["batch_size"])
+    with Runner(original) as run:
+        run.initialize()
+        start = run.save(str(tmp_path / "start"))
+        losses = [run.step(source.batch(k)).loss for k in range(steps)]
+        values = run.variable_values()
+    spec = servers.local_cluster({"ps": 1, "worker": 2})
+    ir, _ = transform(meta, spec=spec.as_dict(), devices=spec.worker_devices(2))
+    out_meta = str(tmp_path / "wide_deep.hybrid.meta")
+    metagraph.save(ir, out_meta)
+    save = tmp_path / "ckpt" / "model"
+    code, out, err = run_cli("launch", out_meta, "--steps", steps, "--feeds", feeds,
+                             "--batch-size", entry["batch_size"], "--restore", start,
+                             "--save", save, "--timeout", 60)
+    assert code == 0, out + err
+    assert_close([float(x) for x in re.findall(r"^step \d+  loss (\S+)$", out, re.M)], losses)
+    with Runner(metagraph.load(meta)) as run:
+        run.restore(f"{save}-{steps}")
+        for name, value in run.variable_values().items():
+            assert_close(value, values[name])
+    for _, _, port, pid in STARTED.findall(out):
+        assert gone(int(pid)), f"pid {pid} left behind"
+        assert port_free(int(port)), f"port {port} still bound"
 
 
 def test_cli_apply_prints_each_decision_and_verify_passes(run_cli, tmp_path):
