@@ -28,6 +28,7 @@ STRATEGIES = {  # label: (strategy, options)
     "model-average": ("model-average", {"devices": TWO}),
     "ps": ("ps", {"cluster": SPEC}),
     "partitioned-ps": ("partitioned-ps", {"cluster": SPEC}),
+    "hybrid": ("hybrid", {"cluster": SPEC, "devices": cluster.Cluster(SPEC).worker_devices(2)}),
 }
 
 
@@ -49,6 +50,8 @@ def test_check_passes_on_every_strategy_output(name, strategy):
     statuses = {r.name: r.status for r in report.results}
     if strategy in ("ps", "partitioned-ps"):
         assert statuses["accumulators"] == "ok" and statuses["collectives"] == "-"
+    elif strategy == "hybrid":
+        assert statuses["accumulators"] == "ok" and statuses["collectives"] in ("ok", "-")
     else:
         assert statuses["accumulators"] == "-"
     if strategy.startswith("allreduce"):
@@ -70,6 +73,14 @@ def buckets(tmp_path_factory):
 def ps_graph(tmp_path_factory):
     path = tmp_path_factory.mktemp("check") / "mlp.ps.meta"
     metagraph.save(transformed("mlp_sgd", "ps"), str(path))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def hybrid_graph(tmp_path_factory):
+    """embedding_adam under hybrid: 2 workers x 2 replicas, the embedding on the ps."""
+    path = tmp_path_factory.mktemp("check") / "embedding.hybrid.meta"
+    metagraph.save(transformed("embedding_adam", "hybrid"), str(path))
     return str(path)
 
 
@@ -205,6 +216,26 @@ def test_worker_step_without_its_token(run_cli, ps_graph, tmp_path):
 
     code, report, errors = run_check(run_cli, edited(ps_graph, tmp_path, no_token))
     assert code == 1 and errors_naming(errors, "ps_sync/worker_1/step")
+
+
+def test_hybrid_barrier_short_of_a_worker(run_cli, hybrid_graph, tmp_path):
+    def no_done(nodes, graph):
+        step = nodes["ps_sync/worker_1/step"]
+        step.input[:] = [i for i in step.input if "done" not in i]
+
+    code, report, errors = run_check(run_cli, edited(hybrid_graph, tmp_path, no_done))
+    found = errors_naming(errors, "hybrid_sync/all_done")
+    assert code == 1 and found and "takes 2 token(s)" in found[0]["message"]
+    assert "put 1: it would wait forever" in found[0]["message"]
+
+
+def test_task_step_running_another_tasks_replica(run_cli, hybrid_graph, tmp_path):
+    def reach_over(nodes, graph):
+        nodes["ps_sync/worker_0/step"].input.append("^replica_2/dense0/MatMul")
+
+    code, report, errors = run_check(run_cli, edited(hybrid_graph, tmp_path, reach_over))
+    found = errors_naming(errors, "ps_sync/worker_0/step", "replica_2/dense0/MatMul")
+    assert code == 1 and found and "a replica of worker:1" in found[0]["message"]
 
 
 def test_stateful_ops_are_listed(run_cli, tmp_path):

@@ -4,8 +4,11 @@ gradients as workers apply to it per step, and every worker's step ends with its
 A take that waits for more gradients than arrive hangs the chief's step; one that waits for
 fewer updates before every worker has reported, so the step averages whichever arrived first.
 A worker whose step takes no token can run ahead of the update; one whose step does not apply
-its own gradient leaves the chief's take waiting. What each task runs is the plan the graph
-carries (collection ``graphxform_cluster``), read here as plain JSON."""
+its own gradient leaves the chief's take waiting. A task's step that runs another task's
+replica runs that work twice (and its collectives with the wrong members). hybrid's barrier: a
+dequeue of N tokens in the chief's step needs the tasks' steps to enqueue N per step, else the
+chief hangs or updates early. What each task runs is the plan the graph carries (collection
+``graphxform_cluster``), read here as plain JSON."""
 
 from __future__ import annotations
 
@@ -26,9 +29,10 @@ TAKE_OPS = {"AccumulatorTakeGradient", "SparseAccumulatorTakeGradient",
 DEQUEUE_OPS = {"QueueDequeueV2", "QueueDequeue", "QueueDequeueManyV2", "QueueDequeueUpToV2"}
 ENQUEUE_OPS = {"QueueEnqueueV2", "QueueEnqueueManyV2", "QueueEnqueue", "QueueEnqueueMany"}
 PLAN_COLLECTION = "graphxform_cluster"
-PS_STRATEGIES = {"ps", "partitioned-ps"}  # plans whose workers sync through tokens
+PS_STRATEGIES = {"ps", "partitioned-ps", "hybrid"}  # plans whose workers sync by tokens
 _TASK = re.compile(r"/job:([^/]+)(?:/replica:\d+)?/task:(\d+)")
 _APPLY_NAME = re.compile(r"apply_([A-Za-z]+)_(\d+)$")
+_REPLICA = re.compile(r"^replica_\d+/")
 
 
 def plan_of(ir: GraphIR) -> dict | None:
@@ -110,24 +114,26 @@ def _check_accumulator(ir, result, acc, expected) -> None:
 
 
 def _check_steps(ir, result, plan, accumulators) -> int:
-    """Each worker's step runs its own applies and ends with a token from the queue the
-    chief's step releases one token per waiting worker into."""
+    """Each worker's step runs its own applies and replicas only, and ends with a token from the
+    queue the chief's step releases one token per waiting worker into; the chief's barriers
+    get what they wait for."""
     steps = plan.get("steps") or {}
     chief = plan.get("chief")
-    if plan.get("async") or not steps:
+    if plan.get("async") or not steps or plan.get("one_client_only"):
         return 0
     applies_of = collections.defaultdict(dict)  # worker -> accumulator -> applies
     for acc in accumulators:
         for dst, _ in ir.consumers(acc):
             if ir.op(dst) in APPLY_OPS:
                 applies_of[worker_of(ir, dst)].setdefault(acc, []).append(dst)
-    released = _released(ir, steps.get(chief)) if chief in steps else {}
+    absent = sorted(t for t, step in steps.items() if step not in ir)
+    for task in absent:
+        result.error(f"{task}'s step '{steps[task]}' (in the graph's plan) is not in the graph")
+    upstreams = {t: ir.ancestors(step) for t, step in steps.items() if t not in absent}
+    released = _released(ir, upstreams[chief]) if chief in upstreams else {}
     takers = 0
-    for task, step in sorted(steps.items()):
-        if step not in ir:
-            result.error(f"{task}'s step '{step}' (in the graph's plan) is not in the graph")
-            continue
-        upstream = ir.ancestors(step)
+    for task, upstream in sorted(upstreams.items()):
+        step = steps[task]
         job = task.split(":")[0]
         if job != "chief":
             missing = [acc for acc in accumulators
@@ -150,22 +156,73 @@ def _check_steps(ir, result, plan, accumulators) -> int:
     if released and count != takers:
         result.error(f"the chief's step releases {count} token(s) per step, but {takers} "
                      "worker(s) wait for one", [steps[chief]])
+    _check_own_replicas(ir, result, steps, upstreams)
+    _check_barriers(ir, result, chief, upstreams)
     return len(steps)
 
 
-def _released(ir, step) -> dict:
-    """queue -> tokens the chief's step puts into it per step (known constants only)."""
+def _check_own_replicas(ir, result, steps, upstreams) -> None:
+    """A task's step runs no replica placed on another task."""
+    home = {}  # replica prefix -> the worker task its nodes run on (ps-placed reads aside)
+    for name in ir.nodes():
+        prefix = _REPLICA.match(name)
+        if prefix and prefix.group(0) not in home:
+            match = _TASK.search(ir.node(name)["device"])
+            if match and match.group(1) != "ps":
+                home[prefix.group(0)] = f"{match.group(1)}:{match.group(2)}"
+    for task, upstream in sorted(upstreams.items()):
+        other = sorted(n for n in upstream if _REPLICA.match(n)
+                       and home.get(_REPLICA.match(n).group(0), task) != task)
+        if other:
+            result.error(f"{task}'s step '{steps[task]}' runs '{other[0]}', a replica of "
+                         f"{home[_REPLICA.match(other[0]).group(0)]}: that work would run twice",
+                         [steps[task], other[0]])
+
+
+def _check_barriers(ir, result, chief, upstreams) -> None:
+    """Every dequeue of N tokens in the chief's step is fed N per step by the tasks' steps."""
+    for node in upstreams.get(chief, ()):
+        if ir.op(node) != "QueueDequeueManyV2":
+            continue
+        queue, wanted = ir.inputs(node)[0][0], const_value(ir, ir.inputs(node)[1][0])
+        fed = sum(_enqueued(ir, upstream).get(queue, 0) for upstream in upstreams.values())
+        if wanted is not None and int(wanted) != fed:
+            what = "would wait forever" if int(wanted) > fed else "would not wait for every task"
+            result.error(f"'{node}' in the chief's step takes {int(wanted)} token(s) from "
+                         f"'{queue}' per step, but the tasks' steps put {fed}: it {what}",
+                         [node, queue])
+
+
+def _released(ir, upstream) -> dict:
+    """queue -> tokens the chief's step (``upstream``: what it runs) puts into it per step for
+    the others (a queue it also dequeues from is a barrier it waits on, not tokens it
+    releases)."""
+    found = _enqueued(ir, upstream)
+    for node in upstream:
+        if ir.op(node) in DEQUEUE_OPS:
+            found.pop(ir.inputs(node)[0][0], None)
+    return found
+
+
+def _enqueued(ir, upstream) -> collections.Counter:
+    """queue -> tokens a step (``upstream``: what it runs) puts into it per step (known
+    constants only)."""
     found = collections.Counter()
-    if step is None or step not in ir:
-        return found
-    for node in ir.ancestors(step):
+    for node in upstream:
         if ir.op(node) not in ENQUEUE_OPS:
             continue
         queue = ir.inputs(node)[0][0]
         tokens = ir.inputs(node)[1][0] if len(ir.inputs(node)) > 1 else None
-        count = 1
-        if ir.op(node).startswith("QueueEnqueueMany") and tokens and ir.op(tokens) == "Fill":
-            value = const_value(ir, ir.inputs(tokens)[0][0])
-            count = int(value.reshape(-1)[0]) if value is not None else 0
-        found[queue] += count
+        many = ir.op(node).startswith("QueueEnqueueMany")
+        found[queue] += _rows(ir, tokens) if many and tokens else 1
     return found
+
+
+def _rows(ir, tokens) -> int:
+    """How many tokens an EnqueueMany of ``tokens`` puts: a Fill's count or a constant's rows
+    (0 when unknown)."""
+    if ir.op(tokens) == "Fill":
+        value = const_value(ir, ir.inputs(tokens)[0][0])
+        return int(value.reshape(-1)[0]) if value is not None else 0
+    value = const_value(ir, tokens)
+    return int(value.shape[0]) if value is not None and value.ndim else 0

@@ -8,7 +8,8 @@ same checks before writing. Findings name nodes; errors make `check` exit 1 and 
 - updates: trainable variables updated once per step from cross-replica values, replicas start
   equal, no replica reads a copy that stopped updating;
 - accumulators: ``num_required`` equals the workers feeding each one, every worker's step ends
-  with its token (parameter servers);
+  with its token and runs its own replicas only, hybrid's barrier gets one token per worker
+  (parameter servers, hybrid);
 - losses: averaged, not summed, across replicas where each replica's loss is a mean;
 - stateful: batch-norm statistics, counters, random ops and queues, with how each replica
   treats them (information only).
