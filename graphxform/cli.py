@@ -3,16 +3,17 @@ the traceback."""
 
 from __future__ import annotations
 
-import importlib
+import atexit
 import json
 import os
 import signal
 import sys
+import threading
 import traceback
 
 import click
 
-from graphxform import cleanup
+from graphxform import cleanup, tf_import
 from graphxform.runtime.servers import DEFAULT_TIMEOUT_S
 from graphxform.errors import GraphxformError, clip
 
@@ -192,10 +193,21 @@ def _transform(model, options, no_verify=False, dump_dir=None, keep_original=Tru
                                       options["worker_device"])
         kwargs = {**_local_strategy_options(strategy, options), "cluster": found,
                   "hierarchical": options["hierarchical"]}
+    elif strategy == "model-average" and (options["cluster"] or (
+            os.environ.get("TF_CONFIG") and not options["replicas"] and not options["devices"])):
+        from graphxform.passes.model_average import worker_devices
+        found, _ = cluster.load_cluster(options["cluster"])
+        if options["devices"] or options["replicas"]:
+            raise GraphxformError("--strategy model-average with --cluster places replicas on "
+                                  "the cluster's workers: use --replicas-per-worker, not "
+                                  "--replicas/--devices")
+        device_list = worker_devices(found, options["replicas_per_worker"],
+                                     options["worker_device"])
+        kwargs = {**_local_strategy_options(strategy, options), "cluster": found}
     else:
         if options["cluster"]:
             raise GraphxformError(f"--strategy {strategy} runs on local devices; --cluster is "
-                                   "for ps, partitioned-ps and allreduce")
+                                   "for ps, partitioned-ps, allreduce and model-average")
         device_list = _devices(options["replicas"], options["devices"])
         kwargs = _local_strategy_options(strategy, options)
     if options.get("hierarchical") and not kwargs.get("hierarchical"):
@@ -669,25 +681,6 @@ def cost(model, batch_size, as_json, debug, **options):
                cost_mod.format_text(report))
 
 
-def _import_tensorflow_quietly(debug: bool) -> None:
-    """TF's native libraries print start-up chatter straight to fd 2; keep it off the terminal
-    so an error stays one line (``--debug`` shows everything)."""
-    if debug:
-        importlib.import_module("tensorflow")
-        return
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    sys.stderr.flush()
-    saved = os.dup(2)
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(devnull, 2)
-        importlib.import_module("tensorflow")
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(devnull)
-
-
 def main(argv=None):
     """Entry point: run the CLI; every error is one line on stderr and a non-zero exit
     (--debug adds the traceback). A signal unwinds the command, so nothing is left behind."""
@@ -697,10 +690,33 @@ def main(argv=None):
         sys.exit(_main(argv, debug))
 
 
+def console_main():
+    """The `graphxform` command: main, then end the process without the interpreter's
+    teardown, which would free every object of a large graph one by one and unload TF's
+    modules (a few tenths of a second on a 200k-node output, after the work is done). By then
+    outputs are written and closed and children waited for; exit handlers still run. Another
+    thread still running gets the usual exit, which waits for it."""
+    try:
+        main()
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
+        if threading.active_count() > 1:
+            raise
+        atexit._run_exitfuncs()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # a closed pipe: nothing more can reach it
+                pass
+        os._exit(code)
+
+
 def _main(argv: list, debug: bool) -> int:
     try:
         if not {"-h", "--help", "--version"} & set(argv) and argv:
-            _import_tensorflow_quietly(debug)
+            tf_import.core(quiet=not debug)  # the API itself only when a command needs it
         # not cli.main: it turns EOFError into "Aborted!" and prints usage errors on 3 lines
         with cli.make_context("graphxform", argv) as ctx:
             cli.invoke(ctx)

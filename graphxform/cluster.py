@@ -24,9 +24,9 @@ def local_devices(replicas: int | None, devices: list[str] | None) -> list[str]:
 
 def canonical_device(text: str) -> str:
     """'gpu:1' -> '/device:GPU:1'; refuse what TF cannot parse."""
-    import tensorflow as tf
+    from tensorflow.python.framework.device_spec import DeviceSpecV2
     try:
-        spec = tf.DeviceSpec.from_string(text.strip())
+        spec = DeviceSpecV2.from_string(text.strip())
     except (ValueError, TypeError) as e:
         raise GraphxformError(f"device '{text}' is not a TF device name ({e})") from None
     if spec.device_type is None:
@@ -36,12 +36,12 @@ def canonical_device(text: str) -> str:
 
 def cpu_devices_needed(device_names) -> int:
     """How many local CPU devices a session needs to place these devices."""
-    import tensorflow as tf
+    from tensorflow.python.framework.device_spec import DeviceSpecV2
     count = 1
     for name in device_names:
         if not name:
             continue
-        spec = tf.DeviceSpec.from_string(name)
+        spec = DeviceSpecV2.from_string(name)
         if spec.device_type == "CPU" and spec.device_index is not None:
             count = max(count, spec.device_index + 1)
     return count

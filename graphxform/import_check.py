@@ -163,9 +163,9 @@ class _Imported:
 def _import(ir: GraphIR, nodes: list, wanted: list) -> _Imported:
     """Import the GraphDef of ``nodes`` (node fields) and ``ir``'s library and versions into a
     new graph with TF's C importer; raise naming what TF rejects."""
-    import tensorflow as tf
     from tensorflow.python.client import pywrap_tf_session as c_api
     from tensorflow.python.framework import ops
+    from tensorflow.python.framework.errors_impl import OpError
     data = b"".join(nodes) + ir.meta.graph_def.SerializeToString()
     nodes.clear()  # TF keeps its own copy of the bytes: none of ours need stay
     graph = ops.Graph()
@@ -181,7 +181,7 @@ def _import(ir: GraphIR, nodes: list, wanted: list) -> _Imported:
             operations = c_api.TF_ImportGraphDefResultsReturnOperations(results)
         finally:
             c_api.TF_DeleteImportGraphDefResults(results)
-    except tf.errors.OpError as e:
+    except OpError as e:
         raise GraphxformError(f"TensorFlow rejects the graph: {tf_error_line(e)}") from None
     finally:
         c_api.TF_DeleteBuffer(buffer)

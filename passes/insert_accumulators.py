@@ -298,10 +298,10 @@ class _Workers:
     """Replicas grouped by worker task, and which task is the chief."""
 
     def __init__(self, devices, cluster):
-        import tensorflow as tf
+        from tensorflow.python.framework.device_spec import DeviceSpecV2
         self.tasks, self.replicas, self.devices = [], {}, {}
         for k, device in enumerate(devices):
-            spec = tf.DeviceSpec.from_string(device)
+            spec = DeviceSpecV2.from_string(device)
             task = f"{spec.job or 'localhost'}:{spec.task or 0}"
             if task not in self.replicas:
                 self.tasks.append(task)

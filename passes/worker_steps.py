@@ -104,10 +104,10 @@ class WorkerSteps(Pass):
 
 def tasks_of(devices) -> dict:
     """'job:task' -> its replicas' indices, in replica order."""
-    import tensorflow as tf
+    from tensorflow.python.framework.device_spec import DeviceSpecV2
     tasks = {}
     for k, device in enumerate(devices):
-        spec = tf.DeviceSpec.from_string(device)
+        spec = DeviceSpecV2.from_string(device)
         if spec.job is None:
             raise GraphxformError(f"device '{device}' names no job: worker-steps places "
                                   "replicas on a cluster's tasks")

@@ -1,0 +1,77 @@
+"""graphxform.tf_import: the CLI loads TensorFlow's core alone and the whole API on demand.
+
+Each case runs in a fresh interpreter: the stand-in only exists before `tensorflow` is
+imported, which this test process did long ago."""
+
+import os
+import subprocess
+import sys
+
+from tests.conftest import fixture_path
+
+TIMEOUT_S = 120
+
+
+def _python(code: str) -> list[str]:
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", TF_USE_LEGACY_KERAS="1")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=TIMEOUT_S, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.split()
+
+
+def test_apply_and_inspect_never_import_the_api(tmp_path):
+    """What makes `apply` start 2 s sooner: it needs protobufs, the op registry and the C
+    importer, not tensorflow/__init__.py."""
+    out = tmp_path / "out.meta"
+    printed = _python(
+        "import sys\n"
+        "from graphxform import cli\n"
+        f"assert cli._main(['apply', '--replicas', '2', {fixture_path('mlp_sgd')!r}, "
+        f"'-o', {str(out)!r}], False) == 0\n"
+        f"assert cli._main(['inspect', {str(out)!r}], False) == 0\n"
+        "print(type(sys.modules['tensorflow']).__name__)\n")
+    assert printed[-1] == "_StandIn"
+    assert out.exists()
+
+
+def test_the_api_arrives_on_first_use():
+    """An attribute read and an import of an API module both give the real package, once,
+    with the core modules loaded before it reused (same objects)."""
+    printed = _python(
+        "import sys\n"
+        "from graphxform import tf_import\n"
+        "tf_import.core()\n"
+        "from tensorflow.python.framework import ops\n"
+        "import tensorflow as tf\n"
+        "print(type(tf).__name__)\n"
+        "import tensorflow.compat.v1 as tf1\n"
+        "real = sys.modules['tensorflow']\n"
+        "print(type(real).__name__, real.compat.v1 is tf1, tf.compat.v1 is tf1)\n"
+        "tf1.disable_eager_execution()\n"
+        "g = tf1.Graph()\n"
+        "print(isinstance(g, ops.Graph))\n"
+        "with g.as_default():\n"
+        "    x = tf1.placeholder(tf1.float32, [2])\n"
+        "    y = tf1.reduce_sum(x * 3.0)\n"
+        "    with tf1.Session() as s:\n"
+        "        print(s.run(y, {x: [1.0, 2.0]}))\n"
+        "import tf_keras, tf_slim\n"
+        "print(tf_keras.layers.Dense.__name__)\n")
+    assert printed == ["_StandIn", "module", "True", "True", "True", "9.0", "Dense"]
+
+
+def test_the_console_command_exits_with_the_commands_code(tmp_path):
+    """console_main ends the process without the interpreter's teardown: the exit code and
+    every line written must survive that."""
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    bad = subprocess.run([sys.executable, "-m", "graphxform", "inspect",
+                          str(tmp_path / "missing.meta")], capture_output=True, text=True,
+                         timeout=TIMEOUT_S, env=env)
+    assert bad.returncode != 0
+    assert bad.stderr.count("\n") == 1 and "missing.meta" in bad.stderr
+    good = subprocess.run([sys.executable, "-m", "graphxform", "inspect",
+                           fixture_path("mlp_sgd")], capture_output=True, text=True,
+                          timeout=TIMEOUT_S, env=env)
+    assert good.returncode == 0, good.stderr
+    assert good.stdout.strip()
