@@ -49,7 +49,11 @@ def test_check_passes_on_every_strategy_output(name, strategy):
     assert report.ok, report.text()
     statuses = {r.name: r.status for r in report.results}
     if strategy in ("ps", "partitioned-ps"):
-        assert statuses["accumulators"] == "ok" and statuses["collectives"] == "-"
+        # add_check_numerics_ops groups every replica's checks, and a gradient waits on the
+        # group: worker 0's step runs worker 1's forward pass again (said, not refused)
+        twice = name == "recipes/summaries_check_numerics"
+        assert statuses["accumulators"] == ("warning" if twice else "ok")
+        assert statuses["collectives"] == "-"
     elif strategy == "hybrid":
         assert statuses["accumulators"] == "ok" and statuses["collectives"] in ("ok", "-")
     else:
@@ -231,11 +235,13 @@ def test_hybrid_barrier_short_of_a_worker(run_cli, hybrid_graph, tmp_path):
 
 def test_task_step_running_another_tasks_replica(run_cli, hybrid_graph, tmp_path):
     def reach_over(nodes, graph):
-        nodes["ps_sync/worker_0/step"].input.append("^replica_2/dense0/MatMul")
+        nodes["ps_sync/worker_0/step"].input.append("^replica_2/Adam/update_dense0/kernel/"
+                                                    "ResourceApplyAdam")
 
     code, report, errors = run_check(run_cli, edited(hybrid_graph, tmp_path, reach_over))
-    found = errors_naming(errors, "ps_sync/worker_0/step", "replica_2/dense0/MatMul")
-    assert code == 1 and found and "a replica of worker:1" in found[0]["message"]
+    found = errors_naming(errors, "ps_sync/worker_0/step")
+    assert code == 1 and found and "of worker:1's replica" in found[0]["message"]
+    assert "the group would meet twice" in found[0]["message"]
 
 
 def test_stateful_ops_are_listed(run_cli, tmp_path):

@@ -5,7 +5,7 @@ A take that waits for more gradients than arrive hangs the chief's step; one tha
 fewer updates before every worker has reported, so the step averages whichever arrived first.
 A worker whose step takes no token can run ahead of the update; one whose step does not apply
 its own gradient leaves the chief's take waiting. A task's step that runs another task's
-replica runs that work twice (and its collectives with the wrong members). hybrid's barrier: a
+replica runs that work twice (an error when it holds collectives). hybrid's barrier: a
 dequeue of N tokens in the chief's step needs the tasks' steps to enqueue N per step, else the
 chief hangs or updates early. What each task runs is the plan the graph carries (collection
 ``graphxform_cluster``), read here as plain JSON."""
@@ -29,7 +29,7 @@ TAKE_OPS = {"AccumulatorTakeGradient", "SparseAccumulatorTakeGradient",
 DEQUEUE_OPS = {"QueueDequeueV2", "QueueDequeue", "QueueDequeueManyV2", "QueueDequeueUpToV2"}
 ENQUEUE_OPS = {"QueueEnqueueV2", "QueueEnqueueManyV2", "QueueEnqueue", "QueueEnqueueMany"}
 PLAN_COLLECTION = "graphxform_cluster"
-PS_STRATEGIES = {"ps", "partitioned-ps", "hybrid"}  # plans whose workers sync by tokens
+PS_STRATEGIES = {"ps", "partitioned-ps", "hybrid", "model-average"}  # workers sync by tokens
 _TASK = re.compile(r"/job:([^/]+)(?:/replica:\d+)?/task:(\d+)")
 _APPLY_NAME = re.compile(r"apply_([A-Za-z]+)_(\d+)$")
 _REPLICA = re.compile(r"^replica_\d+/")
@@ -162,21 +162,36 @@ def _check_steps(ir, result, plan, accumulators) -> int:
 
 
 def _check_own_replicas(ir, result, steps, upstreams) -> None:
-    """A task's step runs no replica placed on another task."""
+    """A task's step runs no replica placed on another task: an error when that replica runs
+    collectives (they would meet members twice), else a warning (its work runs twice)."""
     home = {}  # replica prefix -> the worker task its nodes run on (ps-placed reads aside)
     for name in ir.nodes():
         prefix = _REPLICA.match(name)
         if prefix and prefix.group(0) not in home:
-            match = _TASK.search(ir.node(name)["device"])
-            if match and match.group(1) != "ps":
-                home[prefix.group(0)] = f"{match.group(1)}:{match.group(2)}"
+            found = _task_of(ir.node(name)["device"])
+            if found and not found.startswith("ps:"):
+                home[prefix.group(0)] = found
     for task, upstream in sorted(upstreams.items()):
+        collectives = sorted(n for n in upstream if ir.op(n).startswith("Collective")
+                             and _task_of(ir.node(n)["device"]) not in (None, task))
+        if collectives:
+            result.error(f"{task}'s step '{steps[task]}' runs '{collectives[0]}', a collective "
+                         f"of {_task_of(ir.node(collectives[0])['device'])}'s replica: that "
+                         "task runs it too, so the group would meet twice",
+                         [steps[task], collectives[0]])
+            continue
         other = sorted(n for n in upstream if _REPLICA.match(n)
                        and home.get(_REPLICA.match(n).group(0), task) != task)
         if other:
-            result.error(f"{task}'s step '{steps[task]}' runs '{other[0]}', a replica of "
-                         f"{home[_REPLICA.match(other[0]).group(0)]}: that work would run twice",
-                         [steps[task], other[0]])
+            owner = home[_REPLICA.match(other[0]).group(0)]
+            result.warning(f"{task}'s step '{steps[task]}' also runs {len(other)} node(s) of "
+                           f"{owner}'s replicas ('{other[0]}'): that work runs twice per step",
+                           [steps[task], other[0]])
+
+
+def _task_of(device: str) -> str | None:
+    match = _TASK.search(device or "")
+    return f"{match.group(1)}:{match.group(2)}" if match else None
 
 
 def _check_barriers(ir, result, chief, upstreams) -> None:
