@@ -120,6 +120,22 @@ def test_sparse_gradient_is_an_upper_bound_of_one_row_per_id():
     assert any("upper bound" in note for note in report.notes)
 
 
+def test_hybrid_minimum_is_the_ring_for_dense_variables_and_the_ps_for_the_embedding():
+    """embedding_adam on 2 workers: dense0 ([8,2] and [2] floats) all-reduced over 2 devices,
+    each sending and receiving 2(2-1)/2 of it; the embedding's 32 ids per worker at the ps
+    minimum (each worker sends one row and one int64 index per id and reads one row per id)."""
+    _, report = measure("embedding_adam", "hybrid", 16)
+    assert report.model == "hybrid"
+    for var, nbytes in {"dense0/kernel": 8 * 2 * F32, "dense0/bias": 2 * F32}.items():
+        assert report.variables[var].moved == report.variables[var].minimum == 2 * nbytes
+    ids_per_worker = 8 * 4
+    gradient, read = ids_per_worker * (8 * F32 + 8), ids_per_worker * 8 * F32
+    assert report.variables["embedding/weights"].minimum == 2 * (gradient + read)
+    for worker in ("worker:0", "worker:1"):
+        assert report.endpoints[worker].minimum_sent == gradient
+        assert report.endpoints[worker].minimum_received == read
+
+
 def test_cli_table_and_json(run_cli, tmp_path):
     spec = tmp_path / "cluster.json"
     spec.write_text(json.dumps(SPEC))

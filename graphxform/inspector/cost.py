@@ -147,8 +147,14 @@ def measure(original: GraphIR, ir: GraphIR, batch_size: int = 32, strategy: str 
     transfers = edge_transfers(ir, step, shapes, client, owners, sparse_rows)
     transfers += collective_transfers(ir, step, shapes, owners)
     model = "allreduce" if any(t.kind != "edge" for t in transfers) else "ps"
-    minimum = (allreduce_minimum(ir, step, tg, sparse_rows) if model == "allreduce"
-               else ps_minimum(ir, tg, sparse_rows, client, owners))
+    if model == "allreduce" and any(_is_accumulator(ir, n) for n in step):
+        model, minimum = "hybrid", hybrid_minimum(ir, step, tg, sparse_rows, client, owners)
+        notes.append("hybrid: the all-reduced variables' minimum is the ring's (per device), the "
+                     "ps side's the parameter servers' (per task)")
+    elif model == "allreduce":
+        minimum = allreduce_minimum(ir, step, tg, sparse_rows)
+    else:
+        minimum = ps_minimum(ir, tg, sparse_rows, client, owners)
     if ir.has_scope("model_average/"):
         model, minimum = "model-average", model_average_minimum(ir, tg, replicas, client)
         notes.append("model-average: the copies are read into the mean on every step (a round "
@@ -460,9 +466,11 @@ def _shard_fraction(ir, var_node, owners) -> float:
 
 
 def worker_tasks(ir, client) -> list:
-    """Tasks that run replicas (the W of the ps minimum)."""
-    return sorted({task_of(ir.node(n)["device"], client) for n in ir.nodes()
-                   if _REPLICA.match(n) and ir.node(n)["device"]})
+    """Tasks that run replicas (the W of the ps minimum); a replica's read placed with its
+    variable on a ps task (an embedding's gather) does not make that task a worker."""
+    tasks = {task_of(ir.node(n)["device"], client) for n in ir.nodes()
+             if _REPLICA.match(n) and ir.node(n)["device"]}
+    return sorted(t for t in tasks if not t.startswith("ps:"))
 
 
 def collective_transfers(ir, step, shapes, owners) -> list:
@@ -612,11 +620,14 @@ def rows_touched(tg, original, batched, batch_size) -> dict:
     return found
 
 
-def _needs(tg, sparse_rows, parts: int) -> dict:
+def _needs(tg, sparse_rows, parts: int, only=None) -> dict:
     """Variable -> bytes one of ``parts`` equal shares of the batch needs: a dense variable
-    whole; a sparse one only the rows its ids touch (an upper bound)."""
+    whole; a sparse one only the rows its ids touch (an upper bound). ``only``: these
+    variables' names alone."""
     needs = {}
     for var in tg.trainable:
+        if only is not None and var.name not in only:
+            continue
         if var.name not in sparse_rows:
             needs[var.name] = _Need(var.nbytes, var.nbytes)
             continue
@@ -627,12 +638,12 @@ def _needs(tg, sparse_rows, parts: int) -> dict:
     return needs
 
 
-def ps_minimum(ir, tg, sparse_rows, client, owners) -> dict:
+def ps_minimum(ir, tg, sparse_rows, client, owners, only=None) -> dict:
     """Each worker sends each gradient once (its replicas summed) and receives each variable it
     reads once; each ps task receives W gradients and sends W copies of its variables."""
     workers = worker_tasks(ir, client)
     w = len(workers) or 1
-    needs = _needs(tg, sparse_rows, w)
+    needs = _needs(tg, sparse_rows, w, only)
     minimum = {"endpoints": {}, "variables": {}}
     place = Placement(ir)
     for task in workers:
@@ -658,19 +669,33 @@ def _variable_bytes(ir, node) -> int:
     return count * dtypes.as_dtype(attr["dtype"].type).size
 
 
-def allreduce_minimum(ir, step, tg, sparse_rows) -> dict:
+def allreduce_minimum(ir, step, tg, sparse_rows, only=None) -> dict:
     """Ring all-reduce: 2(N-1)/N x the dense gradient bytes per device; a sparse gradient is
     all-gathered: (N-1)/N of the rows the whole batch touches."""
     devices = sorted({ir.node(n)["device"] for n in step
                       if ir.op(n) in (COLLECTIVE_REDUCE, COLLECTIVE_GATHER)})
     n = len(devices) or 1
-    needs = _needs(tg, sparse_rows, 1)
+    needs = _needs(tg, sparse_rows, 1, only)
     per_device = {name: (1 if name in sparse_rows else 2) * (n - 1) / n * need.grad
                   for name, need in needs.items()}
     total = sum(per_device.values())
     return {"endpoints": {d: (total, total) for d in devices},
             "variables": {name: (n * b, needs[name].upper_bound)
                           for name, b in per_device.items()}}
+
+
+def hybrid_minimum(ir, step, tg, sparse_rows, client, owners) -> dict:
+    """The all-reduced variables (those with replica copies) at the ring's minimum, the others
+    at the parameter servers'."""
+    reduced = {v.name for v in tg.trainable if f"replica_0/{v.name}" in ir}
+    shared = {v.name for v in tg.trainable} - reduced
+    minimum = allreduce_minimum(ir, step, tg, sparse_rows, only=reduced)
+    ps_side = ps_minimum(ir, tg, sparse_rows, client, owners, only=shared)
+    minimum["variables"].update(ps_side["variables"])
+    for name, (sent, received) in ps_side["endpoints"].items():
+        had_sent, had_received = minimum["endpoints"].get(name, (0.0, 0.0))
+        minimum["endpoints"][name] = (had_sent + sent, had_received + received)
+    return minimum
 
 
 def model_average_minimum(ir, tg, replicas: int, client: str) -> dict:
