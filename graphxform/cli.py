@@ -472,8 +472,8 @@ def _prepare_dump_dir(dump_dir: str) -> None:
 def run(model, steps, feeds, batch_size, restore, save_to, fetches, train_op, cluster_file, job,
         task_index, timeout, debug):
     """Train MODEL (original or transformed) for some steps, printing the loss. A cluster graph
-    (ps, partitioned-ps, allreduce --cluster) runs one task of its cluster: `--cluster F --job
-    worker --task I` (or TF_CONFIG)."""
+    (ps, partitioned-ps, hybrid, allreduce --cluster) runs one task of its cluster: `--cluster F
+    --job worker --task I` (or TF_CONFIG)."""
     from graphxform import metagraph
     from graphxform.runtime.local import Feeds, Runner
     ir = metagraph.load(model)
@@ -636,7 +636,7 @@ def serve(cluster_file, job, task_index, cpus, timeout, graph_file, debug):
               help="Seconds any blocking op or wait may take before a task fails.")
 @debug_option
 def launch(model, steps, feeds, batch_size, cluster_file, restore, save_to, timeout, debug):
-    """Start the cluster a graph was built for (ps or allreduce) as local processes, train,
+    """Start the cluster a graph was built for (ps, allreduce, hybrid) as local processes, train,
     print the mean loss over workers per step, and tear everything down."""
     from graphxform import metagraph
     from graphxform.cluster import load_cluster

@@ -1,5 +1,5 @@
-"""`graphxform launch`: a cluster graph's whole cluster (ps or allreduce) as local processes on
-127.0.0.1 (`serve` for each ps task, `run --cluster` for each worker/chief), per-step loss as the
+"""`graphxform launch`: a cluster graph's whole cluster (ps, allreduce, hybrid) as local processes
+on 127.0.0.1 (`serve` for each ps task, `run --cluster` for each worker/chief), per-step loss as the
 mean over workers, and a teardown that leaves no process and no bound port behind on every exit
 path. A task that dies or freezes is found by its peers within --timeout (each names it in one
 line and exits); the launcher then stops the rest. Its own "no step finished" watchdog is only

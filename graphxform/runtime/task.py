@@ -1,4 +1,4 @@
-"""One task's part of a cluster graph's training step (ps or allreduce), on TensorFlow's gRPC
+"""One task's part of a cluster graph's training step (ps, allreduce, hybrid), on TensorFlow's gRPC
 runtime: start (or reuse) the task's server configured as the graph's plan says, connect a
 session to it, let the chief initialise (or restore) while the others wait, run the task's step
 op, and let the chief save. Every blocking call is bounded (graphxform/runtime/faults.py): a
@@ -39,7 +39,7 @@ def plan_of(ir: GraphIR, per_task: bool = True) -> ClusterPlan:
     if plan is None:
         raise GraphxformError(f"{ir.source or 'the graph'} was not built for a cluster (no "
                               f"'{CLUSTER_COLLECTION}' collection; build it with "
-                              "`graphxform apply --strategy ps|allreduce --cluster F`)")
+                              "`graphxform apply --strategy ps|allreduce|hybrid --cluster F`)")
     if per_task:
         plan.require_per_task(ir.source or "the graph")
     return plan
