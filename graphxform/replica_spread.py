@@ -1,8 +1,8 @@
 """Which values of a replicated graph differ between replicas, and which replicas' slices of
 the batch each value depends on: the facts the contract check and consistent-random rest on.
 
-Two properties per node, found by one monotone worklist sweep over data edges (while loops'
-back edges are just edges; values only ever grow, so it ends):
+Two properties per node, found by a monotone worklist over data edges (while loops' back
+edges are just edges; values only ever grow, so it ends):
 
 - ``differs``: a replica's node (one with a ``replica_<i>`` path component) whose value may
   differ from the other replicas' copies: it reads its replica's slice of the batch (a
@@ -17,13 +17,13 @@ back edges are just edges; values only ever grow, so it ends):
   others' data.
 
 A write that makes a variable differ (or narrows its coverage) carries to the variable's
-reads: batch-norm statistics updated per replica feed the next step. Nodes are visited in
-topological order (each once per sweep); a sweep that changed a variable is followed by one
-more, usually the last.
+reads: batch-norm statistics updated per replica feed the next step. The sweep is a worklist
+(see ``ReplicaSpread._sweep``); it finds the least fixed point, loops included.
 """
 
 from __future__ import annotations
 
+import heapq
 import re
 
 from graphxform.ir import CONTROL_KEY, GraphIR
@@ -37,7 +37,6 @@ LOCAL_SOURCE_OPS = {"QueueDequeueV2", "QueueDequeueManyV2", "QueueDequeueUpToV2"
                     "IteratorGetNext"}
 RANDOM_PREFIXES = ("Random", "TruncatedNormal", "Multinomial", "ParameterizedTruncatedNormal")
 SPLIT_SCOPE = "split_inputs/"
-_BACK_EDGE_OPS = {"NextIteration", "RefNextIteration"}
 _REPLICA = re.compile(r"(?:^|/)replica_\d+/")
 
 
@@ -53,6 +52,8 @@ class ReplicaSpread:
         self.all = (1 << replicas) - 1
         self.differs: set = set()
         self.coverage: dict = {}
+        self._splits = {n for n in ir.nodes_of(("Split", "SplitV"))
+                        if n.startswith(SPLIT_SCOPE)}
         self._sweep()
 
     def covers_all(self, node: str) -> bool:
@@ -63,65 +64,35 @@ class ReplicaSpread:
         return [i for i in range(self.all.bit_length()) if mask >> i & 1]
 
     def _sweep(self) -> None:
-        """Visit what the sources reach, each node after its inputs (Kahn's order over data
-        edges, loops' back edges left out); a write that changed a variable's state sends its
-        reads, and what they reach, through one more sweep of just those."""
-        ir = self.ir
-        self._unseeded = {n for n in ir.nodes() if _unseeded_random(ir, n)
-                          and (self.step is None or n in self.step)}
-        todo = self._in_order(self._reach([n for n in ir.nodes() if self._is_source(n)]))
-        while True:
-            changed_variables = []
-            for node in todo:
-                changed_variables += self._update(node)[1:]
-            if not changed_variables:
-                return
-            # only what the changed variables' reads reach can change: order just that
-            todo = self._in_order(self._reach([dst for var in changed_variables
-                                               for dst in ir.successors(var)]))
-
-    def _reach(self, seeds) -> set:
-        """``seeds`` and every node their data edges lead to."""
-        succ = self.ir.g._succ
-        reach, stack = set(seeds), list(seeds)
-        while stack:
-            for dst, keyed in succ[stack.pop()].items():
-                if dst not in reach and (len(keyed) > 1 or CONTROL_KEY not in keyed):
-                    reach.add(dst)
-                    stack.append(dst)
-        return reach
-
-    def _in_order(self, members: set) -> list:
-        """``members`` with each after its data inputs among them (a legacy loop's back edge,
-        from a NextIteration, does not count); what a cycle holds comes last."""
-        ir, pred, succ = self.ir, self.ir.g._pred, self.ir.g._succ
-        back = {n for n in members if ir.op(n) in _BACK_EDGE_OPS}
-        waiting = {n: sum(len(keyed) - (CONTROL_KEY in keyed) for src, keyed in pred[n].items()
-                          if src in members and src not in back)
-                   for n in members}
-        ready = [n for n, count in waiting.items() if count == 0]
-        order = []
-        while ready:
-            node = ready.pop()
-            order.append(node)
-            if node in back:
-                continue
-            for dst, keyed in succ[node].items():
-                if dst in waiting:
-                    edges = len(keyed) - (CONTROL_KEY in keyed)
-                    if edges:  # a control edge alone does not hold dst back
-                        waiting[dst] -= edges
-                        if waiting[dst] == 0:
-                            ready.append(dst)
-        if len(order) < len(members):
-            placed = set(order)
-            order += [n for n in members if n not in placed]
-        return order
-
-    def _is_source(self, node: str) -> bool:
-        ir = self.ir
-        return ((node.startswith(SPLIT_SCOPE) and ir.op(node) in ("Split", "SplitV"))
-                or ir.op(node) in LOCAL_SOURCE_OPS or node in self._unseeded)
+        """A worklist over data edges, in graph order: a node is (re)computed when one of its
+        inputs grew, smallest position first. Graph order is topological apart from what the
+        passes rewired and loops' back edges, so most nodes are computed once, after their
+        inputs; the few that are not are computed again when an input grows, until nothing
+        grows (values only grow, so it ends, at the least fixed point). A write that changed a
+        variable's state sends the variable's reads through the worklist too. With ``step``,
+        only the step's nodes are computed: the contract asks about nothing else."""
+        ir, step = self.ir, self.step
+        nodes, succ = ir.g._node, ir.g._succ
+        order = list(nodes)
+        position = {name: k for k, name in enumerate(order)}
+        self._unseeded = {n for n, data in nodes.items()
+                          if data["op"].startswith(RANDOM_PREFIXES) and _unseeded_random(ir, n)
+                          and (step is None or n in step)}
+        splits = self._splits
+        queued = {n for n, data in nodes.items()
+                  if n in splits or data["op"] in LOCAL_SOURCE_OPS or n in self._unseeded}
+        heap = [position[n] for n in queued]
+        heapq.heapify(heap)
+        update = self._update
+        while heap:
+            node = order[heapq.heappop(heap)]
+            queued.discard(node)
+            for changed in update(node):
+                for dst, keyed in succ[changed].items():
+                    if (dst not in queued and (len(keyed) > 1 or CONTROL_KEY not in keyed)
+                            and (step is None or dst in step)):
+                        queued.add(dst)
+                        heapq.heappush(heap, position[dst])
 
     def _update(self, node: str) -> list[str]:
         """Recompute ``node`` from its inputs; returns the nodes whose state changed (``node``,
@@ -156,13 +127,6 @@ class ReplicaSpread:
             changed += [src for src in ir.g._pred[node]
                         if nodes[src]["op"] in VARIABLE_OPS and self._set(src, differs, coverage)]
         return changed
-
-    @property
-    def _splits(self) -> set:
-        if not hasattr(self, "_split_nodes"):
-            self._split_nodes = {n for n in self.ir.nodes_of(("Split", "SplitV"))
-                                 if n.startswith(SPLIT_SCOPE)}
-        return self._split_nodes
 
     def _set(self, node: str, differs: bool, coverage: int) -> bool:
         """Grow ``node``'s state; True when it grew."""
