@@ -278,21 +278,27 @@ def to_bytes(ir: GraphIR, graph_only: bool = False) -> bytes:
     in protobuf's wire format (see graphxform/wire.py): the one pass over the output graph that
     emitting costs. Fields come in canonical order: meta_info_def, graph_def (nodes first),
     then the rest of the MetaGraphDef as loaded."""
+    return b"".join(to_parts(ir, graph_only))
+
+
+def to_parts(ir: GraphIR, graph_only: bool = False) -> list[bytes]:
+    """``to_bytes`` in pieces whose concatenation it is: `save` writes them one after another,
+    so the whole output never sits in memory twice (the pieces, and their join)."""
     with paused_gc():
         nodes = wire.NodeEncoder(ir, PROVENANCE_ATTR).nodes()
     rest = type(ir.meta)()
     rest.CopyFrom(ir.meta)
     graph_rest = rest.graph_def.SerializeToString()
     if graph_only:
-        return b"".join(nodes) + graph_rest
+        return [*nodes, graph_rest]
     head = b""
     if rest.HasField("meta_info_def"):
         head = wire.field(b"\x0a", rest.meta_info_def.SerializeToString())
     rest.ClearField("meta_info_def")
     rest.ClearField("graph_def")
     graph_bytes = sum(map(len, nodes)) + len(graph_rest)
-    return b"".join([head, b"\x12", wire.varint(graph_bytes), *nodes, graph_rest,
-                     rest.SerializeToString()])
+    return [head, b"\x12", wire.varint(graph_bytes), *nodes, graph_rest,
+            rest.SerializeToString()]
 
 
 def to_metagraph(ir: GraphIR):
@@ -306,13 +312,13 @@ def to_graphdef(ir: GraphIR):
     return graph_pb2.GraphDef.FromString(to_bytes(ir, graph_only=True))
 
 
-def serialize(ir: GraphIR, path: str) -> bytes:
-    """The bytes to write for ``path``'s format."""
+def serialize(ir: GraphIR, path: str) -> list[bytes]:
+    """What to write for ``path``'s format, in pieces to write one after another."""
     lower = path.lower()
     if lower.endswith(TEXT_SUFFIXES):
         proto = to_graphdef(ir) if ir.kind == "graph" else to_metagraph(ir)
-        return text_format.MessageToString(proto).encode()
-    return to_bytes(ir, graph_only=lower.endswith(".pb"))
+        return [text_format.MessageToString(proto).encode()]
+    return to_parts(ir, graph_only=lower.endswith(".pb"))
 
 
 def save(ir: GraphIR, path: str) -> None:
@@ -340,11 +346,12 @@ def _same_file(a: str, b: str) -> bool:
         return False
 
 
-def write_atomic(path: str, data: bytes | str) -> None:
+def write_atomic(path: str, data: bytes | str | list[bytes]) -> None:
     """Write to a temp file beside ``path`` and rename it into place: no partial file on error
     or signal (see graphxform/cleanup.py, which also sweeps the temp files of runs that died),
     and the mode ``open(path, "w")`` would give. Like ``open``, it writes through a symlink,
-    and into a device or pipe (``-o /dev/null``) in place rather than replacing it."""
+    and into a device or pipe (``-o /dev/null``) in place rather than replacing it. ``data``
+    may be a list of byte strings, written in turn."""
     if _special_file(path):
         _write_in_place(path, data)
         return
@@ -358,9 +365,9 @@ def write_atomic(path: str, data: bytes | str) -> None:
     except OSError as e:
         raise GraphxformError(f"{path}: cannot write: {e.strerror}") from None
     try:
-        with os.fdopen(fd, "wb" if isinstance(data, bytes) else "w") as f:
+        with os.fdopen(fd, "w" if isinstance(data, str) else "wb") as f:
             os.fchmod(f.fileno(), mode)
-            f.write(data)
+            _write_to(f, data)
         os.replace(tmp, target)
     except BaseException as e:
         if os.path.exists(tmp):
@@ -380,9 +387,16 @@ def _special_file(path: str) -> bool:
     return not stat.S_ISREG(mode) and not stat.S_ISDIR(mode)
 
 
-def _write_in_place(path: str, data: bytes | str) -> None:
+def _write_to(f, data: bytes | str | list[bytes]) -> None:
+    if isinstance(data, list):
+        f.writelines(data)
+    else:
+        f.write(data)
+
+
+def _write_in_place(path: str, data: bytes | str | list[bytes]) -> None:
     try:
-        with open(path, "wb" if isinstance(data, bytes) else "w") as f:
-            f.write(data)
+        with open(path, "w" if isinstance(data, str) else "wb") as f:
+            _write_to(f, data)
     except OSError as e:
         raise GraphxformError(f"{path}: cannot write: {e.strerror}") from None
