@@ -251,7 +251,8 @@ def _check_centre_start(ir: GraphIR, var, centre: str) -> None:
 
 
 def _variables_read(ir: GraphIR, node: str) -> set:
-    """The variables whose values reach ``node`` through data edges (not through writes)."""
+    """The variables whose values reach ``node`` through data edges (not through writes), and
+    through an accumulator from what is applied to it (model-average on a cluster)."""
     found, seen, stack = set(), set(), [node]
     while stack:
         name = stack.pop()
@@ -261,6 +262,9 @@ def _variables_read(ir: GraphIR, node: str) -> set:
         op = ir.op(name)
         if op in VARIABLE_OPS:
             found.add(name)
+        elif op == "AccumulatorTakeGradient":
+            stack.extend(ir.input(dst, 2)[0] for dst, _ in ir.consumers(ir.input(name, 0)[0])
+                         if ir.op(dst) == "AccumulatorApplyGradient")
         elif not is_mutating_op(op):
             stack.extend(src for src, _ in ir.inputs(name))
     return found
