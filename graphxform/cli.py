@@ -201,6 +201,10 @@ def _transform(model, options, no_verify=False, dump_dir=None, keep_original=Tru
             raise GraphxformError("--strategy model-average with --cluster places replicas on "
                                   "the cluster's workers: use --replicas-per-worker, not "
                                   "--replicas/--devices")
+        if options["staleness"] or options["async_"]:
+            raise GraphxformError("--staleness and --async are options of --strategy ps and "
+                                  "partitioned-ps (model-average waits for every worker at "
+                                  "each round, as ModelAverageOptimizer does)")
         device_list = worker_devices(found, options["replicas_per_worker"],
                                      options["worker_device"])
         kwargs = {**_local_strategy_options(strategy, options), "cluster": found}

@@ -12,6 +12,7 @@ from graphxform.passes.hybrid import (ChoosePlacement, HybridWorkerSteps, OnSide
 from graphxform.passes.insert_accumulators import InsertAccumulators
 from graphxform.passes.merge_fetches import MergeFetches
 from graphxform.passes.model_average import ModelAverage
+from graphxform.passes.model_average import worker_devices as model_average_devices
 from graphxform.passes.partition_variables import PartitionVariables
 from graphxform.passes.place_variables import PlaceVariables
 from graphxform.passes.replicate import Replicate
@@ -84,14 +85,20 @@ def independent(fetch_mean=(), fetch_concat=(), verify: bool = True,
 
 
 def model_average(interval: int = 1, fetch_mean=(), fetch_concat=(), verify: bool = True,
-                  dump_dir: str | None = None) -> Pipeline:
+                  dump_dir: str | None = None, on_cluster: bool = False) -> Pipeline:
     """TF's ModelAverageOptimizer: every replica trains its own copy with the original
     optimizer, and every ``interval`` local steps the copies are averaged into centre variables
-    and copied back (passes/model_average.py); global_step counts averaging rounds."""
+    and copied back (passes/model_average.py); global_step counts averaging rounds.
+    ``on_cluster``: the replicas are on a cluster's worker tasks and the centres on its ps
+    tasks; global_step is mirrored per replica and each task's step written into the graph."""
     pipeline = independent(fetch_mean=fetch_mean, fetch_concat=fetch_concat, verify=verify,
                            dump_dir=dump_dir)
     saver = next(i for i, p in enumerate(pipeline.passes) if isinstance(p, DropInSaver))
     pipeline.passes.insert(saver, ModelAverage(interval=interval))
+    if on_cluster:
+        pipeline.passes = [Replicate(mirror_global_step=True) if isinstance(p, Replicate)
+                           else p for p in pipeline.passes]
+        pipeline.passes.insert(saver, WorkerSteps())
     return pipeline
 
 
@@ -164,8 +171,9 @@ def transform(ir, strategy: str = "allreduce", devices=None, train_op: str | Non
     """Analyse ``ir``, run the strategy's pipeline on it in place and prove the result keeps
     the drop-in contract (graphxform.contract; refuses otherwise); returns the Pipeline (its
     ``timings`` say what each pass did). Cluster strategies take ``cluster`` (a
-    graphxform.cluster.Cluster) and default ``devices`` to one per worker task; so does
-    allreduce given a cluster (its replicas on the workers, and the chief job's task)."""
+    graphxform.cluster.Cluster) and default ``devices`` to one per worker task; so do
+    allreduce and model-average given a cluster (their replicas on the workers, and the chief
+    job's task; model-average's centres on the ps tasks)."""
     from graphxform import contract, training
     from graphxform.errors import GraphxformError
     from graphxform.pipeline import PassContext
@@ -187,6 +195,14 @@ def transform(ir, strategy: str = "allreduce", devices=None, train_op: str | Non
     elif strategy == "allreduce" and cluster is not None:
         devices = devices or replica_devices(cluster)
         options["on_cluster"] = True
+    elif strategy == "model-average" and cluster is not None:
+        devices = devices or model_average_devices(cluster)
+        options["on_cluster"] = True
+    if strategy in ("model-average", "independent"):
+        for flag in ("sync_batch_norm", "consistent_random"):
+            if options.pop(flag, False):
+                raise GraphxformError(f"--{flag.replace('_', '-')} is an option of --strategy "
+                                      f"allreduce and replicated, not {strategy}")
     elif options.get("hierarchical"):
         raise GraphxformError("--hierarchical reduces inside each worker, then across workers: "
                               "it needs --strategy allreduce with --cluster F (or TF_CONFIG)")

@@ -33,6 +33,7 @@ import re
 from graphxform import training
 from graphxform.errors import GraphxformError
 from graphxform.ir import GraphIR, parse_tensor
+from graphxform.passes.model_average import CENTRE, SCOPE as MODEL_AVERAGE, centre_name
 
 DT_RESOURCE = 20
 # ops TF's placer does not pull onto their resource inputs' device (they forward, not read)
@@ -89,10 +90,12 @@ class CostReport:
     notes: list
     links: list = dataclasses.field(default_factory=list)  # LinkCost per variant measured
     link_minimum: float = 0.0  # per worker link, each way: 2(W-1)/W x the gradient bytes
+    per: str = "training step"  # what the bytes are counted over (model-average: a round)
 
     def to_dict(self) -> dict:
         doc = {
-            "strategy": self.strategy, "batch_size": self.batch_size, "replicas": self.replicas,
+            "strategy": self.strategy, "per": self.per, "batch_size": self.batch_size,
+            "replicas": self.replicas,
             "minimum_model": self.model, "client": self.client,
             "tasks": [dict(dataclasses.asdict(e), ratio=_ratio(e.sent + e.received,
                                                                e.minimum_sent + e.minimum_received))
@@ -155,11 +158,17 @@ def measure(original: GraphIR, ir: GraphIR, batch_size: int = 32, strategy: str 
         minimum = allreduce_minimum(ir, step, tg, sparse_rows)
     else:
         minimum = ps_minimum(ir, tg, sparse_rows, client, owners)
-    if ir.has_scope("model_average/"):
-        model, minimum = "model-average", model_average_minimum(ir, tg, replicas, client)
-        notes.append("model-average: the copies are read into the mean on every step (a round "
-                     "flag selects what is kept), so what crosses devices is per step; the "
-                     "minimum is a round's copies and centre spread over --interval steps")
+    per = "training step"
+    if ir.has_scope(MODEL_AVERAGE):
+        model, minimum = "model-average", model_average_minimum(ir, tg, client)
+        interval = _model_average_interval(ir)
+        per = f"averaging round ({interval} local step{'s' if interval > 1 else ''})"
+        for t in _per_step_only(ir, transfers):
+            t.nbytes *= interval
+        notes.append("model-average: counted per averaging round: what a local step moves "
+                     f"(its inputs) x{interval}, a round's copies and centres once (on a "
+                     "cluster only rounds touch the ps tasks; on one machine the copies are read "
+                     "into the mean every step and a round flag selects what is kept)")
     endpoints, variables = _tally(transfers, minimum, tg)
     links, link_minimum = [], 0.0
     if model == "allreduce" and len(worker_tasks(ir, client)) > 1:
@@ -182,7 +191,8 @@ def measure(original: GraphIR, ir: GraphIR, batch_size: int = 32, strategy: str 
                  "control edges are not counted")
     return CostReport(strategy=strategy or model, batch_size=batch_size, replicas=replicas,
                       model=model, client=client, endpoints=endpoints, variables=variables,
-                      transfers=transfers, notes=notes, links=links, link_minimum=link_minimum)
+                      transfers=transfers, notes=notes, links=links, link_minimum=link_minimum,
+                      per=per)
 
 
 # ------------------------------------------------------------------ the graph as TF will run it
@@ -360,8 +370,9 @@ class VariableNames:
         return self.slot_of.get(name, name)
 
     def original(self, node: str) -> str | None:
-        """Longest original variable name that is ``node`` or a scope above it."""
-        node = _REPLICA.sub("", node)
+        """Longest original variable name that is ``node`` or a scope above it (a
+        model-average centre is its variable)."""
+        node = _REPLICA.sub("", node).removeprefix(CENTRE)
         while node:
             if node in self.names:
                 return node
@@ -698,28 +709,41 @@ def hybrid_minimum(ir, step, tg, sparse_rows, client, owners) -> dict:
     return minimum
 
 
-def model_average_minimum(ir, tg, replicas: int, client: str) -> dict:
-    """Once per round (every K steps) each replica on another task than the centre sends its
-    copy of every trained variable there and receives the centre back: the variable bytes each
-    way over K steps (replicas in the centre's own task move nothing between tasks)."""
-    from graphxform.passes.model_average import SCOPE, centre_name
-    interval = max(ir.node(SCOPE + "interval")["attr"]["value"].tensor.int64_val[0], 1)
+def model_average_minimum(ir, tg, client: str) -> dict:
+    """Per round, each task holding replicas sends its copy of every trained variable (its
+    replicas' mean) to the centre's task and receives the centre back: the variable's bytes
+    each way, unless the centre is in its own task."""
     endpoints, variables = {}, {}
+    tasks = {task_of(ir.node(n)["device"], client) for n in ir.nodes()
+             if _REPLICA.match(n) and ir.op(n) in training.VARIABLE_OPS}
     for var in tg.trainable:
         if centre_name(var.name) not in ir:
             continue
         home = task_of(ir.node(centre_name(var.name))["device"], client)
-        share = var.nbytes / interval
-        for i in range(replicas):
-            task = task_of(ir.node(f"replica_{i}/{var.name}")["device"], client)
-            if task == home:
-                continue
-            for name in (task, home):
-                sent, received = endpoints.get(name, (0.0, 0.0))
-                endpoints[name] = (sent + share, received + share)
-            variables[var.name] = (variables.get(var.name, (0.0, False))[0] + 2 * share, False)
-        variables.setdefault(var.name, (0.0, False))
+        away = sorted(tasks - {home})
+        for task in away + [home] * len(away):
+            sent, received = endpoints.get(task, (0.0, 0.0))
+            endpoints[task] = (sent + var.nbytes, received + var.nbytes)
+        variables[var.name] = (2.0 * var.nbytes * len(away), False)
     return {"endpoints": endpoints, "variables": variables}
+
+
+def _model_average_interval(ir) -> int:
+    return max(int(ir.node(MODEL_AVERAGE + "interval")["attr"]["value"].tensor.int64_val[0]), 1)
+
+
+def _per_step_only(ir, transfers) -> list:
+    """The transfers every local step makes: those whose tensor is not made by a round
+    (everything after a model-average Switch's true output, up to its Merge)."""
+    pivots = [dst for switch in ir.nodes_of({"Switch"}) if switch.startswith(MODEL_AVERAGE)
+              for dst, _ in ir.consumers(switch, 1)]
+    rounds, stack = set(), pivots
+    while stack:
+        node = stack.pop()
+        if node not in rounds and ir.op(node) != "Merge":
+            rounds.add(node)
+            stack.extend(ir.successors(node))
+    return [t for t in transfers if parse_tensor(t.tensor)[0] not in rounds]
 
 
 # ------------------------------------------------------------------ report
@@ -767,7 +791,7 @@ def format_text(report: CostReport) -> str:
     """The per-task and per-variable tables a person reads."""
     doc = report.to_dict()
     what = "device" if report.model == "allreduce" else "task"
-    lines = [f"{report.strategy}: bytes per training step, global batch {report.batch_size} "
+    lines = [f"{report.strategy}: bytes per {report.per}, global batch {report.batch_size} "
              f"({report.replicas} replicas); minimum = textbook {report.model}", ""]
     rows = [[what, "sent", "received", "min sent", "min received", "ratio"]]
     for e in doc["tasks"]:
