@@ -198,14 +198,14 @@ def transform(ir, strategy: str = "allreduce", devices=None, train_op: str | Non
     elif strategy == "model-average" and cluster is not None:
         devices = devices or model_average_devices(cluster)
         options["on_cluster"] = True
+    elif options.get("hierarchical"):
+        raise GraphxformError("--hierarchical reduces inside each worker, then across workers: "
+                              "it needs --strategy allreduce with --cluster F (or TF_CONFIG)")
     if strategy in ("model-average", "independent"):
         for flag in ("sync_batch_norm", "consistent_random"):
             if options.pop(flag, False):
                 raise GraphxformError(f"--{flag.replace('_', '-')} is an option of --strategy "
                                       f"allreduce and replicated, not {strategy}")
-    elif options.get("hierarchical"):
-        raise GraphxformError("--hierarchical reduces inside each worker, then across workers: "
-                              "it needs --strategy allreduce with --cluster F (or TF_CONFIG)")
     devices = list(devices or ["/device:CPU:0"])
     ctx = PassContext(training=training.analyze(ir, train_op=train_op), devices=devices,
                       cluster=cluster, strategy=strategy)
