@@ -26,6 +26,9 @@ STATE = "choose-placement"
 SIDES = ("allreduce", "ps")
 SCOPE = "hybrid_sync/"
 BARRIER_DEVICE = "/job:ps/task:0/device:CPU:0"
+END_GROUP_KEY = 3  # all-reduce's groups are 1 and 2
+END_INSTANCE_KEY = (1 << 24) - 1  # below all-reduce's sparse keys, above its buckets'
+FLOAT = 1  # DataType enum DT_FLOAT
 INT64 = 9  # DataType enum DT_INT64
 
 
@@ -185,9 +188,16 @@ class HybridWorkerSteps(Pass):
     run the other workers' replicas too. Those control edges go through a barrier instead:
     worker w's `hybrid_sync/<w>/done` enqueues one token once its replicas' updates ran, and the
     region waits on `hybrid_sync/all_done`, which dequeues one per worker. Each task's step
-    runs its own `done`; the original train op (one client) runs all of them. The plan also
-    names the collective group leader and each task's device filters, and every collective
-    gets a timeout."""
+    runs its own `done`; the original train op (one client) runs all of them.
+
+    Per task, every worker's run of step k holds collectives, so TF gives them all the same
+    step id (from the group leader), and they all have partitions on the ps tasks: the first
+    run to finish cleans that step id up on the ps, aborting what another run has not yet
+    received from there (its token). So each task's step ends in `hybrid_sync/<w>/end`, a
+    collective of one scalar over the workers, once the rest of its step is done: no run
+    finishes before every run has had all it needs from the ps. The plan also names the
+    collective group leader and each task's device filters, and every collective gets a
+    timeout."""
     name = "hybrid-worker-steps"
     timeout_s: float = DEFAULT_TIMEOUT_S
 
@@ -208,7 +218,9 @@ class HybridWorkerSteps(Pass):
                 one_client_only="every variable is all-reduced (none on the ps side); for one "
                                 "process per task use --strategy allreduce --cluster F")
         elif plan.steps and len(tasks) > 1:
-            _barrier(ir, Builder(ir, self.name), plan, tasks, ctx.training.steps[0].op)
+            build = Builder(ir, self.name)
+            _barrier(ir, build, plan, tasks, ctx.training.steps[0].op)
+            _end_together(ir, build, plan, tasks, ctx.devices)
             plan.device_filters = {t: [] if t == plan.chief else
                                    ["/job:ps", "/job:" + t.replace(":", "/task:")]
                                    for t in plan.steps}
@@ -261,3 +273,22 @@ def _barrier(ir, build, plan, tasks, entry) -> None:
             raise GraphxformError(f"hybrid: {task.replace(':', ' ')}'s step would also run "
                                   f"'{other[0]}', another task's replica; run this graph with "
                                   "one client, or use --strategy allreduce or ps")
+
+
+def _end_together(ir, build, plan, tasks, devices) -> None:
+    """Each task's step waits on a scalar collective over the tasks that runs once the rest of
+    its step is done (see HybridWorkerSteps)."""
+    for task, replicas in tasks.items():
+        step, device = plan.steps[task], devices[replicas[0]]
+        scope = f"{SCOPE}{task.replace(':', '_')}/end"
+        inputs = [build.const(scope + "/value", 0.0, np.float32, device=device),
+                  build.const(scope + "/group_size", len(tasks), np.int32, device=device),
+                  build.const(scope + "/group_key", END_GROUP_KEY, np.int32, device=device),
+                  build.const(scope + "/instance_key", END_INSTANCE_KEY, np.int32,
+                              device=device)]
+        waits = ir.control_inputs(step)
+        for src in waits:
+            ir.remove_control_input(step, src)
+        end = build.op(scope, "CollectiveReduceV2", inputs + ["^" + w for w in waits],
+                       device=device, T=FLOAT, merge_op="Add", final_op="Div")
+        ir.add_control_input(step, end)

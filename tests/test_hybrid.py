@@ -94,7 +94,11 @@ def test_each_task_runs_its_own_replicas_and_a_barrier_orders_the_update():
                        ("worker:1", {"replica_2", "replica_3"})):
         ran = {n.split("/")[0] for n in ir.ancestors(plan.steps[task]) if n.startswith("replica_")}
         assert ran == mine
-        assert f"hybrid_sync/{task.replace(':', '_')}/done" in ir.control_inputs(plan.steps[task])
+        # the step ends in a collective over the tasks, once the rest of it is done
+        scope = f"hybrid_sync/{task.replace(':', '_')}/"
+        assert ir.control_inputs(plan.steps[task]) == [scope + "end"]
+        assert ir.op(scope + "end") == "CollectiveReduceV2"
+        assert scope + "done" in ir.control_inputs(scope + "end")
     # Adam's beta powers move once all replicas' dense updates ran: through the barrier
     assert "hybrid_sync/all_done" in ir.control_inputs("Adam/update")
     assert not [c for c in ir.control_inputs("Adam/update") if c.startswith("replica_")]

@@ -224,8 +224,8 @@ def test_worker_step_without_its_token(run_cli, ps_graph, tmp_path):
 
 def test_hybrid_barrier_short_of_a_worker(run_cli, hybrid_graph, tmp_path):
     def no_done(nodes, graph):
-        step = nodes["ps_sync/worker_1/step"]
-        step.input[:] = [i for i in step.input if "done" not in i]
+        end = nodes["hybrid_sync/worker_1/end"]
+        end.input[:] = [i for i in end.input if "done" not in i]
 
     code, report, errors = run_check(run_cli, edited(hybrid_graph, tmp_path, no_done))
     found = errors_naming(errors, "hybrid_sync/all_done")
