@@ -37,6 +37,11 @@ figure is the best window (steps/s), the median is printed too. Budgets: emitted
 Usage: python tools/bench_runtime.py [--model cnn|mlp] [--devices 4] [--batch 256] [--steps 30]
 Always exits 0 (a failing contender or missed budget is reported, not raised).
 
+``--strategies`` adds more emitted graphs on the same devices (replicated:SPEC, independent,
+model-average); ``--all`` runs every strategy in one go: those (replicated pscpu, xring and
+pscpu:32k:xring) beside original, allreduce and mirrored, then every cluster strategy below,
+each table with its ratio against the baseline (original here, mwms on the cluster).
+
 ``--cluster``: 2 worker processes x 2 replicas on this machine (127.0.0.1), the same model and
 global batch, in one run:
 
@@ -45,7 +50,12 @@ global batch, in one run:
   ``graphxform run --cluster`` does); ``allreduce_hierarchical`` the same with
   ``--hierarchical``;
 - ps: ``apply --strategy ps`` on 1 ps task and 2 workers x 2 replicas, the ps task a server of
-  its own process;
+  its own process; partitioned_ps the same with every variable in 2 shards;
+- hybrid: ``apply --strategy hybrid`` on that cluster, the classifier (the last dense layer's
+  kernel and bias) on the ps by placement file (these models have no embedding, whose sparse
+  gradients would go there by themselves), the rest all-reduced across the 4 replicas;
+- model_average: ``apply --strategy model-average`` on that cluster (centres on the ps task,
+  ``--interval 1``: a round every step);
 - mwms: the tf_keras model under ``tf.distribute.MultiWorkerMirroredStrategy`` in 2 worker
   processes (TF_CONFIG), the custom loop of ``mirrored``. On CPUs it mirrors one replica per
   worker (it spreads a worker's replicas over GPUs only), so it runs 2 x 1 replicas.
@@ -392,26 +402,40 @@ def spawn(kind: str, opts: dict, timeout: float) -> dict:
 
 
 # ------------------------------------------------------------------ --cluster, parent side
-CLUSTER_CONTENDERS = ("allreduce", "allreduce_hierarchical", "ps", "mwms")
+# contender: (strategy, whether the cluster has a ps task, options); mwms is TF's own
+CLUSTER_GRAPHS = {
+    "allreduce": ("allreduce", False, {}),
+    "allreduce_hierarchical": ("allreduce", False, {"hierarchical": True}),
+    "ps": ("ps", True, {}),
+    "partitioned_ps": ("partitioned-ps", True, {"partitions": 2}),
+    "hybrid": ("hybrid", True, {}),
+    "model_average": ("model-average", True, {}),  # --interval 1: a round every step
+}
+CLUSTER_CONTENDERS = (*CLUSTER_GRAPHS, "mwms")
+LOCAL_EXTRAS = "replicated:pscpu,replicated:xring,replicated:pscpu:32k:xring,independent," \
+               "model-average"  # what --all adds to the default local contenders
 
 
 def spawn_cluster(kind: str, opts: dict, jobs: dict, timeout: float) -> dict:
     """One process per task of ``jobs`` ({"ps": 1, "worker": 2}) on free 127.0.0.1 ports; the
-    chief's (worker 0's) result. Every process is killed, with its group, at the end."""
+    chief's (worker 0's) result. Every process is killed, with its group, at the end; each
+    writes to a file of its own, so a failure shows the tail of the task that failed first."""
     import signal
+    import tempfile
     from graphxform.runtime import servers
     spec = servers.local_cluster(jobs).as_dict()
-    procs = {}
+    procs, logs = {}, {}
     try:
         for job, count in sorted(jobs.items()):  # ps first
             for task in range(count):
                 task_kind = "ps_server" if job == "ps" else kind
                 cmd = [sys.executable, os.path.abspath(__file__), "--_worker", task_kind,
                        json.dumps(dict(opts, cluster=spec, job=job, task=task))]
+                logs[(job, task)] = tempfile.TemporaryFile("w+")
                 procs[(job, task)] = subprocess.Popen(
-                    cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                    cmd, stdout=logs[(job, task)], stderr=subprocess.STDOUT, text=True,
                     start_new_session=True)
-        out, _ = procs[("worker", 0)].communicate(timeout=timeout)
+        procs[("worker", 0)].wait(timeout=timeout)
         for key, proc in procs.items():
             if key[0] == "worker":
                 proc.wait(timeout=60)
@@ -422,40 +446,57 @@ def spawn_cluster(kind: str, opts: dict, jobs: dict, timeout: float) -> dict:
             except (ProcessLookupError, PermissionError):
                 pass
             proc.wait()
-    for line in reversed(out.splitlines()):
+    outputs = {}
+    for key, log in logs.items():
+        log.seek(0)
+        outputs[key] = log.read()
+        log.close()
+    for line in reversed(outputs[("worker", 0)].splitlines()):
         if line.startswith(RESULT_TAG):
             return json.loads(line[len(RESULT_TAG):])
-    tail = "\n".join(out.strip().splitlines()[-15:])
-    raise RuntimeError(f"{kind} chief failed:\n{tail}")
+    failed = [k for k, p in procs.items() if k[0] == "worker" and p.returncode not in (0, -9)]
+    others = [k for k in failed if k != ("worker", 0)]  # the chief's error only names them
+    job, task = (others or [("worker", 0)])[0]
+    tail = "\n".join(outputs[(job, task)].strip().splitlines()[-15:])
+    raise RuntimeError(f"{kind}: {job} {task} failed:\n{tail}")
 
 
-def cluster_main(args, opts: dict, original: str) -> dict:
-    """Build the cluster graphs from ``original``, run every contender, print the figures."""
+def classifier(opts: dict) -> list[str]:
+    """The last dense layer's variables: what hybrid puts on the ps here."""
+    layer = "dense2" if opts["model"] == "mlp" else "dense"
+    return [f"{layer}/kernel", f"{layer}/bias"]
+
+
+def cluster_main(args, opts: dict, original: str, only=None) -> dict:
+    """Build the cluster graphs from ``original``, run every contender (``only``, else
+    --only), print the figures."""
     from graphxform import metagraph, strategies
     from graphxform.cluster import Cluster
     from graphxform.passes.worker_steps import replica_devices
     workers = Cluster({"worker": ["127.0.0.1:1", "127.0.0.1:2"]})
     with_ps = Cluster({"ps": ["127.0.0.1:3"], "worker": ["127.0.0.1:1", "127.0.0.1:2"]})
     stem = original[: -len(".meta")]
+    only = only or [k.strip() for k in (args.only or ",".join(CLUSTER_CONTENDERS)).split(",")
+                    if k.strip()]
     paths = {}
-    for kind, cluster, options in (
-            ("allreduce", workers, {}), ("allreduce_hierarchical", workers,
-                                         {"hierarchical": True}), ("ps", with_ps, {})):
+    for kind in [k for k in only if k in CLUSTER_GRAPHS]:
+        strategy, has_ps, options = CLUSTER_GRAPHS[kind]
+        cluster = with_ps if has_ps else workers
+        if strategy == "hybrid":
+            options = {"placement": dict.fromkeys(classifier(opts), "ps")}
         ir = metagraph.load(original)
-        strategy = "ps" if kind == "ps" else "allreduce"
-        devices = (replica_devices(cluster, 2) if strategy == "allreduce"
-                   else cluster.worker_devices(2))
+        devices = cluster.worker_devices(2) if has_ps else replica_devices(cluster, 2)
         strategies.transform(ir, strategy, devices=devices, cluster=cluster, **options)
         paths[kind] = f"{stem}.{kind}-2x2.meta"
         metagraph.save(ir, paths[kind])
-    only = [k.strip() for k in (args.only or ",".join(CLUSTER_CONTENDERS)).split(",")
-            if k.strip()]
-    print("cluster: 2 worker processes x 2 replicas on 127.0.0.1 (ps: and 1 ps task; mwms: "
-          f"1 replica per worker on CPUs); steps/s of the chief; {args.rounds} round(s)")
+    print("cluster: 2 worker processes x 2 replicas on 127.0.0.1 (ps, partitioned_ps, hybrid, "
+          "model_average: and 1 ps task; mwms: 1 replica per worker on CPUs); steps/s of the "
+          f"chief; {args.rounds} round(s)")
     results = {}
     for round_index in range(args.rounds):
         for kind in (only if round_index % 2 == 0 else only[::-1]):
-            jobs = {"ps": 1, "worker": 2} if kind == "ps" else {"worker": 2}
+            has_ps = CLUSTER_GRAPHS.get(kind, ("", False))[1]
+            jobs = {"ps": 1, "worker": 2} if has_ps else {"worker": 2}
             task_opts = dict(opts, path=paths.get(kind), replicas_per_worker=2,
                              task_timeout=120.0)
             try:
@@ -471,11 +512,10 @@ def cluster_main(args, opts: dict, original: str) -> dict:
             kept = results.setdefault(kind, dict(res, rates=[]))
             kept["rates"] += res["rates"]
     print()
-    for kind, res in results.items():
+    for res in results.values():
         res["best"] = max(res["rates"])
         res["median"] = statistics.median(res["rates"])
-        print(f"{kind:22s} {res['best']:8.2f} steps/s best of {len(res['rates'])} windows "
-              f"({res['median']:.2f} median)")
+    print_table(results, "mwms")
     print()
     ratios = {}
     for ours in ("allreduce", "allreduce_hierarchical"):
@@ -486,6 +526,18 @@ def cluster_main(args, opts: dict, original: str) -> dict:
                 ratios[f"{ours}/{other}"] = {"best": best, "median": median}
                 print(f"{ours} / {other} = {best:.2f}x best, {median:.2f}x median")
     return {"results": results, "ratios": ratios}
+
+
+def print_table(results: dict, baseline: str) -> None:
+    """Every contender's best and median steps/s side by side, with both against
+    ``baseline``'s."""
+    base = results.get(baseline)
+    width = max(map(len, [*results, "contender"]))
+    print(f"{'contender':{width}s} {'best':>8s} {'median':>8s}   / {baseline} (best, median)")
+    for kind, res in results.items():
+        ratio = (f"{res['best'] / base['best']:.2f}x, {res['median'] / base['median']:.2f}x"
+                 if base else "-")
+        print(f"{kind:{width}s} {res['best']:8.2f} {res['median']:8.2f}   {ratio}")
 
 
 def main(argv=None) -> int:
@@ -519,10 +571,16 @@ def main(argv=None) -> int:
                         help="--cluster: rounds of every contender in turn (best window kept)")
     parser.add_argument("--cluster", action="store_true",
                         help="2 worker processes x 2 replicas on 127.0.0.1: allreduce (flat, "
-                        "hierarchical) against ps against MultiWorkerMirroredStrategy "
-                        "(--only picks from allreduce,allreduce_hierarchical,ps,mwms)"),
+                        "hierarchical), ps, partitioned-ps, hybrid and model-average against "
+                        "MultiWorkerMirroredStrategy (--only picks from "
+                        f"{','.join(CLUSTER_CONTENDERS)})")
+    parser.add_argument("--all", action="store_true",
+                        help="every strategy in one run: the local contenders with --strategies "
+                        f"{LOCAL_EXTRAS}, then every --cluster contender")
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args(argv)
+    if args.all:
+        args.strategies = ",".join(x for x in (args.strategies, LOCAL_EXTRAS) if x)
 
     if args.batch % args.devices:
         print(f"--batch {args.batch} does not divide across {args.devices} devices")
@@ -601,10 +659,9 @@ def main(argv=None) -> int:
               f"{res['loss_last']:.3f}{extra}")
 
     print()
+    print_table(results, "original")
+    print()
     verdicts = {}
-    for kind in more_graphs:
-        if kind in results and "emitted" in results:
-            print(f"{kind} / emitted = {results[kind]['best'] / results['emitted']['best']:.2f}x")
     if "emitted_sync" in results:
         for other in ("emitted", "mirrored"):
             if other in results:
@@ -623,12 +680,16 @@ def main(argv=None) -> int:
             verdicts[other] = {"ratio": ratio, "ok": ok}
             print(f"emitted / {other:8s} = {ratio:.2f}x  (budget {'>' if strict else '>='} "
                   f"{budget}x: {'within budget' if ok else 'OVER budget'})")
+    cluster = {}
+    if args.all:
+        print()
+        cluster = cluster_main(args, opts, original, only=list(CLUSTER_CONTENDERS))
     elapsed = time.perf_counter() - start
     print(f"total benchmark time {elapsed:.0f} s")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"options": opts, "results": results, "ratios": verdicts,
-                       "elapsed_s": elapsed}, f, indent=1)
+                       "cluster": cluster, "elapsed_s": elapsed}, f, indent=1)
     return 0
 
 
