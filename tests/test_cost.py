@@ -23,7 +23,7 @@ assert sum(MLP.values()) == MLP_TOTAL == 780
 def measure(name, strategy, batch_size, **options):
     original = metagraph.load(fixture_path(name))
     ir = metagraph.load(fixture_path(name))
-    if strategy == "allreduce":
+    if strategy in ("allreduce", "independent"):
         strategies.transform(ir, strategy, **options)
     else:
         strategies.transform(ir, strategy, cluster=cluster.Cluster(SPEC), **options)
@@ -96,6 +96,15 @@ def test_allreduce_ring_moves_2_n_minus_1_over_n_of_the_dense_bytes(replicas):
         assert report.variables[var].moved == pytest.approx(
             replicas * 2 * (replicas - 1) / replicas * nbytes)
     assert not [t for t in report.transfers if t.kind == "edge"]  # no cross-task edges
+
+
+def test_independent_moves_nothing_and_its_minimum_is_nothing():
+    devices = [f"/device:CPU:{i}" for i in range(4)]
+    _, report = measure("mlp_sgd", "independent", 16, devices=devices)
+    assert report.model == "independent"
+    assert not [t for t in report.transfers if t.kind != "edge"]  # no collectives
+    for var in MLP:
+        assert report.variables[var].moved == report.variables[var].minimum == 0
 
 
 def test_partitioned_ps_spreads_the_same_totals_over_shards():

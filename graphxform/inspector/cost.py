@@ -158,6 +158,11 @@ def measure(original: GraphIR, ir: GraphIR, batch_size: int = 32, strategy: str 
         minimum = allreduce_minimum(ir, step, tg, sparse_rows)
     else:
         minimum = ps_minimum(ir, tg, sparse_rows, client, owners)
+    if strategy == "independent":  # no exchange by design: anything moved is overhead
+        model, minimum = "independent", {"endpoints": {}, "variables": {
+            var.name: (0.0, False) for var in tg.trainable}}
+        notes.append("independent: replicas never exchange gradients or variables, so the "
+                     "minimum is nothing and anything moved is overhead")
     per = "training step"
     if ir.has_scope(MODEL_AVERAGE):
         model, minimum = "model-average", model_average_minimum(ir, tg, client)
