@@ -162,6 +162,7 @@ def _transform(model, options, no_verify=False, dump_dir=None, keep_original=Tru
     from graphxform import cluster, metagraph, strategies, verify as verify_mod
     strategy = options["strategy"]
     kwargs = {}
+    _refuse_foreign_options(strategy, options)
     if strategy != "hybrid" and (options["sparse_as_dense_below"] or options["placement_file"]):
         raise GraphxformError("--sparse-as-dense-below and --placement-file are options of "
                               "--strategy hybrid")
@@ -179,8 +180,6 @@ def _transform(model, options, no_verify=False, dump_dir=None, keep_original=Tru
         if strategy == "partitioned-ps":
             kwargs.update(partitions=options["partitions"],
                           partition_min_bytes=options["partition_min_bytes"])
-        elif options["partitions"] is not None:
-            raise GraphxformError("--partitions is an option of --strategy partitioned-ps")
     elif strategy == "allreduce" and (options["cluster"] or (
             os.environ.get("TF_CONFIG") and not options["replicas"] and not options["devices"])):
         from graphxform.passes.worker_steps import replica_devices
@@ -201,14 +200,15 @@ def _transform(model, options, no_verify=False, dump_dir=None, keep_original=Tru
             raise GraphxformError("--strategy model-average with --cluster places replicas on "
                                   "the cluster's workers: use --replicas-per-worker, not "
                                   "--replicas/--devices")
-        if options["staleness"] or options["async_"]:
-            raise GraphxformError("--staleness and --async are options of --strategy ps and "
-                                  "partitioned-ps (model-average waits for every worker at "
-                                  "each round, as ModelAverageOptimizer does)")
         device_list = worker_devices(found, options["replicas_per_worker"],
                                      options["worker_device"])
         kwargs = {**_local_strategy_options(strategy, options), "cluster": found}
     else:
+        for flag, default in (("replicas_per_worker", 1), ("worker_device", "CPU")):
+            if options[flag] != default:
+                raise GraphxformError(f"--{flag.replace('_', '-')} places replicas on a "
+                                      "cluster's workers (--cluster F or TF_CONFIG); on this "
+                                      "machine's devices use --replicas or --devices")
         if options["cluster"]:
             raise GraphxformError(f"--strategy {strategy} runs on local devices; --cluster is "
                                    "for ps, partitioned-ps, allreduce and model-average")
@@ -231,11 +231,26 @@ def _transform(model, options, no_verify=False, dump_dir=None, keep_original=Tru
     return original, ir, pipeline
 
 
+# options only some strategies read, with their defaults: given to another, they would be
+# silently ignored
+STRATEGY_ONLY_OPTIONS = {
+    "staleness": (0, ("ps", "partitioned-ps")),
+    "async_": (False, ("ps", "partitioned-ps")),
+    "partitions": (None, ("partitioned-ps",)),
+    "partition_min_bytes": (0, ("partitioned-ps",)),
+}
+
+
+def _refuse_foreign_options(strategy: str, options: dict) -> None:
+    for key, (default, owners) in STRATEGY_ONLY_OPTIONS.items():
+        if options.get(key, default) != default and strategy not in owners:
+            flag = "--" + key.rstrip("_").replace("_", "-")
+            raise GraphxformError(f"{flag} is an option of --strategy {' and '.join(owners)}, "
+                                  f"not of {strategy}")
+
+
 def _hybrid_options(options: dict) -> dict:
-    """hybrid's options; --staleness/--async are the ps strategies' alone."""
-    if options["staleness"] or options["async_"]:
-        raise GraphxformError("--staleness and --async are options of --strategy ps and "
-                              "partitioned-ps, not hybrid")
+    """hybrid's options (its placement file read and checked)."""
     placement = {}
     if options["placement_file"]:
         path = options["placement_file"]

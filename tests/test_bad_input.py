@@ -159,6 +159,26 @@ def test_usage_errors_are_one_line(run_cli, args, message):
     assert message in one_line_error(code, err, expect_code=2) and not out
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--staleness", "2"], "--staleness is an option of --strategy ps and partitioned-ps, not "
+     "of allreduce"),
+    (["--async"], "--async is an option of --strategy ps and partitioned-ps, not of allreduce"),
+    (["--strategy", "model-average", "--partitions", "2"],
+     "--partitions is an option of --strategy partitioned-ps, not of model-average"),
+    (["--partition-min-bytes", "8"], "--partition-min-bytes is an option of --strategy "
+     "partitioned-ps, not of allreduce"),
+    (["--replicas-per-worker", "2"], "--replicas-per-worker places replicas on a cluster's "
+     "workers"),
+    (["--strategy", "replicated", "--worker-device", "GPU"], "--worker-device places replicas "
+     "on a cluster's workers"),
+])
+def test_an_option_the_strategy_would_ignore_is_refused(run_cli, tmp_path, args, message):
+    out = tmp_path / "out.meta"
+    code, _, err = run_cli("apply", MODEL, "--replicas", 2, "-o", out, *args)
+    assert message in one_line_error(code, err)
+    assert not out.exists()
+
+
 def test_dump_dir_that_cannot_be_made(run_cli, tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")

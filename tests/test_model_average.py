@@ -382,7 +382,7 @@ def test_cluster_check_and_cost(run_cli, tmp_path):
     (("--interval", 0), "invalid value for '--interval'"),
     (("--cluster", "NOPS"), "the cluster has no 'ps' job"),
     (("--cluster", "CLUSTER", "--replicas", 2), "use --replicas-per-worker"),
-    (("--cluster", "CLUSTER", "--staleness", 2), "--staleness and --async are options of"),
+    (("--cluster", "CLUSTER", "--staleness", 2), "--staleness is an option of --strategy ps"),
     (("--replicas", 2, "--sync-batch-norm"), "--sync-batch-norm is an option of"),
 ])
 def test_bad_requests_are_one_line(run_cli, tmp_path, args, message):
