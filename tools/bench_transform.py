@@ -286,8 +286,8 @@ def print_table(rows) -> None:
     for r in rows:
         table.append((
             r["graph"], str(r["nodes_out"] or "-"), _fmt(r["floor_s"]), _fmt(r["startup_s"]),
-            _fmt(r["cli_s"]), _ratio(r["cli_ratio"], CLI_BUDGET),
-            _ratio(r["cli_cpu_ratio"], CLI_BUDGET), _fmt(r["own_startup_s"]),
+            _fmt(r["cli_s"]), _lenient_ratio(r["cli_ratio"]),
+            _lenient_ratio(r["cli_cpu_ratio"]), _fmt(r["own_startup_s"]),
             _ratio(r["cli_own_ratio"], CLI_BUDGET), _fmt(r["pipeline_s"]),
             _ratio(r["pipeline_ratio"], PIPELINE_BUDGET),
             _ratio(r["pipeline_cpu_ratio"], PIPELINE_BUDGET), _fmt(r["pipeline_checked_s"]),
@@ -299,6 +299,14 @@ def print_table(rows) -> None:
                         for c, (cell, w) in enumerate(zip(row, widths))))
         if k == 0:
             print("  ".join("-" * w for w in widths))
+
+
+def _lenient_ratio(x) -> str:
+    """cli less a bare `import tensorflow`, which the cli no longer pays in full: below zero
+    when the whole command takes less than that import (the stricter column follows)."""
+    if x is not None and x < 0:
+        return f"{x:.2f}x (cli < bare import)"
+    return _ratio(x, CLI_BUDGET)
 
 
 def _ratio(x, budget=None) -> str:
