@@ -177,9 +177,10 @@ def _transform(model, options, no_verify=False, dump_dir=None, keep_original=Tru
                   "asynchronous": options["async_"]}
         if strategy == "hybrid":
             kwargs = {"cluster": found, **_hybrid_options(options)}
-        if strategy == "partitioned-ps":
-            kwargs.update(partitions=options["partitions"],
-                          partition_min_bytes=options["partition_min_bytes"])
+        if strategy in ("partitioned-ps", "hybrid"):
+            kwargs["partitions"] = options["partitions"]
+            if options["partition_min_bytes"] is not None:  # else the strategy's default
+                kwargs["partition_min_bytes"] = options["partition_min_bytes"]
     elif strategy == "allreduce" and (options["cluster"] or (
             os.environ.get("TF_CONFIG") and not options["replicas"] and not options["devices"])):
         from graphxform.passes.worker_steps import replica_devices
@@ -236,8 +237,8 @@ def _transform(model, options, no_verify=False, dump_dir=None, keep_original=Tru
 STRATEGY_ONLY_OPTIONS = {
     "staleness": (0, ("ps", "partitioned-ps")),
     "async_": (False, ("ps", "partitioned-ps")),
-    "partitions": (None, ("partitioned-ps",)),
-    "partition_min_bytes": (0, ("partitioned-ps",)),
+    "partitions": (None, ("partitioned-ps", "hybrid")),
+    "partition_min_bytes": (None, ("partitioned-ps", "hybrid")),
 }
 
 
@@ -352,10 +353,11 @@ strategy_options = [
     click.option("--async", "async_", is_flag=True,
                  help="ps: no aggregation; each worker applies its own gradient when ready."),
     click.option("--partitions", type=click.IntRange(min=1),
-                 help="partitioned-ps: shards per variable (default: one per ps task)."),
-    click.option("--partition-min-bytes", default=0, show_default=True,
-                 type=click.IntRange(min=0),
-                 help="partitioned-ps: variables smaller than this stay whole."),
+                 help="partitioned-ps, hybrid (its ps side): shards per variable (default: "
+                 "one per ps task)."),
+    click.option("--partition-min-bytes", type=click.IntRange(min=0),
+                 help="partitioned-ps, hybrid (its ps side): variables smaller than this stay "
+                 "whole (default: 0 for partitioned-ps; 262144, i.e. 256 KiB, for hybrid)."),
 ]
 
 
@@ -412,7 +414,13 @@ def apply(model, output, no_verify, dump_dir, explain, debug, **options):
                    " s without a member (launch/run --cluster: --timeout)")
     for t in pipeline.timings:
         if t.name == "choose-placement":
+            split = next((p.summary for p in pipeline.timings
+                          if p.name == "partition-variables"), {})
             for variable, decision in sorted(t.summary.items()):
+                if variable in split.get("partitioned_into", {}):
+                    decision += f", partitioned into {split['partitioned_into'][variable]}"
+                elif variable in split.get("kept_whole", {}):
+                    decision += f", whole ({split['kept_whole'][variable]})"
                 click.echo(f"  {variable}: {decision}")
         if t.name == "sync-batch-norm":
             count = t.summary.get("batch_norms_synchronised", 0)

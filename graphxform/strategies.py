@@ -7,7 +7,8 @@ from graphxform import allreduce_spec
 from graphxform.passes.all_reduce import DEFAULT_BUCKET_BYTES, AllReduce
 from graphxform.passes.consistent_random import ConsistentRandom
 from graphxform.passes.drop_in_saver import DropInSaver
-from graphxform.passes.hybrid import (ChoosePlacement, HybridWorkerSteps, OnSide,
+from graphxform.passes.hybrid import (PARTITION_MIN_BYTES, ChoosePlacement,
+                                     HybridWorkerSteps, OnSide, PartitionPsSide,
                                      UnshareReplicated)
 from graphxform.passes.insert_accumulators import InsertAccumulators
 from graphxform.passes.merge_fetches import MergeFetches
@@ -133,16 +134,20 @@ def partitioned_ps(ps_tasks: int = 1, partitions: int | None = None,
 
 
 def hybrid(ps_tasks: int = 1, sparse_as_dense_below: int = 0, placement=None,
+           partitions: int | None = None, partition_min_bytes: int = PARTITION_MIN_BYTES,
            bucket_bytes: int = DEFAULT_BUCKET_BYTES, fetch_mean=(), fetch_concat=(),
            verify: bool = True, dump_dir: str | None = None) -> Pipeline:
     """Parallax: variables with dense gradients replicated and all-reduced, variables with
     sparse gradients on the ps tasks behind sparse accumulators (passes/hybrid.py);
     ``sparse_as_dense_below`` bytes and ``placement`` ({variable: "allreduce" | "ps"}) decide
-    the borderline."""
+    the borderline. A ps-side variable of at least ``partition_min_bytes`` (default 256 KiB)
+    is split along axis 0 into ``partitions`` shards (default: one per ps task)."""
+    shards = ps_tasks if partitions is None else partitions  # 0 reaches the pass, which refuses
     return Pipeline([
         StripSaver(),
         ChoosePlacement(sparse_as_dense_below=sparse_as_dense_below,
                         overrides=dict(placement or {})),
+        PartitionPsSide(partitions=shards, min_bytes=partition_min_bytes),
         OnSide(PlaceVariables(ps_tasks=ps_tasks), side="ps", hide_other=True),
         OnSide(ShareVariables(), side="ps"),
         UnshareReplicated(),

@@ -2,11 +2,14 @@
 (embeddings) kept in one copy on the ps tasks behind sparse accumulators.
 
 `choose-placement` decides each trainable variable's side first and records why (the decisions
-are its summary, so apply prints them). The ps passes and all-reduce then run through `OnSide`,
-which shows them a view of the training graph holding only their side's variables: the ps passes
-place, share and aggregate the ps side, all-reduce reduces the rest. `unshare-replicated` then
-hands the all-reduced variables (with their slots, initializers and reads) back to `replicate`,
-which share-variables would otherwise have kept single like every other variable.
+are its summary, so apply prints them). `partition-variables` then splits the large ones of the
+ps side into shards along axis 0 (`PartitionPsSide`); the shards take their variable's place on
+that side. The ps passes and all-reduce then run through `OnSide`, which shows them a view of
+the training graph holding only their side's variables: the ps passes place, share and
+aggregate the ps side (shards like any variable), all-reduce reduces the rest.
+`unshare-replicated` then hands the all-reduced variables (with their slots, initializers and
+reads) back to `replicate`, which share-variables would otherwise have kept single like every
+other variable.
 `hybrid-worker-steps` last makes each worker task's step run its own replicas only, so the graph
 also runs one process per task."""
 
@@ -18,6 +21,7 @@ import numpy as np
 
 from graphxform.errors import GraphxformError
 from graphxform.nodes import Builder, replica_prefix
+from graphxform.passes.partition_variables import PartitionVariables
 from graphxform.passes.worker_steps import DEFAULT_TIMEOUT_S, set_collective_timeouts, tasks_of
 from graphxform.pipeline import Pass, PassResult
 from graphxform.training import REPLICA_SCOPE
@@ -30,6 +34,10 @@ END_GROUP_KEY = 3  # all-reduce's groups are 1 and 2
 END_INSTANCE_KEY = (1 << 24) - 1  # below all-reduce's sparse keys, above its buckets'
 FLOAT = 1  # DataType enum DT_FLOAT
 INT64 = 9  # DataType enum DT_INT64
+# below this a ps-side variable stays whole: a smaller one is no load worth spreading, and its
+# shards would cost a partitioned lookup and routed gradients every step (the size of
+# min_max_variable_partitioner's default slice in TF)
+PARTITION_MIN_BYTES = 256 << 10
 
 
 def decide(trainable, sparse_as_dense_below: int = 0, overrides=None) -> dict:
@@ -89,8 +97,56 @@ class _SideView:
 
     @property
     def variables(self) -> dict:
+        """With nothing hidden, the analysis's own dict, so that a pass replacing variables
+        (partition-variables) changes the analysis."""
+        if not self._hide:
+            return self._tg.variables
         return {n: v for n, v in self._tg.variables.items()
                 if n not in self._hide and (v.slot_of or n) not in self._hide}
+
+
+@dataclasses.dataclass
+class PartitionPsSide(Pass):
+    """partition-variables on the ps side's trainable variables only: each of at least
+    ``min_bytes`` is split along axis 0 into ``partitions`` shards (as many as its rows when
+    fewer); the shards replace it on the ps side. The summary says, per ps-side variable, how
+    many shards it became or why it stayed whole."""
+    name = "partition-variables"
+    partitions: int = 2
+    min_bytes: int = PARTITION_MIN_BYTES
+
+    def run(self, ir, ctx):
+        chosen = ctx.state[STATE]
+        ps_side = sorted(chosen["ps"])
+        if not ps_side:
+            return PassResult(modified=False)
+        full = ctx.training
+        ctx.training = _SideView(full, set(ps_side), set())
+        try:
+            result = PartitionVariables(partitions=self.partitions,
+                                        min_bytes=self.min_bytes).run(ir, ctx)
+        finally:
+            ctx.training = full
+        shards = ctx.state.get("partition-variables", {}).get("shards", {})
+        split, kept = {}, dict(result.summary.get("kept_whole", {}))
+        for name in ps_side:
+            if name in shards:
+                chosen["ps"].discard(name)
+                chosen["ps"].update(shard for shard, _, _ in shards[name])
+                split[name] = len(shards[name])
+            elif name not in kept:
+                kept[name] = self._why_whole(full.variables[name])
+        summary = {"partitioned_into": split, "kept_whole": kept}
+        if split:
+            summary["shards"] = sum(split.values())
+        return PassResult(modified=result.modified, summary=summary)
+
+    def _why_whole(self, var) -> str:
+        if self.partitions == 1:
+            return "--partitions 1, or a single ps task"
+        if len(var.shape) < 1 or var.shape[0] < 2:
+            return "a scalar or a single row"
+        return f"{var.nbytes} B < --partition-min-bytes {self.min_bytes}"
 
 
 @dataclasses.dataclass

@@ -164,9 +164,10 @@ def test_usage_errors_are_one_line(run_cli, args, message):
      "of allreduce"),
     (["--async"], "--async is an option of --strategy ps and partitioned-ps, not of allreduce"),
     (["--strategy", "model-average", "--partitions", "2"],
-     "--partitions is an option of --strategy partitioned-ps, not of model-average"),
+     "--partitions is an option of --strategy partitioned-ps and hybrid, not of "
+     "model-average"),
     (["--partition-min-bytes", "8"], "--partition-min-bytes is an option of --strategy "
-     "partitioned-ps, not of allreduce"),
+     "partitioned-ps and hybrid, not of allreduce"),
     (["--replicas-per-worker", "2"], "--replicas-per-worker places replicas on a cluster's "
      "workers"),
     (["--strategy", "replicated", "--worker-device", "GPU"], "--worker-device places replicas "

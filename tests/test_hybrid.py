@@ -3,8 +3,11 @@ the ps tasks behind sparse accumulators. The corpus's exact recipes and the embe
 transformed for 2 ps + 2 workers (and 1 worker x 2 replicas), match the single-device graph
 for 3 steps within 1e-5 with one client; wide & deep launched one process per task (1 ps, 2
 workers x 2 replicas on 127.0.0.1) matches it too; the borderline options decide as
-documented."""
+documented. With --partitions, the ps side's large variables are split into shards spread over
+the ps tasks, each behind its own accumulator: still exact with one client and per task, and
+checkpoints stay whole under the original names."""
 
+import json
 import os
 import re
 
@@ -14,6 +17,7 @@ import pytest  # noqa: E402
 from conftest import fixture_path  # noqa: E402
 from recipe_loop import load_manifest, recipe_meta  # noqa: E402
 
+from test_model_average import in_threads  # noqa: E402
 from test_multiworker import STARTED, assert_close, gone, port_free  # noqa: E402
 
 from graphxform import cluster, equivalence, metagraph, strategies, training  # noqa: E402
@@ -22,6 +26,7 @@ from graphxform.passes.hybrid import decide  # noqa: E402
 from graphxform.plan import ClusterPlan  # noqa: E402
 from graphxform.runtime import servers  # noqa: E402
 from graphxform.runtime.local import Feeds, Runner  # noqa: E402
+from graphxform.runtime.task import TaskRunner  # noqa: E402
 
 SPEC = {"ps": ["127.0.0.1:2222", "127.0.0.1:2223"],
         "worker": ["127.0.0.1:2224", "127.0.0.1:2225"]}
@@ -168,3 +173,123 @@ def test_cli_hybrid_options_refused_elsewhere(run_cli, tmp_path):
     code, _, err = run_cli("apply", fixture_path("mlp_sgd"), "--replicas", 2,
                            "--sparse-as-dense-below", 100, "-o", tmp_path / "out.meta")
     assert code != 0
+
+
+WIDE_DEEP_PS_SIDE = ("dnn/input_layer/tags_embedding/embedding_weights",
+                     "linear/linear_model/tags/weights")
+
+
+def partition_summary(pipeline):
+    return next(t for t in pipeline.timings if t.name == "partition-variables").summary
+
+
+def test_partitioned_ps_side_matches_single_device_with_shards_on_each_ps_task():
+    name = "wide_deep"
+    ir = assert_matches(recipe_meta(name), MANIFEST[name], partitions=2, partition_min_bytes=0)
+    for var in WIDE_DEEP_PS_SIDE:
+        assert var not in ir or ir.op(var) not in ("VarHandleOp", "VariableV2")
+        shards = [f"{var}/part_{k}" for k in range(2)]
+        assert f"{var}/part_2" not in ir
+        assert {ir.node(s)["device"] for s in shards} == {"/job:ps/task:0/device:CPU:0",
+                                                         "/job:ps/task:1/device:CPU:0"}
+        for shard in shards:  # each shard behind its own sparse accumulator, on its task
+            assert ir.op(shard + "/accumulator") == "SparseConditionalAccumulator"
+            assert ir.node(shard + "/accumulator")["device"] == ir.node(shard)["device"]
+    # the dense side is untouched: replicated, never split
+    assert "replica_1/dnn/hiddenlayer_0/kernel" in ir
+    assert not [n for n in ir.nodes() if "/part_" in n and n.startswith("dnn/hiddenlayer")]
+
+
+def test_more_partitions_than_ps_tasks_and_replicas_per_worker():
+    ir = assert_matches(EMBEDDING, devices=cluster.Cluster(SPEC).worker_devices(2),
+                        partitions=3, partition_min_bytes=100)
+    shapes = [tuple(d.size for d in ir.node(f"embedding/weights/part_{k}")["attr"]["shape"]
+                    .shape.dim) for k in range(3)]
+    assert shapes == [(17, 8), (17, 8), (16, 8)]
+    assert "replica_3/dense0/kernel" in ir and "dense0/kernel/part_0" not in ir
+
+
+def test_partitioning_decisions_default_and_nothing_to_do():
+    _, pipeline = transform(EMBEDDING, partitions=2, partition_min_bytes=0)
+    assert partition_summary(pipeline)["partitioned_into"] == {"embedding/weights": 2}
+    ir, pipeline = transform(EMBEDDING)  # the default keeps a 1600-byte embedding whole
+    said = partition_summary(pipeline)
+    assert not said["partitioned_into"]
+    assert said["kept_whole"] == {"embedding/weights": "1600 B < --partition-min-bytes 262144"}
+    assert ir.op("embedding/weights") == "VarHandleOp"
+    ir, pipeline = transform(EMBEDDING, partitions=1, partition_min_bytes=0)
+    assert not [t for t in pipeline.timings if t.name == "partition-variables"][0].modified
+    assert "embedding/weights/part_0" not in ir
+    with pytest.raises(GraphxformError, match="--partitions must be at least 1, not 0"):
+        transform(EMBEDDING, partitions=0)
+
+
+def test_per_task_runs_and_checkpoints_both_ways_with_shards(tmp_path):
+    """wide & deep partitioned over 2 ps tasks, 2 workers x 2 replicas each running its own step
+    in its own session: the single-device checkpoint restores into it, 3 steps match one
+    device, and its checkpoint restores into the single-device graph with the same values."""
+    meta, entry, steps = recipe_meta("wide_deep"), MANIFEST["wide_deep"], 3
+    original = metagraph.load(meta)
+    batches = Feeds(training.analyze(original).inputs, meta.replace(".meta", ".npz"),
+                    entry["batch_size"])
+    with Runner(original) as run:
+        run.initialize()
+        start = run.save(str(tmp_path / "start"))
+        initial = run.variable_values()
+        losses = [run.step(batches.batch(k)).loss for k in range(steps)]
+        values = run.variable_values()
+    found = servers.local_cluster({"ps": 2, "worker": 2})
+    ir, _ = transform(meta, spec=found.as_dict(), devices=found.worker_devices(2),
+                      partitions=2, partition_min_bytes=0)
+    leader = ClusterPlan.from_ir(ir).collective_leader
+    with servers.InProcessCluster(found, cpus={"worker": 2},
+                                  collective_leader=leader) as running:
+        runners = [TaskRunner(ir, found, "worker", w, timeout_s=30,
+                              target=running.target("worker", w)) for w in range(2)]
+        try:
+            chief = runners[0]
+            in_threads(lambda r: r.prepare(restore=start if r.chief else None), runners)
+            restored = chief.session.run({v.op.name: v for v in chief.variables})
+            for var in WIDE_DEEP_PS_SIDE:  # the single-device values, sliced into the shards
+                assert_close(list(restored[f"{var}/part_0"].ravel()) +
+                             list(restored[f"{var}/part_1"].ravel()),
+                             list(initial[var].ravel()))
+            got = in_threads(lambda r: [r.step(batches.batch(k))[0] for k in range(steps)],
+                             runners)
+            assert_close([sum(pair) / 2 for pair in zip(*got)], losses)
+            saved = chief.save(str(tmp_path / "hybrid" / "model"))
+        finally:
+            for r in runners:
+                r.close()
+    with Runner(metagraph.load(meta)) as run:
+        run.restore(saved)
+        for name, value in run.variable_values().items():
+            assert_close(value, values[name])
+
+
+def test_cli_partitions_apply_prints_shards_then_verify_check_and_cost(run_cli, tmp_path):
+    spec = tmp_path / "cluster.json"
+    spec.write_text(json.dumps(SPEC))
+    model, out_meta = fixture_path("embedding_adam"), tmp_path / "out.meta"
+    code, out, err = run_cli("apply", model, "--strategy", "hybrid", "--cluster", spec,
+                             "--partitions", 2, "--partition-min-bytes", 0, "-o", out_meta)
+    assert code == 0, err
+    assert "embedding/weights: ps (sparse gradient), partitioned into 2" in out
+    assert "dense0/kernel: allreduce (dense gradient)\n" in out
+    code, out, err = run_cli("verify", model, "--strategy", "hybrid", "--cluster", spec,
+                             "--partitions", 2, "--partition-min-bytes", 0,
+                             "--feeds", fixture_path("embedding_adam", ".npz"), "--steps", 3)
+    assert code == 0 and "PASS" in out, out + err
+    code, out, err = run_cli("check", out_meta)
+    assert code == 0 and "0 error(s)" in out, out + err
+    code, out, err = run_cli("cost", model, "--strategy", "hybrid", "--cluster", spec,
+                             "--partitions", 2, "--partition-min-bytes", 0, "--json")
+    assert code == 0, err
+    tasks = {row["name"]: row for row in json.loads(out)["tasks"]}
+    for ps in ("ps:0", "ps:1"):  # each holds a shard: gets its part of the rows, as it should
+        assert tasks[ps]["minimum_received"] > 0 and tasks[ps]["ratio"] < 1.5, tasks[ps]
+    code, out, err = run_cli("apply", model, "--strategy", "hybrid", "--cluster", spec,
+                             "-o", tmp_path / "whole.meta")
+    assert code == 0, err
+    assert ("embedding/weights: ps (sparse gradient), whole (1600 B < --partition-min-bytes "
+            "262144)") in out
