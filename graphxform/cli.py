@@ -684,7 +684,7 @@ def launch(model, steps, feeds, batch_size, cluster_file, restore, save_to, time
 @cli.command()
 @click.argument("model", type=click.Path(dir_okay=False))
 @click.option("--strategy", default="allreduce", show_default=True,
-              help="allreduce, ps or partitioned-ps (an unknown name is a one-line error).")
+              help="any strategy apply takes (an unknown name is a one-line error).")
 @with_options([o for o in strategy_options  # theirs but --strategy, which is ours above
                if all(p.name != "strategy" for p in o(lambda: None).__click_params__)])
 @click.option("--batch-size", default=32, show_default=True, type=int,

@@ -107,6 +107,25 @@ def test_independent_moves_nothing_and_its_minimum_is_nothing():
         assert report.variables[var].moved == report.variables[var].minimum == 0
 
 
+def test_ids_from_a_sparse_input_are_counted_at_one_per_example():
+    """wide_deep (feature columns): the 'tags' ids come from a SparseTensor input, whose count
+    per step only the data fixes. Counted at one id per example (said in a note): each of the
+    2 replicas gathers its 16 examples' rows (float32: 1 wide, 4 in the embedding) and int64
+    indices, and receives the other replica's: (N-1)/N x N x its own = its own, per replica."""
+    devices = ["/device:CPU:0", "/device:CPU:1"]
+    original = metagraph.load(fixture_path("recipes/wide_deep"))
+    ir = metagraph.load(fixture_path("recipes/wide_deep"))
+    strategies.transform(ir, "allreduce", devices=devices)
+    report = cost.measure(original, ir, batch_size=32, strategy="allreduce")
+    per_replica = 16
+    for var, row_floats in (("linear/linear_model/tags/weights", 1),
+                            ("dnn/input_layer/tags_embedding/embedding_weights", 4)):
+        expected = 2 * per_replica * (row_floats * F32 + 8)
+        assert report.variables[var].moved == pytest.approx(expected)
+        assert report.variables[var].minimum == pytest.approx(expected)
+    assert any("one id per example" in note for note in report.notes)
+
+
 def test_partitioned_ps_spreads_the_same_totals_over_shards():
     _, report = measure("mlp_sgd", "partitioned-ps", 16)
     for var, nbytes in MLP.items():

@@ -146,9 +146,13 @@ def measure(original: GraphIR, ir: GraphIR, batch_size: int = 32, strategy: str 
     client = client_task(ir)
     step = step_nodes(ir, tg)
     owners = VariableNames(tg, ir)
-    sparse_rows = rows_touched(tg, original, batched, batch_size)
+    sparse_rows, guessed = rows_touched(tg, original, batched, batch_size)
+    if guessed:
+        notes.append(f"{len(guessed)} sparse variable(s) take ids from a sparse input, whose "
+                     "count per step the graph does not fix: counted at one id per example "
+                     "(an estimate, not a bound): " + ", ".join(guessed[:3]))
     transfers = edge_transfers(ir, step, shapes, client, owners, sparse_rows)
-    transfers += collective_transfers(ir, step, shapes, owners)
+    transfers += collective_transfers(ir, step, shapes, owners, sparse_rows, tg)
     model = "allreduce" if any(t.kind != "edge" for t in transfers) else "ps"
     if model == "allreduce" and any(_is_accumulator(ir, n) for n in step):
         model, minimum = "hybrid", hybrid_minimum(ir, step, tg, sparse_rows, client, owners)
@@ -489,8 +493,10 @@ def worker_tasks(ir, client) -> list:
     return sorted(t for t in tasks if not t.startswith("ps:"))
 
 
-def collective_transfers(ir, step, shapes, owners) -> list:
-    """What each device's collectives send and receive per step (sent = received in a ring)."""
+def collective_transfers(ir, step, shapes, owners, sparse_rows=None, tg=None) -> list:
+    """What each device's collectives send and receive per step (sent = received in a ring).
+    A gather of a sparse gradient whose row count only the data fixes is counted at the rows
+    ``sparse_rows`` gives its variable for the global batch, an equal share per replica."""
     out = []
     for node in sorted(step):
         op = ir.op(node)
@@ -506,9 +512,30 @@ def collective_transfers(ir, step, shapes, owners) -> list:
                                     kind="all-reduce"))
         else:
             variable = _gathered_variable(ir, node, owners)
+            if not local and variable in (sparse_rows or {}):
+                local = _rows_share_bytes(shapes, "%s:%d" % ir.inputs(node)[0],
+                                          sparse_rows[variable][0] / n,
+                                          tg.variables[variable].shape)
             out.append(Transfer(f"{node}:0", device, device, (n - 1) / n * (n * local),
                                 variable, kind="all-gather", upper_bound=True))
     return out
+
+
+def _rows_share_bytes(shapes, tensor: str, rows: float, variable_shape) -> float:
+    """Bytes of ``rows`` rows of ``tensor``, a gathered sparse gradient's values (rows of the
+    variable: a padded slice's inner dimensions are the variable's) or indices (one each)."""
+    dims, size = shapes.tensors.get(tensor, (None, None))
+    if not dims or size is None:
+        return 0
+    inner = dims[1:]
+    if any(d is None for d in inner):
+        inner = list(variable_shape or [])[1:]
+        if len(inner) != len(dims) - 1 or any(d is None for d in inner):
+            return 0
+    count = rows
+    for d in inner:
+        count *= d
+    return count * size
 
 
 def _group_size(ir, node) -> int:
@@ -618,22 +645,24 @@ class _Need:
     upper_bound: bool = False
 
 
-def rows_touched(tg, original, batched, batch_size) -> dict:
+def rows_touched(tg, original, batched, batch_size) -> tuple[dict, list]:
     """Sparse variable -> (rows its gradient has for the global batch, bytes per index): one
     row per id fed (the original graph's static shape), an upper bound on the distinct rows a
-    step touches."""
+    step touches; and the variables whose ids come from a sparse input (feature columns), whose
+    count the graph does not fix: those are counted at one id per example."""
     sparse = [v for v in tg.trainable if v.gradient.kind == "sparse"]
     if not sparse:
-        return {}
+        return {}, []
     shapes = static_shapes(original, batched, batch_size)
-    found = {}
+    found, guessed = {}, []
     for var in sparse:
         dims = shapes.dims(var.gradient.values)
-        if not dims or dims[0] is None:
-            raise GraphxformError(f"cannot tell how many rows of '{var.name}' a batch of "
-                                  f"{batch_size} touches")
-        found[var.name] = (dims[0], shapes.tensors[var.gradient.indices][1] or 4)
-    return found
+        rows = dims[0] if dims else None
+        if rows is None:
+            rows = batch_size
+            guessed.append(var.name)
+        found[var.name] = (rows, shapes.tensors.get(var.gradient.indices, (None, None))[1] or 4)
+    return found, guessed
 
 
 def _needs(tg, sparse_rows, parts: int, only=None) -> dict:
