@@ -181,29 +181,20 @@ def _transform(model, options, no_verify=False, dump_dir=None, keep_original=Tru
             kwargs["partitions"] = options["partitions"]
             if options["partition_min_bytes"] is not None:  # else the strategy's default
                 kwargs["partition_min_bytes"] = options["partition_min_bytes"]
-    elif strategy == "allreduce" and (options["cluster"] or (
+    elif strategy in ("allreduce", "model-average") and (options["cluster"] or (
             os.environ.get("TF_CONFIG") and not options["replicas"] and not options["devices"])):
+        from graphxform.passes.model_average import worker_devices
         from graphxform.passes.worker_steps import replica_devices
         found, _ = cluster.load_cluster(options["cluster"])
         if options["devices"] or options["replicas"]:
-            raise GraphxformError("--strategy allreduce with --cluster places replicas on the "
+            raise GraphxformError(f"--strategy {strategy} with --cluster places replicas on the "
                                   "cluster's workers: use --replicas-per-worker, not "
                                   "--replicas/--devices")
-        device_list = replica_devices(found, options["replicas_per_worker"],
-                                      options["worker_device"])
-        kwargs = {**_local_strategy_options(strategy, options), "cluster": found,
-                  "hierarchical": options["hierarchical"]}
-    elif strategy == "model-average" and (options["cluster"] or (
-            os.environ.get("TF_CONFIG") and not options["replicas"] and not options["devices"])):
-        from graphxform.passes.model_average import worker_devices
-        found, _ = cluster.load_cluster(options["cluster"])
-        if options["devices"] or options["replicas"]:
-            raise GraphxformError("--strategy model-average with --cluster places replicas on "
-                                  "the cluster's workers: use --replicas-per-worker, not "
-                                  "--replicas/--devices")
-        device_list = worker_devices(found, options["replicas_per_worker"],
-                                     options["worker_device"])
+        place = replica_devices if strategy == "allreduce" else worker_devices
+        device_list = place(found, options["replicas_per_worker"], options["worker_device"])
         kwargs = {**_local_strategy_options(strategy, options), "cluster": found}
+        if strategy == "allreduce":
+            kwargs["hierarchical"] = options["hierarchical"]
     else:
         for flag, default in (("replicas_per_worker", 1), ("worker_device", "CPU")):
             if options[flag] != default:
@@ -212,7 +203,7 @@ def _transform(model, options, no_verify=False, dump_dir=None, keep_original=Tru
                                       "machine's devices use --replicas or --devices")
         if options["cluster"]:
             raise GraphxformError(f"--strategy {strategy} runs on local devices; --cluster is "
-                                   "for ps, partitioned-ps, allreduce and model-average")
+                                   "for ps, partitioned-ps, hybrid, allreduce and model-average")
         device_list = _devices(options["replicas"], options["devices"])
         kwargs = _local_strategy_options(strategy, options)
     if options.get("hierarchical") and not kwargs.get("hierarchical"):
