@@ -67,7 +67,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import operator
 import re
 
 from graphxform import opdefs

@@ -10,7 +10,6 @@ import os
 import queue
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,6 +19,7 @@ import numpy as np
 import pytest
 
 from conftest import fixture_path
+from processes import STARTED, gone, port_free
 from graphxform import cluster, metagraph, strategies, training
 from graphxform.plan import CLUSTER_COLLECTION, ClusterPlan
 from graphxform.runtime import servers
@@ -30,7 +30,6 @@ from graphxform.runtime.task import TaskRunner
 SPEC = {"ps": ["127.0.0.1:2222", "127.0.0.1:2223"],
         "worker": ["127.0.0.1:2224", "127.0.0.1:2225"]}
 STEPS, BATCH = 5, 16
-STARTED = re.compile(r"started (\w+) (\d+) \(127\.0\.0\.1:(\d+)\) pid (\d+)")
 
 
 def ps_graph(spec=SPEC):
@@ -84,26 +83,6 @@ def run_tasks(runners, feeds, steps, restore=None):
     if errors:
         raise errors[0]
     return out
-
-
-def port_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("0.0.0.0", port))  # what TF's server binds
-            return True
-        except OSError:
-            return False
-
-
-def gone(pid: int) -> bool:
-    try:
-        os.killpg(pid, 0)  # launched children lead their own process groups
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
 
 
 @contextlib.contextmanager

@@ -18,7 +18,8 @@ from conftest import fixture_path  # noqa: E402
 from recipe_loop import load_manifest, recipe_meta  # noqa: E402
 
 from test_model_average import in_threads  # noqa: E402
-from test_multiworker import STARTED, assert_close, gone, port_free  # noqa: E402
+from processes import assert_launched_tasks_gone  # noqa: E402
+from test_multiworker import assert_close  # noqa: E402
 
 from graphxform import cluster, equivalence, metagraph, strategies, training  # noqa: E402
 from graphxform.errors import GraphxformError  # noqa: E402
@@ -146,9 +147,7 @@ def test_launched_per_task_trains_like_one_device(run_cli, tmp_path):
         run.restore(f"{save}-{steps}")
         for name, value in run.variable_values().items():
             assert_close(value, values[name])
-    for _, _, port, pid in STARTED.findall(out):
-        assert gone(int(pid)), f"pid {pid} left behind"
-        assert port_free(int(port)), f"port {port} still bound"
+    assert_launched_tasks_gone(out)
 
 
 def test_cli_apply_prints_each_decision_and_verify_passes(run_cli, tmp_path):

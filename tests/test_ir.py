@@ -163,7 +163,7 @@ def test_copies_of_clean_nodes_are_clean_with_renamed_inputs():
     ir = loaded_ir()
     ir.add_control_input("m", "c")  # m is dirty: so is its copy
     ir.take_unverified()
-    mapping = ir.copy_nodes(["b", "c", "n", "m"], "r/")
+    ir.copy_nodes(["b", "c", "n", "m"], "r/")
     assert not ir.is_dirty("r/n") and ir.is_dirty("r/m")
     assert ir.take_unverified() == set()  # copies of checked nodes are well formed
     out = emitted_inputs(ir)

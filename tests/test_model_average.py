@@ -9,13 +9,13 @@ process it starts (checked: no pid or port left)."""
 import json
 import os
 import re
-import socket
 import threading
 
 import numpy as np
 import pytest
 import tensorflow as tf
 from conftest import fixture_path
+from processes import assert_launched_tasks_gone
 
 from graphxform import cluster, contract, equivalence, metagraph, strategies, training
 from graphxform.errors import GraphxformError
@@ -170,7 +170,6 @@ def test_cost_names_the_strategy_and_its_minimum(run_cli):
 SPEC = {"ps": ["127.0.0.1:2222", "127.0.0.1:2223"],
         "worker": ["127.0.0.1:2224", "127.0.0.1:2225"]}
 BATCH = 16
-STARTED = re.compile(r"started (\w+) (\d+) \(127\.0\.0\.1:(\d+)\) pid (\d+)")
 
 
 def on_cluster(interval, spec=SPEC, replicas_per_worker=1, model="mlp_sgd"):
@@ -297,26 +296,6 @@ def test_interval_1_on_the_cluster_with_one_client_matches_one_device(run_cli, t
     assert code == 0 and "PASS" in out, out + err
 
 
-def gone(pid: int) -> bool:
-    try:
-        os.killpg(pid, 0)  # launched children lead their own process groups
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
-
-
-def port_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("0.0.0.0", port))  # what TF's server binds
-            return True
-        except OSError:
-            return False
-
-
 def test_launched_tasks_with_interval_1_match_one_device(run_cli, tmp_path):
     """One process per task (`launch`: 2 ps, 2 workers), --interval 1 and SGD: each step's
     mean loss over the workers and the chief's checkpoint, restored into the single-device
@@ -338,9 +317,7 @@ def test_launched_tasks_with_interval_1_match_one_device(run_cli, tmp_path):
         for name, restored in run.variable_values().items():
             assert restored.shape == values[name].shape
             np.testing.assert_allclose(restored, values[name], rtol=1e-5, atol=1e-6)
-    for _, _, port, pid in STARTED.findall(out):
-        assert gone(int(pid)), f"pid {pid} left behind"
-        assert port_free(int(port)), f"port {port} still bound"
+    assert_launched_tasks_gone(out)
 
 
 def test_contract_refuses_a_cluster_centre_that_misses_a_worker():

@@ -18,7 +18,6 @@ import os
 import queue
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -28,6 +27,7 @@ import numpy as np
 import pytest
 
 from conftest import fixture_path
+from processes import STARTED, assert_launched_tasks_gone, gone, port_free
 from graphxform import cluster, metagraph, strategies, training
 from graphxform.errors import GraphxformError
 from graphxform.passes.worker_steps import replica_devices
@@ -39,7 +39,6 @@ RECIPES = os.path.join(os.path.dirname(__file__), "fixtures", "recipes")
 WORKERS = {"worker": ["127.0.0.1:2301", "127.0.0.1:2302"]}
 BATCH, STEPS = 16, 3
 FAULT_TIMEOUT = 6  # --timeout of the fault tests
-STARTED = re.compile(r"started (\w+) (\d+) \(127\.0\.0\.1:(\d+)\) pid (\d+)")
 MODELS = {"mlp": fixture_path("mlp_sgd", ""), "embedding": fixture_path("embedding_adam", ""),
           "cnn": os.path.join(RECIPES, "ref_vars_momentum")}  # a corpus CNN, no batch norm
 
@@ -142,26 +141,6 @@ def test_cost_shows_each_workers_link_for_both_variants(run_cli, tmp_path):
 # ---------------------------------------------------------------- processes
 def cli(*args):
     return [sys.executable, "-m", "graphxform.cli", *map(str, args)]
-
-
-def port_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("0.0.0.0", port))  # what TF's server binds
-            return True
-        except OSError:
-            return False
-
-
-def gone(pid: int) -> bool:
-    try:
-        os.killpg(pid, 0)  # our processes lead their own process groups
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
 
 
 def wait_until(check, timeout: float, what: str) -> None:
@@ -274,9 +253,7 @@ def test_launched_workers_keep_the_contract(run_cli, tmp_path, model, hierarchic
         run.restore(f"{save}-{STEPS}")
         for name, value in run.variable_values().items():
             assert_close(value, values[name])
-    for _, _, port, pid in STARTED.findall(out):
-        assert gone(int(pid)), f"pid {pid} left behind"
-        assert port_free(int(port)), f"port {port} still bound"
+    assert_launched_tasks_gone(out)
 
 
 # ---------------------------------------------------------------- faults

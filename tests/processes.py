@@ -1,0 +1,36 @@
+"""What the multi-process tests share: recognising the tasks `launch` started, and proving each
+one gone (its process group, and its port free) once the command has returned."""
+
+import os
+import re
+import socket
+
+# the line launch prints per task it starts
+STARTED = re.compile(r"started (\w+) (\d+) \(127\.0\.0\.1:(\d+)\) pid (\d+)")
+
+
+def gone(pid: int) -> bool:
+    try:
+        os.killpg(pid, 0)  # launched children lead their own process groups
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+def port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("0.0.0.0", port))  # what TF's server binds
+            return True
+        except OSError:
+            return False
+
+
+def assert_launched_tasks_gone(out: str) -> None:
+    """Every task launch's output says it started has exited and freed its port."""
+    for _, _, port, pid in STARTED.findall(out):
+        assert gone(int(pid)), f"pid {pid} left behind"
+        assert port_free(int(port)), f"port {port} still bound"
