@@ -4,6 +4,7 @@ the traceback."""
 from __future__ import annotations
 
 import atexit
+import errno
 import json
 import os
 import signal
@@ -738,6 +739,7 @@ def _main(argv: list, debug: bool) -> int:
         # not cli.main: it turns EOFError into "Aborted!" and prints usage errors on 3 lines
         with cli.make_context("graphxform", argv) as ctx:
             cli.invoke(ctx)
+        sys.stdout.flush()  # a full disk or a closed pipe is this command's error, said below
         return 0
     except click.exceptions.Exit as e:  # --help, --version
         return e.exit_code
@@ -768,10 +770,17 @@ def _main(argv: list, debug: bool) -> int:
         os.dup2(devnull, sys.stdout.fileno())
         return EXIT_ERROR
     except Exception as e:  # a bug: still one line unless --debug
+        if isinstance(e, OSError) and e.filename is None and e.errno in OUTPUT_ERRNOS:
+            _error(f"cannot write to standard output: {e.strerror}")  # our files name theirs
+            return EXIT_ERROR
         if debug:
             traceback.print_exc()
         _error(f"internal error: {type(e).__name__}: {e} (rerun with --debug for the traceback)")
         return EXIT_ERROR
+
+
+# a write to standard output that failed for want of room or a working device
+OUTPUT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO}
 
 
 def _sentence(message: str) -> str:

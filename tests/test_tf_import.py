@@ -1,4 +1,5 @@
-"""graphxform.tf_import: the CLI loads TensorFlow's core alone and the whole API on demand.
+"""How the command starts and ends: graphxform.tf_import (TensorFlow's core alone, the whole
+API on demand) and cli.console_main (no teardown, yet every error still said).
 
 Each case runs in a fresh interpreter: the stand-in only exists before `tensorflow` is
 imported, which this test process did long ago."""
@@ -75,3 +76,16 @@ def test_the_console_command_exits_with_the_commands_code(tmp_path):
                           timeout=TIMEOUT_S, env=env)
     assert good.returncode == 0, good.stderr
     assert good.stdout.strip()
+
+
+def test_a_full_standard_output_is_a_one_line_error():
+    """`graphxform inspect M > /dev/full`: the write fails when the output is flushed; the
+    command says so and exits 1 (ending without teardown must not swallow it)."""
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    with open("/dev/full", "w") as full:
+        done = subprocess.run([sys.executable, "-m", "graphxform", "inspect",
+                               fixture_path("mlp_sgd")], stdout=full, stderr=subprocess.PIPE,
+                              text=True, timeout=TIMEOUT_S, env=env)
+    assert done.returncode == 1
+    assert done.stderr == ("graphxform: error: cannot write to standard output: No space left "
+                           "on device\n")
