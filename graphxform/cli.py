@@ -220,7 +220,7 @@ def _transform(model, options, no_verify=False, dump_dir=None, keep_original=Tru
     pipeline = strategies.transform(ir, strategy, devices=device_list,
                                     train_op=options["train_op"], verify=not no_verify,
                                     dump_dir=dump_dir, **kwargs)
-    verify_mod.check_imports(ir)
+    verify_mod.check_imports(ir, keep_until_exit=_ends_without_teardown)
     return original, ir, pipeline
 
 
@@ -709,12 +709,19 @@ def main(argv=None):
         sys.exit(_main(argv, debug))
 
 
+# set by console_main: this process ends without teardown, so what is only freed for the
+# sake of a longer life (TF's graph imported by the check) need not be
+_ends_without_teardown = False
+
+
 def console_main():
     """The `graphxform` command: main, then end the process without the interpreter's
     teardown, which would free every object of a large graph one by one and unload TF's
     modules (a few tenths of a second on a 200k-node output, after the work is done). By then
     outputs are written and closed and children waited for; exit handlers still run. Another
     thread still running gets the usual exit, which waits for it."""
+    global _ends_without_teardown
+    _ends_without_teardown = True
     try:
         main()
     except SystemExit as e:

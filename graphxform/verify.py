@@ -179,12 +179,13 @@ def check_structure(ir: GraphIR, changed_only: bool = False) -> None:
         raise GraphxformError("; ".join(errors))
 
 
-def check_imports(ir: GraphIR) -> dict:
+def check_imports(ir: GraphIR, keep_until_exit: bool = False) -> dict:
     """The TF-level check: TensorFlow's importer accepts the graph emit writes. Copies that
     are byte for byte another replica's are proven alike instead of imported again (see
     graphxform/import_check.py). TF would also refuse a cycle, which may run through such a
     copy, so edges no structural check has seen (the pipeline ran without one) are searched
-    for cycles first. Returns what was imported."""
+    for cycles first. Returns what was imported. ``keep_until_exit``: see
+    graphxform.import_check.check (for a command that ends without teardown)."""
     from graphxform import import_check
     changes = ir.take_changes()
     if changes.linked_to:
@@ -192,4 +193,4 @@ def check_imports(ir: GraphIR) -> dict:
                                                             changes.linked_from))
         if errors:
             raise GraphxformError("TensorFlow rejects the graph: " + "; ".join(errors))
-    return import_check.check(ir)
+    return import_check.check(ir, keep_until_exit=keep_until_exit)
