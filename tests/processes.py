@@ -1,9 +1,11 @@
-"""What the multi-process tests share: recognising the tasks `launch` started, and proving each
-one gone (its process group, and its port free) once the command has returned."""
+"""What the multi-process tests share: running tasks' sessions in threads, recognising the
+tasks `launch` started, and proving each one gone (its process group, and its port free) once
+the command has returned."""
 
 import os
 import re
 import socket
+import threading
 
 # the line launch prints per task it starts
 STARTED = re.compile(r"started (\w+) (\d+) \(127\.0\.0\.1:(\d+)\) pid (\d+)")
@@ -34,3 +36,24 @@ def assert_launched_tasks_gone(out: str) -> None:
     for _, _, port, pid in STARTED.findall(out):
         assert gone(int(pid)), f"pid {pid} left behind"
         assert port_free(int(port)), f"port {port} still bound"
+
+
+def in_threads(work, runners):
+    """``work(runner)`` for every task at once (a round blocks on the others); every thread is
+    joined with a deadline and the first error raised here."""
+    out, errors = {}, []
+
+    def call(r):
+        try:
+            out[r.name] = work(r)
+        except Exception as e:  # raised below, in the test's thread
+            errors.append(e)
+    threads = [threading.Thread(target=call, args=(r,), daemon=True) for r in runners]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "a task hung"
+    if errors:
+        raise errors[0]
+    return [out[r.name] for r in runners]

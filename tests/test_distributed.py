@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from conftest import fixture_path
-from processes import STARTED, gone, port_free
+from processes import STARTED, gone, in_threads, port_free
 from graphxform import cluster, metagraph, strategies, training
 from graphxform.plan import CLUSTER_COLLECTION, ClusterPlan
 from graphxform.runtime import servers
@@ -64,25 +64,12 @@ def assert_close(got, want, rtol=1e-5):
 
 
 def run_tasks(runners, feeds, steps, restore=None):
-    """Each task's prepare and steps in its own thread (the chief blocks on the others' gradients);
-    returns {task name: losses}; every thread is joined with a timeout."""
-    out, errors = {}, []
-
+    """Each task's prepare and steps in its own thread (the chief blocks on the others'
+    gradients); returns {task name: losses}."""
     def work(r):
-        try:
-            r.prepare(restore if r.chief else None)
-            out[r.name] = [r.step(feeds.batch(k))[0] for k in range(steps)]
-        except Exception as e:  # reported below, in the test's thread
-            errors.append(e)
-    threads = [threading.Thread(target=work, args=(r,), daemon=True) for r in runners]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    assert not any(t.is_alive() for t in threads), "a task hung"
-    if errors:
-        raise errors[0]
-    return out
+        r.prepare(restore if r.chief else None)
+        return [r.step(feeds.batch(k))[0] for k in range(steps)]
+    return dict(zip((r.name for r in runners), in_threads(work, runners)))
 
 
 @contextlib.contextmanager

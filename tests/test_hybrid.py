@@ -17,8 +17,7 @@ import pytest  # noqa: E402
 from conftest import fixture_path  # noqa: E402
 from recipe_loop import load_manifest, recipe_meta  # noqa: E402
 
-from test_model_average import in_threads  # noqa: E402
-from processes import assert_launched_tasks_gone  # noqa: E402
+from processes import assert_launched_tasks_gone, in_threads  # noqa: E402
 from test_multiworker import assert_close  # noqa: E402
 
 from graphxform import cluster, equivalence, metagraph, strategies, training  # noqa: E402

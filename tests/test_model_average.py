@@ -9,13 +9,12 @@ process it starts (checked: no pid or port left)."""
 import json
 import os
 import re
-import threading
 
 import numpy as np
 import pytest
 import tensorflow as tf
 from conftest import fixture_path
-from processes import assert_launched_tasks_gone
+from processes import assert_launched_tasks_gone, in_threads
 
 from graphxform import cluster, contract, equivalence, metagraph, strategies, training
 from graphxform.errors import GraphxformError
@@ -189,27 +188,6 @@ def single_device(steps, tmp_path):
         start = run.save(str(tmp_path / "start"))
         losses = [run.step(batches.batch(k)).loss for k in range(steps)]
         return start, losses, run.variable_values()
-
-
-def in_threads(work, runners):
-    """``work(runner)`` for every task at once (a round blocks on the others); every thread is
-    joined with a deadline and the first error raised here."""
-    out, errors = {}, []
-
-    def call(r):
-        try:
-            out[r.name] = work(r)
-        except Exception as e:  # raised below, in the test's thread
-            errors.append(e)
-    threads = [threading.Thread(target=call, args=(r,), daemon=True) for r in runners]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    assert not any(t.is_alive() for t in threads), "a task hung"
-    if errors:
-        raise errors[0]
-    return [out[r.name] for r in runners]
 
 
 def value(runner, name):
