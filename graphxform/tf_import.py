@@ -49,9 +49,10 @@ def core(quiet: bool = True) -> None:
         return
     _quiet = quiet
     spec = importlib.util.find_spec("tensorflow")
-    if spec is None:  # not installed: let the real import say so
-        full()
-        return
+    if spec is None:
+        from graphxform.errors import GraphxformError
+        raise GraphxformError("TensorFlow is not installed in this Python "
+                              f"({sys.executable}): pip install tensorflow")
     stand_in = _StandIn("tensorflow")
     stand_in.__spec__, stand_in.__file__ = spec, spec.origin
     stand_in.__path__ = list(spec.submodule_search_locations)

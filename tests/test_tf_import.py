@@ -89,3 +89,18 @@ def test_a_full_standard_output_is_a_one_line_error():
     assert done.returncode == 1
     assert done.stderr == ("graphxform: error: cannot write to standard output: No space left "
                            "on device\n")
+
+
+def test_no_tensorflow_is_a_one_line_error():
+    printed = _python(
+        "import importlib.util\n"
+        "real = importlib.util.find_spec\n"
+        "importlib.util.find_spec = lambda n, *a: None if n == 'tensorflow' else real(n, *a)\n"
+        "import contextlib, io\n"
+        "from graphxform import cli\n"
+        "err = io.StringIO()\n"
+        "with contextlib.redirect_stderr(err):\n"
+        f"    code = cli._main(['inspect', {fixture_path('mlp_sgd')!r}], False)\n"
+        "print(code, err.getvalue().startswith('graphxform: error: TensorFlow is not "
+        "installed'), err.getvalue().count(chr(10)))\n")
+    assert printed == ["1", "True", "1"]
