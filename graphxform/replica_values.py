@@ -879,6 +879,20 @@ def _split(n: _Node):
     return (c if c == IDENTICAL or c in LINEAR else UNKNOWN,), (rank,)
 
 
+def _pad(n: _Node):
+    """Padding that leaves axis 0 alone (an image's sides: ResNet's stem) keeps the examples in
+    order; any padding of an identical value is identical."""
+    c, rank = n.cls[0], n.rank[0]
+    if not n.others_identical(0):
+        return (UNKNOWN,), (rank,)
+    if c == IDENTICAL:
+        return (IDENTICAL,), (rank,)
+    paddings = n.ints(1)  # [[before, after] per axis], flattened
+    if c in BATCHED and paddings and paddings[:2] == [0, 0]:
+        return (c,), (rank,)
+    return (UNKNOWN,), (rank,)
+
+
 def _slice(n: _Node):
     c, rank = n.cls[0], n.rank[0]
     if not n.others_identical(0):
@@ -1091,6 +1105,7 @@ RULES = _table({
     _unpack: ("Unpack",),
     _split: ("Split", "SplitV"),
     _slice: ("Slice",),
+    _pad: ("Pad", "PadV2", "MirrorPad"),
     _strided_slice: ("StridedSlice",),
     _gather: ("Gather", "GatherV2", "ResourceGather"),
     _one_hot: ("OneHot",),

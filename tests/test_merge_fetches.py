@@ -43,6 +43,8 @@ def fetch_graph():
         tf.reduce_sum(xent, name="xent_sum")  # a sum
         tf.reduce_sum(tf.square(w), name="w_norm")  # from variables only: identical
         tf.reduce_max(logits, name="batch_max")  # no merge shown: unknown
+        tf.pad(x, [[0, 0], [1, 2]], name="padded")  # the sides of each example: batch
+        tf.pad(x, [[1, 0], [0, 0]], name="padded_rows")  # a row more per slice: unknown
         bump = counter.assign_add(1.0, read_value=False, name="bump")  # an op without outputs
         with tf.control_dependencies([bump]):
             tf.identity(counter.read_value(), name="counter_after")  # runs the bump
@@ -100,7 +102,8 @@ def single_and_transformed(tmp_path_factory):
 
 @pytest.mark.parametrize("name, kind", [
     ("Mean_1:0", "mean"), ("loss/Mean:0", "mean"), ("Mean:0", "mean"), ("probs:0", "batch"),
-    ("logits:0", "batch"), ("xent_sum:0", "sum"), ("w_norm:0", "identical")])
+    ("logits:0", "batch"), ("padded:0", "batch"), ("xent_sum:0", "sum"),
+    ("w_norm:0", "identical")])
 def test_fetch_gives_the_single_device_value(single_and_transformed, name, kind):
     single, out, summary, start, feeds = single_and_transformed
     node = name.split(":")[0]
@@ -114,7 +117,7 @@ def test_fetch_gives_the_single_device_value(single_and_transformed, name, kind)
 
 def test_unknown_is_listed_and_served_from_replica_0(single_and_transformed):
     _, out, summary, start, feeds = single_and_transformed
-    assert "batch_max" in summary["unmerged"]
+    assert "batch_max" in summary["unmerged"] and "padded_rows" in summary["unmerged"]
     assert out.op("batch_max") == "Identity" and out.inputs("batch_max") == [
         ("replica_0/batch_max", 0)]
     got, _ = session_run(out, ["batch_max:0", "replica_0/logits:0"], feeds, restore=start)
