@@ -229,43 +229,12 @@ def run_mirrored(opts: dict) -> dict:
     import tf_keras
     logical = [d.name for d in tf.config.list_logical_devices("CPU")]
     strategy = tf.distribute.MirroredStrategy(devices=logical[:n])
-    batch = opts["batch"]
-    x, y = _data(opts["model"], batch)
-    with strategy.scope():
-        model = tf_keras.Sequential(_keras_layers(tf_keras, opts))
-        optimizer = tf_keras.optimizers.SGD(opts["lr"])
     # the same fixed global batch every step, like the feed_dict of the session contenders
-    dataset = tf.data.Dataset.from_tensors((x, y)).repeat().unbatch().batch(
-        batch, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
-    iterator = iter(strategy.experimental_distribute_dataset(dataset))
-
-    def step_fn(xb, yb):
-        with tf.GradientTape() as tape:
-            logits = model(xb, training=True)
-            per_example = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=yb, logits=logits)
-            loss = tf.nn.compute_average_loss(per_example, global_batch_size=batch)
-        grads = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply_gradients(zip(grads, model.trainable_variables))
-        return loss
-
-    @tf.function
-    def train_step(it):
-        xb, yb = next(it)
-        per_replica = strategy.run(step_fn, args=(xb, yb))
-        return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
-
-    state = {}
-
-    def step():
-        state["loss"] = train_step(iterator)
-
-    first = float(train_step(iterator))
-    rates = _time_windows(step, opts["warmup"], opts["steps"], opts["repeats"],
-                          sync=lambda: state["loss"].numpy())
+    result = _keras_steps(tf, tf_keras, strategy, opts,
+                          lambda dataset: dataset.prefetch(tf.data.AUTOTUNE))
     cross = type(strategy.extended._cross_device_ops).__name__ \
         if getattr(strategy.extended, "_cross_device_ops", None) else "?"
-    return {"rates": rates, "loss_first": first, "loss_last": float(state["loss"]),
-            "devices_used": strategy.num_replicas_in_sync, "cross_device_ops": cross}
+    return {**result, "cross_device_ops": cross}
 
 
 def _keras_layers(tf_keras, opts: dict) -> list:
@@ -328,15 +297,22 @@ def run_mwms(opts: dict) -> dict:
     tf.config.threading.set_intra_op_parallelism_threads(opts["intra_op"])
     import tf_keras
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    options = tf.data.Options()  # every worker reads the same fixed global batch, as ours do
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+    return _keras_steps(tf, tf_keras, strategy, opts,
+                        lambda dataset: dataset.with_options(options))
+
+
+def _keras_steps(tf, tf_keras, strategy, opts: dict, finish_dataset) -> dict:
+    """The tf_keras model trained under ``strategy`` with a custom loop on the fixed global
+    batch (``finish_dataset`` adds the strategy's own dataset settings); steps/s per window."""
     batch = opts["batch"]
     x, y = _data(opts["model"], batch)
     with strategy.scope():
         model = tf_keras.Sequential(_keras_layers(tf_keras, opts))
         optimizer = tf_keras.optimizers.SGD(opts["lr"])
-    options = tf.data.Options()  # every worker reads the same fixed global batch, as ours do
-    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
-    dataset = tf.data.Dataset.from_tensors((x, y)).repeat().unbatch().batch(
-        batch, drop_remainder=True).with_options(options)
+    dataset = finish_dataset(tf.data.Dataset.from_tensors((x, y)).repeat().unbatch().batch(
+        batch, drop_remainder=True))
     iterator = iter(strategy.experimental_distribute_dataset(dataset))
 
     def step_fn(xb, yb):
