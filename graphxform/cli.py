@@ -197,7 +197,7 @@ def _transform(model, options, no_verify=False, dump_dir=None, keep_original=Tru
         if strategy == "allreduce":
             kwargs["hierarchical"] = options["hierarchical"]
     else:
-        for flag, default in (("replicas_per_worker", 1), ("worker_device", "CPU")):
+        for flag, default in CLUSTER_ONLY_OPTIONS.items():
             if options[flag] != default:
                 raise GraphxformError(f"--{flag.replace('_', '-')} places replicas on a "
                                       "cluster's workers (--cluster F or TF_CONFIG); on this "
@@ -232,6 +232,10 @@ STRATEGY_ONLY_OPTIONS = {
     "partitions": (None, ("partitioned-ps", "hybrid")),
     "partition_min_bytes": (None, ("partitioned-ps", "hybrid")),
 }
+
+
+# options that place replicas on a cluster's workers, with their defaults
+CLUSTER_ONLY_OPTIONS = {"replicas_per_worker": 1, "worker_device": "CPU"}
 
 
 def _refuse_foreign_options(strategy: str, options: dict) -> None:

@@ -465,6 +465,17 @@ class GraphIR:
     def predecessors(self, name: str) -> Iterable[str]:
         return self.g._pred[name].keys()
 
+    def data_descendants(self, sources) -> set[str]:
+        """``sources`` and every node that reads, through data edges, something they compute
+        (what merely waits on them is left out)."""
+        succ, seen, stack = self.g._succ, set(sources), list(sources)
+        while stack:
+            for dst, keys in data_pairs(succ[stack.pop()]):
+                if dst not in seen and (len(keys) > 1 or CONTROL_KEY not in keys):
+                    seen.add(dst)
+                    stack.append(dst)
+        return seen
+
     def ancestors(self, name: str) -> set[str]:
         """``name`` and every node it depends on, through data and control inputs (what
         networkx.ancestors finds, plus ``name``, without its generic BFS)."""

@@ -88,7 +88,7 @@ class ShareVariables(Pass):
         per_example = _descendants(ir, batched)
         born = {parse_tensor(t)[0] for p in points for t in p.gradient.tensors}
         region = update_region(ir, [s.op for s in tg.steps], born)
-        data_dependent = _data_descendants(ir, batched)
+        data_dependent = ir.data_descendants(batched)
         _pull_in_control_only(ir, region, per_example, data_dependent)
         _pull_in_waiting(ir, region, per_example, data_dependent)
         single = shared_nodes(ir, tg) | region
@@ -128,17 +128,6 @@ def _descendants(ir, sources) -> set:
     seen, stack = set(), list(sources)
     while stack:
         for dst in ir.successors(stack.pop()):
-            if dst not in seen:
-                seen.add(dst)
-                stack.append(dst)
-    return seen
-
-
-def _data_descendants(ir, sources) -> set:
-    """What depends on ``sources`` through data edges (not merely waits on them)."""
-    seen, stack = set(sources), list(sources)
-    while stack:
-        for dst, _ in ir.consumers(stack.pop()):
             if dst not in seen:
                 seen.add(dst)
                 stack.append(dst)

@@ -74,7 +74,7 @@ def rebatch_constants(ir, build, splits: list[str], batch: int, replicas: int) -
     multiple of it, a Mean gradient's divisor where that Mean averages over axis 0, and filled
     tensors (``zeros_like`` of a batch) whose leading dimension is the batch. Returns the nodes
     now computed differently."""
-    from_batch = _data_descendants(ir, splits)
+    from_batch = ir.data_descendants(splits)
     changed = []
     for name in ir.nodes_of({"Const"}):
         if not name.startswith("replica_"):
@@ -145,16 +145,6 @@ def _recorded_shape(ir, node: str, port: int) -> list | None:
     return None if shape.unknown_rank or any(d < 0 for d in dims) else dims
 
 
-def _data_descendants(ir, starts) -> set:
-    seen, stack = set(starts), list(starts)
-    while stack:
-        for dst, _ in ir.consumers(stack.pop()):
-            if dst not in seen:
-                seen.add(dst)
-                stack.append(dst)
-    return seen
-
-
 def _rebatched(ir, name: str, value, batch: int, replicas: int, from_batch: set):
     """``value`` as the slice would have it, or None when it is not folded from the batch."""
     if value is None or value.dtype.kind not in "iufb":
@@ -199,6 +189,6 @@ def _const_value(ir, name: str):
 
 def _forget_recorded_shapes(ir, starts) -> None:
     """Drop ``_output_shapes`` from ``starts`` and everything computed from them."""
-    for node in _data_descendants(ir, starts):
+    for node in ir.data_descendants(starts):
         if "_output_shapes" in ir.attrs(node):
             ir.node(node)["attr"].pop("_output_shapes", None)

@@ -264,7 +264,7 @@ def test_each_task_runs_its_part_of_a_recipe_like_a_single_device(tmp_path, reci
 
 def test_a_tf_error_without_words_is_named_by_its_type():
     import tensorflow as tf
-    from graphxform.runtime.task import tf_message
+    from graphxform.errors import tf_error_line as tf_message
     assert tf_message(tf.errors.DeadlineExceededError(None, None, "")) == "DeadlineExceededError"
 
 

@@ -9,7 +9,7 @@ import re
 import numpy as np
 
 from graphxform import cluster, metagraph, training
-from graphxform.errors import GraphxformError
+from graphxform.errors import GraphxformError, tf_error_line
 from graphxform.ir import GraphIR
 
 DEFAULT_BATCH = 32
@@ -250,11 +250,7 @@ class Runner:
         devices = {ir.node(n)["device"] for n in ir.nodes()}
         self.graph = tf.Graph()
         with self.graph.as_default():
-            try:
-                self.saver = tf1.train.import_meta_graph(meta, clear_devices=False)
-            except (ValueError, KeyError, tf.errors.OpError) as e:
-                raise GraphxformError(f"TensorFlow cannot import {ir.source or 'the graph'}: "
-                                      f"{_first_line(e)}") from None
+            self.saver = import_meta_graph(meta, ir.source)
             if self.saver is None:  # no saver_def: save the global variables by op name
                 self.saver = tf1.train.Saver(allow_empty=True)
             self.variables = tf1.global_variables()
@@ -302,7 +298,7 @@ class Runner:
             with self.graph.as_default():  # tf1 Saver takes its eager path outside a graph
                 self.saver.restore(self.session, prefix)
         except (ValueError, tf.errors.OpError) as e:
-            raise GraphxformError(f"cannot restore checkpoint {prefix}: {_first_line(e)}") from None
+            raise GraphxformError(f"cannot restore checkpoint {prefix}: {tf_error_line(e)}") from None
 
     def save(self, prefix: str) -> str:
         import tensorflow as tf
@@ -310,7 +306,7 @@ class Runner:
             with self.graph.as_default():
                 return self.saver.save(self.session, prefix, write_meta_graph=False)
         except (ValueError, tf.errors.OpError) as e:
-            raise GraphxformError(f"cannot save checkpoint {prefix}: {_first_line(e)}") from None
+            raise GraphxformError(f"cannot save checkpoint {prefix}: {tf_error_line(e)}") from None
 
     def step(self, feed: dict) -> StepResult:
         """Run every step once, in order, on the same feed. The fetches are read in the last
@@ -332,7 +328,7 @@ class Runner:
         except tf.errors.OpError as e:
             raise GraphxformError(_explain(e)) from None
         except (ValueError, TypeError) as e:  # a feed TF's client refuses before running
-            raise GraphxformError(f"cannot feed the graph: {_first_line(e)}") from None
+            raise GraphxformError(f"cannot feed the graph: {tf_error_line(e)}") from None
 
     def _check_batch(self, feed):
         if self.replicas <= 1:
@@ -362,15 +358,20 @@ def cpus_by_job(ir: GraphIR) -> dict:
     return found
 
 
-def _first_line(error) -> str:
-    """What TF said, in one line naming the node (not "Graph execution error:")."""
-    from graphxform.errors import tf_error_line
-    return tf_error_line(error)
-
-
 def _explain(error) -> str:
     """One line for a TF runtime error, naming the node."""
     match = re.search(r"split_inputs/([^/]+)/split", str(error))
     if match:
         return f"the batch for input '{match.group(1)}' does not divide evenly across replicas"
-    return f"TensorFlow failed at {_first_line(error)}"
+    return f"TensorFlow failed at {tf_error_line(error)}"
+
+
+def import_meta_graph(meta, source: str | None):
+    """``tf.compat.v1.train.import_meta_graph`` into the default graph, devices kept (its
+    Saver, or None); a graph TF cannot import is a one-line error naming ``source``."""
+    import tensorflow as tf
+    try:
+        return tf.compat.v1.train.import_meta_graph(meta, clear_devices=False)
+    except (ValueError, KeyError, tf.errors.OpError) as e:
+        raise GraphxformError(f"TensorFlow cannot import {source or 'the graph'}: "
+                              f"{tf_error_line(e)}") from None

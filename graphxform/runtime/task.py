@@ -17,19 +17,14 @@ from graphxform import metagraph, training
 from graphxform.cluster import Cluster
 from graphxform.plan import CLUSTER_COLLECTION, ClusterPlan
 from graphxform.runtime import faults, servers
+from graphxform.runtime.local import import_meta_graph
 from graphxform.runtime.servers import describe
-from graphxform.errors import GraphxformError
+from graphxform.errors import GraphxformError, tf_error_line
 from graphxform.ir import GraphIR
 
 POLL_S = 0.2
 STARTUP_S = 60.0  # at least: how long a task waits for its peers' servers to come up at the start
 _REMOTE_TASK = re.compile(r"(?:From|remote target) /job:([^/\s]+)/replica:\d+/task:(\d+)")
-
-
-def tf_message(error) -> str:
-    """What TF said, in one line naming the node (see errors.tf_error_line)."""
-    from graphxform.errors import tf_error_line
-    return tf_error_line(error)
 
 
 def plan_of(ir: GraphIR, per_task: bool = True) -> ClusterPlan:
@@ -99,11 +94,7 @@ class TaskRunner:
         _time_collectives(meta.graph_def, timeout_s)
         self.graph = tf.Graph()
         with self.graph.as_default():
-            try:
-                self.saver = tf1.train.import_meta_graph(meta, clear_devices=False)
-            except (ValueError, KeyError, tf.errors.OpError) as e:
-                raise GraphxformError(f"TensorFlow cannot import {ir.source or 'the graph'}: "
-                                      f"{tf_message(e)}") from None
+            self.saver = import_meta_graph(meta, ir.source)
             for name in [self.step_op] + ([self.loss] if self.loss else []) + self.fetches:
                 try:
                     self.graph.as_graph_element(name)
@@ -287,7 +278,7 @@ class TaskRunner:
     def _explain(self, error, what: str) -> str:
         """One line: which task died or froze, else what timed out, else TF's message."""
         tf = self.tf
-        text = tf_message(error)
+        text = tf_error_line(error)
         if isinstance(error, (tf.errors.DeadlineExceededError, tf.errors.UnavailableError,
                               tf.errors.AbortedError, tf.errors.CancelledError,
                               tf.errors.InternalError, tf.errors.UnknownError,
@@ -325,7 +316,7 @@ class TaskRunner:
             with self.graph.as_default(), self._bounded("restoring the checkpoint"):
                 self.saver.restore(self.session, prefix)
         except (ValueError, tf.errors.OpError) as e:
-            raise GraphxformError(f"cannot restore checkpoint {prefix}: {tf_message(e)}") from None
+            raise GraphxformError(f"cannot restore checkpoint {prefix}: {tf_error_line(e)}") from None
 
     def save(self, prefix: str) -> str:
         """Write PREFIX-<global step> and only then point the directory's `checkpoint` state file
@@ -347,7 +338,7 @@ class TaskRunner:
                                        write_meta_graph=False)
         except (ValueError, tf.errors.OpError) as e:
             raise GraphxformError(f"cannot save checkpoint {prefix}-{step}: "
-                                  f"{tf_message(e)}") from None
+                                  f"{tf_error_line(e)}") from None
 
 
 def _time_collectives(graph_def, seconds: float) -> None:
