@@ -60,11 +60,8 @@ def worker_devices(cluster, replicas_per_worker: int = 1, device_type: str = "CP
     if not cluster.tasks("ps"):
         raise GraphxformError(f"{cluster.source}: strategy model-average on a cluster keeps its "
                               "centre variables on ps tasks; the cluster has no 'ps' job")
-    if replicas_per_worker < 1:
-        raise GraphxformError(f"--replicas-per-worker must be at least 1, not "
-                              f"{replicas_per_worker}")
-    return [f"/job:{job}/task:{t}/device:{device_type}:{r}" for job in ("chief", "worker")
-            for t in range(len(cluster.tasks(job))) for r in range(replicas_per_worker)]
+    from graphxform.passes.worker_steps import devices_of, training_tasks
+    return devices_of(training_tasks(cluster), replicas_per_worker, device_type)
 
 
 @dataclasses.dataclass

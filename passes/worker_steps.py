@@ -43,17 +43,27 @@ def replica_tasks(cluster) -> list[tuple[str, int]]:
         raise GraphxformError(f"{cluster.source}: strategy allreduce runs on workers only (a "
                               "'chief' job is allowed); the cluster has a 'ps' job (use "
                               "--strategy ps for parameter servers)")
+    return training_tasks(cluster)
+
+
+def training_tasks(cluster) -> list[tuple[str, int]]:
+    """The chief job's task, then every worker: the tasks that train, in replica order."""
     return [(job, t) for job in ("chief", "worker") for t in range(len(cluster.tasks(job)))]
 
 
 def replica_devices(cluster, replicas_per_worker: int = 1, device_type: str = "CPU") -> list:
     """One device per replica: /job:<job>/task:<t>/device:<type>:<r> for each task holding
     replicas."""
+    return devices_of(replica_tasks(cluster), replicas_per_worker, device_type)
+
+
+def devices_of(tasks, replicas_per_worker: int = 1, device_type: str = "CPU") -> list:
+    """``replicas_per_worker`` devices on each (job, task) of ``tasks``, in order."""
     if replicas_per_worker < 1:
         raise GraphxformError(f"--replicas-per-worker must be at least 1, not "
                               f"{replicas_per_worker}")
     return [f"/job:{job}/task:{t}/device:{device_type}:{r}"
-            for job, t in replica_tasks(cluster) for r in range(replicas_per_worker)]
+            for job, t in tasks for r in range(replicas_per_worker)]
 
 
 @dataclasses.dataclass
