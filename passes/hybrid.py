@@ -121,12 +121,8 @@ class PartitionPsSide(Pass):
         if not ps_side:
             return PassResult(modified=False)
         full = ctx.training
-        ctx.training = _SideView(full, set(ps_side), set())
-        try:
-            result = PartitionVariables(partitions=self.partitions,
-                                        min_bytes=self.min_bytes).run(ir, ctx)
-        finally:
-            ctx.training = full
+        result = OnSide(PartitionVariables(partitions=self.partitions, min_bytes=self.min_bytes),
+                        side="ps").run(ir, ctx)
         shards = ctx.state.get("partition-variables", {}).get("shards", {})
         split, kept = {}, dict(result.summary.get("kept_whole", {}))
         for name in ps_side:
