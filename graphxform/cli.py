@@ -723,7 +723,9 @@ def console_main():
     teardown, which would free every object of a large graph one by one and unload TF's
     modules (a few tenths of a second on a 200k-node output, after the work is done). By then
     outputs are written and closed and children waited for; exit handlers still run. Another
-    thread still running gets the usual exit, which waits for it."""
+    non-daemon thread still running gets the usual exit, which waits for it. (Teardown can also
+    abort: TF's own threads may still be blocked in a collective whose peer is gone, and
+    destroying what they hold kills the process with SIGABRT after the error was said.)"""
     global _ends_without_teardown
     _ends_without_teardown = True
     try:
@@ -732,7 +734,8 @@ def console_main():
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         if isinstance(e.code, str):
             print(e.code, file=sys.stderr)
-        if threading.active_count() > 1:
+        if any(t.is_alive() and not t.daemon for t in threading.enumerate()
+               if t is not threading.main_thread()):
             raise
         atexit._run_exitfuncs()
         for stream in (sys.stdout, sys.stderr):
@@ -804,5 +807,5 @@ def _error(message: str) -> None:
     click.echo(f"graphxform: error: {clip(message, MESSAGE_LIMIT)}", err=True)
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # how launch starts its tasks
+    console_main()
