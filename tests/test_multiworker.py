@@ -156,7 +156,9 @@ class Process:
     exited; killed with its group by ``kill`` (continued first, in case it was stopped)."""
 
     def __init__(self, argv):
-        env = dict(os.environ, PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL="3")
+        # a crash inside TF prints the Python stacks (what the failure message shows)
+        env = dict(os.environ, PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL="3",
+                   PYTHONFAULTHANDLER="1")
         env.pop("TF_CONFIG", None)
         self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True, env=env,
@@ -317,7 +319,8 @@ def test_standalone_tasks_stop_when_a_peer_dies_or_freezes(fault_graphs, tmp_pat
         wait_until(lambda: all(p.exited_at for p in others), limit + 5, "others still running")
         name = servers.describe(found, *victim)
         for p in others:
-            assert p.exited_at - faulted <= limit and p.proc.returncode == 1
+            assert p.exited_at - faulted <= limit and p.proc.returncode == 1, (
+                p.proc.returncode, p.err[-12:])
             assert_one_line_naming(p, name)
     for p in tasks.values():
         wait_until(lambda: gone(p.pid), 10, f"pid {p.pid} left behind")

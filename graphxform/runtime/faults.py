@@ -9,10 +9,11 @@ UNAVAILABLE means gone, no answer in time means frozen.
 
 TensorFlow bounds most waits itself (``operation_timeout_in_ms``, collectives'
 ``timeout_seconds``), but not every one (a RecvTensor from a frozen ps task, a session's close,
-interpreter teardown). So a task process also runs each ``session.run`` under a ``Watchdog``: if
-the call has not returned ``grace`` seconds after its timeout, the watchdog names the peer that
-stopped answering in one line and ends the process, since a call blocked inside TF cannot be
-interrupted from Python."""
+interpreter teardown), and its handling of a collective that times out can crash the process.
+So a task process runs each ``session.run`` under a ``Watchdog``: if the call has not returned
+by its timeout, the watchdog names the peer that stopped answering in one line and ends the
+process, since a call blocked inside TF cannot be interrupted from Python; TF's own timeouts
+come ``GRACE_S`` later, as a backstop."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ import time
 
 OK, FROZEN, GONE = "answering", "not answering", "gone"
 PROBE_S = 1.0
-GRACE_S = 3.0  # after a call's own timeout, before the watchdog gives up on it
+GRACE_S = 3.0  # after the watchdog's deadline, TF's own timeouts (a backstop)
 _GET_STATUS = "/tensorflow.WorkerService/GetStatus"
 
 

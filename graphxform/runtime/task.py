@@ -56,9 +56,13 @@ class TaskRunner:
 
     ``target`` connects to a server already running (InProcessCluster); without one this task's
     server is started here. ``timeout_s`` bounds every blocking op and every wait: TF's own
-    timeouts (operation_timeout_in_ms, each run's timeout, collectives' timeout_seconds, set to
-    ``timeout_s`` here), and with ``on_stuck`` a watchdog that calls ``on_stuck(line)`` (which
-    ends the process) when a call is still blocked ``faults.GRACE_S`` later. ``threads``:
+    timeouts (operation_timeout_in_ms, each run's timeout, collectives' timeout_seconds), and
+    with ``on_stuck`` a watchdog that calls ``on_stuck(line)`` (which ends the process) when a
+    call is still blocked after ``timeout_s``. With the watchdog, TF's timeouts are set
+    ``faults.GRACE_S`` later, as a backstop: TF's own handling of a collective that times out
+    on a frozen peer sometimes crashes the process inside ``session.run`` (SIGSEGV or SIGABRT,
+    about one run in twenty of the fault tests), before it could say which peer stopped; the
+    watchdog names it and ends the process first. ``threads``:
     the (inter-op, intra-op) pools of the server started here."""
 
     def __init__(self, ir: GraphIR, cluster: Cluster, job: str, task: int,
@@ -77,6 +81,7 @@ class TaskRunner:
         self.chief = self.plan.is_chief(job, self.task)
         self.filters = self.plan.filters_of(job, self.task)
         self.timeout_s = timeout_s
+        self.tf_timeout_s = timeout_s + faults.GRACE_S if on_stuck else timeout_s
         self.fetches = list(fetches)
         self.inputs = training.analyze(ir).inputs
         self.steps_run = 0
@@ -91,7 +96,7 @@ class TaskRunner:
         self.target = target
         meta = metagraph.to_metagraph(ir)
         hidden = servers.visible_to(meta.graph_def, self.filters)
-        _time_collectives(meta.graph_def, timeout_s)
+        _time_collectives(meta.graph_def, self.tf_timeout_s)
         self.graph = tf.Graph()
         with self.graph.as_default():
             self.saver = import_meta_graph(meta, ir.source)
@@ -111,9 +116,9 @@ class TaskRunner:
                 if self.saver is None:
                     self.saver = tf1.train.Saver(allow_empty=True)
             self._news_ops = self._news_ops_for_ps()
-        self.run_options = tf1.RunOptions(timeout_in_ms=max(1, int(timeout_s * 1000)))
+        self.run_options = tf1.RunOptions(timeout_in_ms=max(1, int(self.tf_timeout_s * 1000)))
         self.session = tf1.Session(target, graph=self.graph, config=servers.session_config(
-            self.filters, timeout_s, collective_leader=self.plan.collective_leader))
+            self.filters, self.tf_timeout_s, collective_leader=self.plan.collective_leader))
 
     def _news_ops_for_ps(self) -> dict:
         """ps task -> the op that leaves news of this run in its queue (servers.news_queue);
@@ -228,7 +233,8 @@ class TaskRunner:
         what = f"telling the ps tasks the run {'is over' if news == 'finished' else news}"
         with self._bounded(what):
             try:
-                self._tell_ps(f"{news} {self.job}:{self.task}", self._news_ops, self.timeout_s)
+                self._tell_ps(f"{news} {self.job}:{self.task}", self._news_ops,
+                              self.tf_timeout_s)
                 return
             except self.tf.errors.OpError as e:
                 error = e
@@ -247,7 +253,7 @@ class TaskRunner:
     def _bounded(self, what: str):
         if self.watchdog is None:
             return contextlib.nullcontext()
-        return self.watchdog.guard(self.timeout_s + faults.GRACE_S, lambda: what)
+        return self.watchdog.guard(self.timeout_s, lambda: what)
 
     def _run(self, fetches, what: str, feed=None):
         with self._bounded(what):
@@ -260,7 +266,7 @@ class TaskRunner:
 
     def _stuck(self, what: str) -> None:
         """The watchdog's verdict on a call TF did not end in time: one line, then the end."""
-        waited = self.timeout_s + faults.GRACE_S
+        waited = self.timeout_s
         lost = faults.lost_peers(self.cluster, self.peers())
         self.blame(lost)
         if lost:
