@@ -31,15 +31,17 @@ class ContractError(GraphxformError):
     """The transformed graph would not train like the single-device one."""
 
 
-def check(ir: GraphIR, tg: TrainingGraph, replicas: int, asynchronous: bool = False) -> dict:
+def check(ir: GraphIR, tg: TrainingGraph, replicas: int, asynchronous: bool = False,
+          closures: list | None = None) -> dict:
     """Raise ContractError naming the first variable that breaks the contract; return a
     summary (variable copies proven). ``asynchronous`` (ps --async, documented as not
-    drop-in): only the start is checked."""
+    drop-in): only the start is checked. ``closures``: ``step_closures(ir, tg)``, when the
+    caller has them already."""
     if not tg.steps or replicas < 1:
         return {"variables": 0}
     if replicas > 1 and not asynchronous:
         _check_losses_are_means(ir, tg)
-    closure = _step_closure(ir, tg)
+    closure = _union(closures if closures is not None else step_closures(ir, tg))
     spread = ReplicaSpread(ir, replicas, step=closure)
     checked = 0
     for var in sorted(tg.variables.values(), key=lambda v: v.name):
@@ -92,9 +94,9 @@ def _check_write(ir: GraphIR, var, write: str, spread: ReplicaSpread) -> None:
 def _check_shared_writes(ir: GraphIR, closure: set, spread: ReplicaSpread) -> None:
     """A write that runs once per step, outside every replica (global_step's increment, a
     shared variable's update), must not read one replica's own value."""
-    for name in sorted(closure):
-        if name.startswith("replica_") or not is_mutating_op(ir.op(name)):
-            continue
+    nodes = ir.g._node
+    for name in sorted(name for name in closure
+                       if not name.startswith("replica_") and is_mutating_op(nodes[name]["op"])):
         for src, port in ir.inputs(name):
             if ir.op(src) in VARIABLE_OPS:
                 continue
@@ -129,13 +131,16 @@ def _check_losses_are_means(ir: GraphIR, tg: TrainingGraph) -> None:
                 "with 1/N of its gradient: divide the loss by the batch size (reduce_mean)")
 
 
-def _step_closure(ir: GraphIR, tg: TrainingGraph) -> set:
-    closure = set()
-    for step in tg.steps:
-        node = parse_tensor(step.name)[0]
-        if node in ir:
-            closure |= ir.ancestors(node)
-    return closure
+def step_closures(ir: GraphIR, tg: TrainingGraph) -> list[tuple[str, set]]:
+    """(step, every node it runs) for each of the input's training steps found in ``ir``."""
+    return [(step.name, ir.ancestors(parse_tensor(step.name)[0])) for step in tg.steps
+            if parse_tensor(step.name)[0] in ir]
+
+
+def _union(closures: list) -> set:
+    if len(closures) == 1:
+        return closures[0][1]
+    return set().union(*(closure for _, closure in closures))
 
 
 def _copies(ir: GraphIR, name: str, replicas: int) -> list[str]:
@@ -208,7 +213,7 @@ def check_model_average(ir: GraphIR, tg: TrainingGraph, replicas: int) -> dict:
     once per step from values every replica's copy reaches, and every replica's copy is
     written back from the centre's new value. That the copies start equal is ``check``'s."""
     from graphxform.passes.model_average import centre_name
-    closure = _step_closure(ir, tg)
+    closure = _union(step_closures(ir, tg))
     checked = 0
     for var in sorted(tg.variables.values(), key=lambda v: v.name):
         if not (var.trainable and var.updates) or replica_prefix(0) + var.name not in ir:

@@ -383,6 +383,7 @@ class GraphIR:
         self._unverified_copies = []  # Replicas made since then: all their copies are new
         self._replicas = []  # every Replica made, in order (see replicas())
         self._emit_cache = {}  # what emit keeps of the Replicas' blocks (graphxform/wire.py)
+        self._by_op = None  # op -> its nodes in graph order, within indexed_by_op()
 
     # ---------------------------------------------------------------- reading
     def __contains__(self, name: str) -> bool:
@@ -411,9 +412,45 @@ class GraphIR:
     def op(self, name: str) -> str:
         return self.g._node[name]["op"]
 
+    def op_types(self) -> set[str]:
+        """The ops of the graph's nodes."""
+        if self._by_op is not None:
+            return set(self._by_op)
+        return {data["op"] for data in self.g._node.values()}
+
     def nodes_of(self, ops) -> list[str]:
-        """The nodes whose op is one of ``ops``, in graph order."""
-        return [name for name, data in self.g._node.items() if data["op"] in ops]
+        """The nodes whose op is one of ``ops``, in graph order (from the index while an
+        ``indexed_by_op`` block holds one)."""
+        if self._by_op is None:
+            return [name for name, data in self.g._node.items() if data["op"] in ops]
+        lists = [self._by_op[op] for op in set(ops) if op in self._by_op]
+        if len(lists) <= 1:
+            return list(lists[0]) if lists else []
+        found = set().union(*lists)
+        return [name for name in self.g._node if name in found]
+
+    @contextlib.contextmanager
+    def indexed_by_op(self):
+        """A block of reading (the checks after the passes, each asking ``nodes_of`` for
+        other ops) in which ``nodes_of`` reads an index of every node by op, built once,
+        instead of sweeping the graph per call. Adding or removing a node drops the index;
+        nothing in the block may change a node's op. Blocks nest (the inner one uses the
+        outer's index)."""
+        if self._by_op is not None:
+            yield self
+            return
+        by_op = {}
+        for name, data in self.g._node.items():
+            found = by_op.get(data["op"])
+            if found is None:
+                by_op[data["op"]] = [name]
+            else:
+                found.append(name)
+        self._by_op = by_op
+        try:
+            yield self
+        finally:
+            self._by_op = None
 
     def attrs(self, name: str):
         """The node's attr map, for reading only. A copy that still borrows its original's
@@ -602,6 +639,7 @@ class GraphIR:
         node_table = self.g._node
         if name in node_table:
             raise GraphxformError(f"node '{name}' already exists")
+        self._by_op = None
         self._protos[name] = proto
         node_table[name] = {"op": proto.op, "device": device, "attr": proto.attr,
                             "origin": origin, "created_by": created_by}
@@ -717,6 +755,7 @@ class GraphIR:
         for table in (succ, pred):
             collections.deque(map(table.__delitem__, order), maxlen=0)
         removed = list(map(node_table.pop, order))
+        self._by_op = None
         collections.deque(map(protos.pop, order, itertools.repeat(None)), maxlen=0)
         for data in removed:
             if type(data) is BorrowedNode:
@@ -730,6 +769,7 @@ class GraphIR:
     def _forget(self, name: str, data: dict) -> None:
         """What the IR keeps beside the graph about the removed node ``name`` (its node data
         was ``data``) goes too."""
+        self._by_op = None
         self._protos.pop(name, None)
         if type(data) is BorrowedNode:
             data._touched()
@@ -909,6 +949,7 @@ class GraphIR:
         made = copies if not skip else list(itertools.compress(copies, copies))
         g = self.g
         g._node.update(zip(news, made))
+        self._by_op = None
         self._dirty.update(map(rename, shape.dirty))
         self._unverified_copies.append(replica)
         self._replicas.append(replica)

@@ -70,63 +70,61 @@ class ReplicaSpread:
         inputs; the few that are not are computed again when an input grows, until nothing
         grows (values only grow, so it ends, at the least fixed point). A write that changed a
         variable's state sends the variable's reads through the worklist too. With ``step``,
-        only the step's nodes are computed: the contract asks about nothing else."""
-        ir, step = self.ir, self.step
-        nodes, succ = ir.g._node, ir.g._succ
+        only the step's nodes are computed: the contract asks about nothing else.
+
+        The rule for one node is written inline (it runs once or more per node of the step,
+        in every replica: a call per node cost a third of the sweep)."""
+        ir, step, everything = self.ir, self.step, self.all
+        nodes, succ, pred = ir.g._node, ir.g._succ, ir.g._pred
         order = list(nodes)
-        position = {name: k for k, name in enumerate(order)}
-        self._unseeded = {n for n, data in nodes.items()
-                          if data["op"].startswith(RANDOM_PREFIXES) and _unseeded_random(ir, n)
-                          and (step is None or n in step)}
-        splits = self._splits
-        queued = {n for n, data in nodes.items()
-                  if n in splits or data["op"] in LOCAL_SOURCE_OPS or n in self._unseeded}
+        position = dict(zip(order, range(len(order))))
+        draws = ir.nodes_of([op for op in ir.op_types() if op.startswith(RANDOM_PREFIXES)])
+        self._unseeded = unseeded = {n for n in draws if _unseeded_random(ir, n)
+                                     and (step is None or n in step)}
+        splits, sources = self._splits, set(ir.nodes_of(LOCAL_SOURCE_OPS))
+        queued = splits | sources | unseeded
         heap = [position[n] for n in queued]
         heapq.heapify(heap)
-        update = self._update
+        cover, differing = self.coverage, self.differs
+        replicated = everything > 1
+        pop, push, search = heapq.heappop, heapq.heappush, _REPLICA.search
         while heap:
-            node = order[heapq.heappop(heap)]
+            node = order[pop(heap)]
             queued.discard(node)
-            for changed in update(node):
-                for dst, keyed in succ[changed].items():
+            op = nodes[node]["op"]
+            in_replica = replicated and "replica_" in node and search(node) is not None
+            differs, coverage = False, 0
+            if node in splits:
+                coverage = everything
+            elif node in sources or node in unseeded:
+                differs = in_replica
+            for src, keyed in pred[node].items():
+                if src in splits:
+                    for key, edge in keyed.items():
+                        if key != CONTROL_KEY:
+                            coverage |= 1 << edge["src_port"]
+                            differs = differs or in_replica
+                elif (src in cover or src in differing) and (
+                        len(keyed) > 1 or CONTROL_KEY not in keyed):
+                    coverage |= cover.get(src, 0)
+                    differs = differs or (in_replica and src in differing)
+            if op in CROSS_REPLICA_OPS:
+                differs, coverage = False, everything if coverage else 0
+            if not self._set(node, differs, coverage):
+                continue
+            changed = [node]
+            if is_mutating_op(op) and (differs or coverage != everything) and (
+                    step is None or node in step):
+                # a write from values equal everywhere and covering every replica (an update
+                # from the all-reduced gradient) changes nothing its reads could be refused for
+                changed += [src for src in pred[node] if nodes[src]["op"] in VARIABLE_OPS
+                            and self._set(src, differs, coverage)]
+            for grown in changed:
+                for dst, keyed in succ[grown].items():
                     if (dst not in queued and (len(keyed) > 1 or CONTROL_KEY not in keyed)
                             and (step is None or dst in step)):
                         queued.add(dst)
-                        heapq.heappush(heap, position[dst])
-
-    def _update(self, node: str) -> list[str]:
-        """Recompute ``node`` from its inputs; returns the nodes whose state changed (``node``,
-        and the variables a write op gives its state to)."""
-        ir, nodes = self.ir, self.ir.g._node
-        op = nodes[node]["op"]
-        in_replica = self.all > 1 and "replica_" in node and bool(_REPLICA.search(node))
-        differs, coverage = False, 0
-        splits = self._splits
-        if node in splits:
-            coverage = self.all
-        elif op in LOCAL_SOURCE_OPS or node in self._unseeded:
-            differs = in_replica
-        cover, differing = self.coverage, self.differs
-        for src, keyed in ir.g._pred[node].items():
-            if src in splits:
-                for key, edge in keyed.items():
-                    if key != CONTROL_KEY:
-                        coverage |= 1 << edge["src_port"]
-                        differs = differs or in_replica
-            elif src in cover or src in differing:
-                if len(keyed) > 1 or CONTROL_KEY not in keyed:
-                    coverage |= cover.get(src, 0)
-                    differs = differs or (in_replica and src in differing)
-        if op in CROSS_REPLICA_OPS:
-            differs, coverage = False, self.all if coverage else 0
-        changed = [node] if self._set(node, differs, coverage) else []
-        if changed and is_mutating_op(op) and (differs or coverage != self.all) and (
-                self.step is None or node in self.step):
-            # a write from values equal everywhere and covering every replica (an update from
-            # the all-reduced gradient) changes nothing its reads could be refused for
-            changed += [src for src in ir.g._pred[node]
-                        if nodes[src]["op"] in VARIABLE_OPS and self._set(src, differs, coverage)]
-        return changed
+                        push(heap, position[dst])
 
     def _set(self, node: str, differs: bool, coverage: int) -> bool:
         """Grow ``node``'s state; True when it grew."""

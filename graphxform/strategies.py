@@ -179,7 +179,7 @@ def transform(ir, strategy: str = "allreduce", devices=None, train_op: str | Non
     graphxform.cluster.Cluster) and default ``devices`` to one per worker task; so do
     allreduce and model-average given a cluster (their replicas on the workers, and the chief
     job's task; model-average's centres on the ps tasks)."""
-    from graphxform import contract, training
+    from graphxform import training
     from graphxform.errors import GraphxformError
     from graphxform.pipeline import PassContext
     if strategy not in STRATEGIES:
@@ -216,16 +216,26 @@ def transform(ir, strategy: str = "allreduce", devices=None, train_op: str | Non
                       cluster=cluster, strategy=strategy)
     pipeline = STRATEGIES[strategy](**options)
     pipeline.run(ir, ctx)
+    with ir.indexed_by_op():  # the graph changes no more
+        _prove(ir, ctx, pipeline, strategy, options)
+    return pipeline
+
+
+def _prove(ir, ctx, pipeline, strategy: str, options: dict) -> None:
+    """The contract check and `graphxform check`'s checks on the transformed graph (refuses a
+    graph that fails them)."""
+    from graphxform import contract
+    devices = ctx.devices
+    closures = contract.step_closures(ir, ctx.training)
     pipeline.contract = contract.check(
         ir, ctx.training, len(devices),
         asynchronous=(options.get("asynchronous", False) or strategy in NOT_DROP_IN
-                      or strategy == "model-average"))
+                      or strategy == "model-average"), closures=closures)
     if strategy == "model-average":  # its own invariant in place of the per-step one
         pipeline.contract = contract.check_model_average(ir, ctx.training, len(devices))
     # `graphxform check`'s checks that can fail, but updates: the contract has just proven
     # them from the input's own analysis
     from graphxform.inspector import check
     pipeline.check = check.run(ir, skip=("updates", "stateful"), input_analysis=ctx.training,
-                               replicas=len(devices))
+                               replicas=len(devices), closures=closures)
     check.require_ok(pipeline.check)
-    return pipeline

@@ -15,6 +15,7 @@ there means all that post-processing sees the cross-replica gradient, as on one 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 
 from graphxform import opdefs
@@ -39,6 +40,7 @@ def is_apply_op(op: str) -> bool:
     return op.startswith(APPLY_PREFIXES)
 
 
+@functools.cache
 def is_mutating_op(op: str) -> bool:
     """Ops that write a variable (as opposed to reading it or asking about it)."""
     if is_apply_op(op):

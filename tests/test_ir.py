@@ -23,6 +23,23 @@ def small_ir():
     return ir
 
 
+def test_nodes_of_reads_its_index_in_graph_order_and_drops_it_when_nodes_change():
+    ir = small_ir()
+    swept = {ops: ir.nodes_of(ops) for ops in [("Identity",), ("Identity", "NoOp", "AddV2"),
+                                               ("Const",), ()]}
+    with ir.indexed_by_op():
+        assert {ops: ir.nodes_of(ops) for ops in swept} == swept
+        assert ir.op_types() == {"NoOp", "Identity", "IdentityN", "AddV2"}
+        with ir.indexed_by_op():  # nested: the same index
+            assert ir.nodes_of({"NoOp"}) == ["a"]
+        assert ir.nodes_of({"NoOp"}) == ["a"]
+        ir.add_node("d", "NoOp")
+        assert ir.nodes_of({"NoOp"}) == ["a", "d"]
+        ir.remove_node("other")
+        assert ir.nodes_of({"Identity"}) == ["b"]
+    assert ir.nodes_of({"NoOp"}) == ["a", "d"]
+
+
 def test_inputs_and_consumers_keep_port_order():
     ir = small_ir()
     assert ir.inputs("use") == [("c", 1), ("c", 0)]

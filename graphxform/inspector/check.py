@@ -75,13 +75,15 @@ class Report:
 
 
 def run(ir: GraphIR, train_op=None, skip=(), asynchronous: bool | None = None,
-        input_analysis=None, replicas: int | None = None) -> Report:
+        input_analysis=None, replicas: int | None = None, closures: list | None = None) -> Report:
     """Every check on ``ir`` but those in ``skip``. `apply` hands over the input's analysis
-    (``input_analysis``, with ``replicas``) and skips `updates`, which contract.check has just
-    proven from it; `check` reads everything from the graph alone."""
+    (``input_analysis``, with ``replicas`` and the steps' ``closures`` the contract used) and
+    skips `updates`, which contract.check has just proven from it; `check` reads everything
+    from the graph alone."""
     start = time.perf_counter()
     if input_analysis is not None:
-        view = updates.view_from_input(ir, input_analysis, replicas or updates.replica_count(ir))
+        view = updates.view_from_input(ir, input_analysis, replicas or updates.replica_count(ir),
+                                       closures)
     else:
         try:
             view = updates.view(ir, train_op=train_op)
@@ -96,7 +98,8 @@ def run(ir: GraphIR, train_op=None, skip=(), asynchronous: bool | None = None,
         "losses": lambda: losses.check(ir, view),
         "stateful": lambda: stateful.check(ir, view),
     }
-    results = [runs[name]() for name in CHECKS if name not in skip]
+    with ir.indexed_by_op():
+        results = [runs[name]() for name in CHECKS if name not in skip]
     count = view.replicas if view is not None else updates.replica_count(ir)
     return Report(os.path.basename(ir.source or "graph"), len(ir), count, results,
                   time.perf_counter() - start)

@@ -134,11 +134,13 @@ def _optimizer_scope(apply: str) -> str:
     return apply.split("/", 1)[0] + "/"
 
 
-def view_from_input(ir: GraphIR, tg: training.TrainingGraph, replicas: int) -> View:
-    """The view when the input's own analysis is at hand (`apply`): no second analysis."""
+def view_from_input(ir: GraphIR, tg: training.TrainingGraph, replicas: int,
+                    closures: list | None = None) -> View:
+    """The view when the input's own analysis is at hand (`apply`): no second analysis.
+    ``closures``: ``contract.step_closures(ir, tg)``, when the caller has them already."""
     copies = {name: contract._copies(ir, name, replicas) for name in tg.variables}
-    closures = [(step.name, ir.ancestors(parse_tensor(step.name)[0])) for step in tg.steps
-                if parse_tensor(step.name)[0] in ir]
+    if closures is None:
+        closures = contract.step_closures(ir, tg)
     return View(replicas, {k: v for k, v in copies.items() if v}, tg, closures)
 
 
