@@ -26,7 +26,7 @@ from __future__ import annotations
 import heapq
 import re
 
-from graphxform.ir import CONTROL_KEY, GraphIR
+from graphxform.ir import CONTROL_KEY, GraphIR, data_pairs
 from graphxform.training import VARIABLE_OPS, is_mutating_op
 
 CROSS_REPLICA_OPS = {"CollectiveReduceV2", "CollectiveReduce", "CollectiveGatherV2",
@@ -98,7 +98,7 @@ class ReplicaSpread:
                 coverage = everything
             elif node in sources or node in unseeded:
                 differs = in_replica
-            for src, keyed in pred[node].items():
+            for src, keyed in data_pairs(pred[node]):
                 if src in splits:
                     for key, edge in keyed.items():
                         if key != CONTROL_KEY:
@@ -120,7 +120,7 @@ class ReplicaSpread:
                 changed += [src for src in pred[node] if nodes[src]["op"] in VARIABLE_OPS
                             and self._set(src, differs, coverage)]
             for grown in changed:
-                for dst, keyed in succ[grown].items():
+                for dst, keyed in data_pairs(succ[grown]):
                     if (dst not in queued and (len(keyed) > 1 or CONTROL_KEY not in keyed)
                             and (step is None or dst in step)):
                         queued.add(dst)
