@@ -191,14 +191,23 @@ def _check_names(result: CheckResult, found: list) -> None:
 
 
 def _order(ir: GraphIR, found: list):
-    """A function ``before(a, b)``: collective a is an ancestor of collective b. One sweep
-    over the collectives' ancestors, each node's set of collective ancestors a bitset (an
-    edge into a node still being visited closes a loop and is skipped)."""
+    """A function ``before(a, b)``: collective a is an ancestor of collective b. Every node
+    on a path from one collective to another is downstream of the first, so the walk keeps to
+    the collectives and what runs after them (the optimizer's updates, not the forward and
+    backward passes): one sweep over their ancestors there, each node's set of collective
+    ancestors a bitset (an edge into a node still being visited closes a loop and is
+    skipped)."""
     per = collections.Counter(c.participant for c in found)
     if max(per.values()) < 2:  # nothing to order: one collective per participant
         return lambda a, b: False
     bit = {c.node: 1 << k for k, c in enumerate(found)}
-    pred = ir.g._pred
+    succ, pred = ir.g._succ, ir.g._pred
+    below, stack = set(bit), list(bit)
+    while stack:
+        for dst in succ[stack.pop()]:
+            if dst not in below:
+                below.add(dst)
+                stack.append(dst)
     above: dict[str, int] = {}
     for c in found:
         if c.node in above:
@@ -208,7 +217,7 @@ def _order(ir: GraphIR, found: list):
         while stack:
             node, pending = stack[-1]
             for src in pending:
-                if src not in above and src not in visiting:
+                if src in below and src not in above and src not in visiting:
                     visiting.add(src)
                     stack.append((src, iter(pred[src])))
                     break
