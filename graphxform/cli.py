@@ -164,9 +164,6 @@ def _transform(model, options, no_verify=False, dump_dir=None, keep_original=Tru
     strategy = options["strategy"]
     kwargs = {}
     _refuse_foreign_options(strategy, options)
-    if strategy != "hybrid" and (options["sparse_as_dense_below"] or options["placement_file"]):
-        raise GraphxformError("--sparse-as-dense-below and --placement-file are options of "
-                              "--strategy hybrid")
     if strategy in strategies.CLUSTER_STRATEGIES:
         found, _ = cluster.load_cluster(options["cluster"])
         if options["devices"] or options["replicas"]:
@@ -231,6 +228,8 @@ STRATEGY_ONLY_OPTIONS = {
     "async_": (False, ("ps", "partitioned-ps")),
     "partitions": (None, ("partitioned-ps", "hybrid")),
     "partition_min_bytes": (None, ("partitioned-ps", "hybrid")),
+    "sparse_as_dense_below": (0, ("hybrid",)),
+    "placement_file": (None, ("hybrid",)),
 }
 
 

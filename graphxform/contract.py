@@ -206,14 +206,15 @@ def _constant(ir: GraphIR, node: str) -> bool:
     return True
 
 
-def check_model_average(ir: GraphIR, tg: TrainingGraph, replicas: int) -> dict:
+def check_model_average(ir: GraphIR, tg: TrainingGraph, replicas: int,
+                        closures: list | None = None) -> dict:
     """model-average's own invariant, in place of the per-step one (its local copies differ
     between rounds by design): every trainable variable a step updates has a centre
     (`model_average/centre/<var>`) that starts from replica 0's initial value and is written
     once per step from values every replica's copy reaches, and every replica's copy is
     written back from the centre's new value. That the copies start equal is ``check``'s."""
     from graphxform.passes.model_average import centre_name
-    closure = _union(step_closures(ir, tg))
+    closure = _union(closures if closures is not None else step_closures(ir, tg))
     checked = 0
     for var in sorted(tg.variables.values(), key=lambda v: v.name):
         if not (var.trainable and var.updates) or replica_prefix(0) + var.name not in ir:

@@ -513,6 +513,17 @@ class GraphIR:
                     stack.append(dst)
         return seen
 
+    def descendants(self, sources) -> set[str]:
+        """``sources`` and every node that runs after one of them, through data and control
+        edges (``ancestors``' mirror, from several nodes)."""
+        succ, seen, stack = self.g._succ, set(sources), list(sources)
+        while stack:
+            for dst in succ[stack.pop()]:
+                if dst not in seen:
+                    seen.add(dst)
+                    stack.append(dst)
+        return seen
+
     def ancestors(self, name: str) -> set[str]:
         """``name`` and every node it depends on, through data and control inputs (what
         networkx.ancestors finds, plus ``name``, without its generic BFS)."""

@@ -232,7 +232,8 @@ def _prove(ir, ctx, pipeline, strategy: str, options: dict) -> None:
         asynchronous=(options.get("asynchronous", False) or strategy in NOT_DROP_IN
                       or strategy == "model-average"), closures=closures)
     if strategy == "model-average":  # its own invariant in place of the per-step one
-        pipeline.contract = contract.check_model_average(ir, ctx.training, len(devices))
+        pipeline.contract = contract.check_model_average(ir, ctx.training, len(devices),
+                                                         closures)
     # `graphxform check`'s checks that can fail, but updates: the contract has just proven
     # them from the input's own analysis
     from graphxform.inspector import check

@@ -602,8 +602,3 @@ def _losses(ir) -> list[str]:
     if "gradients/Shape" in ir and ir.inputs("gradients/Shape"):  # tf.gradients' Shape(loss)
         return [tensor_name(*ir.input("gradients/Shape", 0))]
     return ["loss:0"] if "loss" in ir else []
-
-
-def random_ops_in_step(ir: GraphIR, tg: TrainingGraph) -> list[str]:
-    """Random ops that run in every training step (so replicas cannot match a single device)."""
-    return sorted(n for n in tg.train_closure if ir.op(n) in RANDOM_OPS)

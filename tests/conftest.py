@@ -14,6 +14,20 @@ def fixture_path(name: str, ext: str = ".meta") -> str:
     return str(FIXTURES / (name + ext))
 
 
+def mlp_single_device(steps: int, directory, batch: int):
+    """The mlp_sgd original on one device: its start checkpoint (saved under ``directory``),
+    its losses over ``steps`` steps of its fixture's feeds and its variables after them."""
+    from graphxform import metagraph, training
+    from graphxform.runtime import Feeds, Runner
+    original = metagraph.load(fixture_path("mlp_sgd"))
+    feeds = Feeds(training.analyze(original).inputs, fixture_path("mlp_sgd", ".npz"), batch)
+    with Runner(original) as run:
+        run.initialize()
+        start = run.save(str(pathlib.Path(directory) / "start"))
+        losses = [run.step(feeds.batch(k)).loss for k in range(steps)]
+        return start, losses, run.variable_values()
+
+
 def pytest_addoption(parser):
     parser.addoption("--update-goldens", action="store_true",
                      help="Rewrite tests/golden/*.txt from the current printer output.")

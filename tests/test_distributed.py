@@ -18,7 +18,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import fixture_path
+from conftest import fixture_path, mlp_single_device
 from processes import STARTED, gone, in_threads, port_free
 from graphxform import cluster, metagraph, strategies, training
 from graphxform.plan import CLUSTER_COLLECTION, ClusterPlan
@@ -46,13 +46,7 @@ def built(tmp_path_factory):
     ir = ps_graph()
     meta = str(tmp / "mlp.ps.meta")
     metagraph.save(ir, meta)
-    original = metagraph.load(fixture_path("mlp_sgd"))
-    feeds = Feeds(training.analyze(original).inputs, fixture_path("mlp_sgd", ".npz"), BATCH)
-    with Runner(original) as run:
-        run.initialize()
-        start = run.save(str(tmp / "start"))
-        losses = [run.step(feeds.batch(k)).loss for k in range(STEPS)]
-        values = run.variable_values()
+    start, losses, values = mlp_single_device(STEPS, tmp, BATCH)
     return {"dir": tmp, "ir": ir, "meta": meta, "start": start, "losses": losses,
             "values": values}
 

@@ -13,7 +13,7 @@ import re
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import fixture_path
+from conftest import fixture_path, mlp_single_device
 from processes import assert_launched_tasks_gone, in_threads
 
 from graphxform import cluster, contract, equivalence, metagraph, strategies, training
@@ -179,17 +179,6 @@ def on_cluster(interval, spec=SPEC, replicas_per_worker=1, model="mlp_sgd"):
     return ir
 
 
-def single_device(steps, tmp_path):
-    """The original's start checkpoint, losses over ``steps`` steps and final variables."""
-    original = metagraph.load(fixture_path("mlp_sgd"))
-    batches = Feeds(training.analyze(original).inputs, fixture_path("mlp_sgd", ".npz"), BATCH)
-    with Runner(original) as run:
-        run.initialize()
-        start = run.save(str(tmp_path / "start"))
-        losses = [run.step(batches.batch(k)).loss for k in range(steps)]
-        return start, losses, run.variable_values()
-
-
 def value(runner, name):
     return runner.session.run(runner.graph.get_tensor_by_name(name))
 
@@ -279,7 +268,7 @@ def test_launched_tasks_with_interval_1_match_one_device(run_cli, tmp_path):
     mean loss over the workers and the chief's checkpoint, restored into the single-device
     graph under the original names, are those of synchronous data parallelism."""
     steps = 3
-    start, losses, values = single_device(steps, tmp_path)
+    start, losses, values = mlp_single_device(steps, tmp_path, BATCH)
     meta = str(tmp_path / "mlp.model-average.meta")
     metagraph.save(on_cluster(1), meta)
     save = tmp_path / "ckpt" / "model"

@@ -201,13 +201,8 @@ def _order(ir: GraphIR, found: list):
     if max(per.values()) < 2:  # nothing to order: one collective per participant
         return lambda a, b: False
     bit = {c.node: 1 << k for k, c in enumerate(found)}
-    succ, pred = ir.g._succ, ir.g._pred
-    below, stack = set(bit), list(bit)
-    while stack:
-        for dst in succ[stack.pop()]:
-            if dst not in below:
-                below.add(dst)
-                stack.append(dst)
+    pred = ir.g._pred
+    below = ir.descendants(bit)
     above: dict[str, int] = {}
     for c in found:
         if c.node in above:
