@@ -515,25 +515,13 @@ class GraphIR:
 
     def descendants(self, sources) -> set[str]:
         """``sources`` and every node that runs after one of them, through data and control
-        edges (``ancestors``' mirror, from several nodes)."""
-        succ, seen, stack = self.g._succ, set(sources), list(sources)
-        while stack:
-            for dst in succ[stack.pop()]:
-                if dst not in seen:
-                    seen.add(dst)
-                    stack.append(dst)
-        return seen
+        edges."""
+        return _reached(self.g._succ, sources)
 
     def ancestors(self, name: str) -> set[str]:
         """``name`` and every node it depends on, through data and control inputs (what
         networkx.ancestors finds, plus ``name``, without its generic BFS)."""
-        pred, seen, stack = self.g._pred, {name}, [name]
-        while stack:
-            for src in pred[stack.pop()]:
-                if src not in seen:
-                    seen.add(src)
-                    stack.append(src)
-        return seen
+        return _reached(self.g._pred, [name])
 
     def proto(self, name: str):
         """The NodeDef that holds this node's attrs. Its name is the node's; its op and device
@@ -1001,6 +989,17 @@ class GraphIR:
             if f"{base}_{i}" not in self.g:
                 return f"{base}_{i}"
         raise AssertionError  # unreachable
+
+
+def _reached(adjacency: dict, sources) -> set[str]:
+    """``sources`` and every node reached from them through ``adjacency`` (succ or pred)."""
+    seen, stack = set(sources), list(sources)
+    while stack:
+        for node in adjacency[stack.pop()]:
+            if node not in seen:
+                seen.add(node)
+                stack.append(node)
+    return seen
 
 
 def data_pairs(adjacent: dict):
