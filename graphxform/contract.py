@@ -42,8 +42,7 @@ def check(ir: GraphIR, tg: TrainingGraph, replicas: int, asynchronous: bool = Fa
     if replicas > 1 and not asynchronous:
         _check_losses_are_means(ir, tg)
     closure = _union(closures if closures is not None else step_closures(ir, tg))
-    spread = ReplicaSpread(ir, replicas, step=closure)
-    checked = 0
+    checked, proven = 0, []  # proven: (variable, write) whose inputs must be equal everywhere
     for var in sorted(tg.variables.values(), key=lambda v: v.name):
         if not var.updates:
             continue
@@ -61,11 +60,15 @@ def check(ir: GraphIR, tg: TrainingGraph, replicas: int, asynchronous: bool = Fa
                     f"{len(var.updates)} time(s)")
             if not var.trainable:  # statistics may differ per replica: verify names them
                 continue
-            for write in writes:
-                _check_write(ir, var, write, spread)
+            proven += [(var, write) for write in sorted(writes)]
             checked += 1
-    if not asynchronous:
-        _check_shared_writes(ir, closure, spread)
+    shared = [] if asynchronous else _shared_writes(ir, closure)
+    asked = {src for _, write in proven for src, _ in ir.inputs(write)}
+    asked.update(src for write in shared for src, _ in ir.inputs(write))
+    spread = ReplicaSpread(ir, replicas, step=closure, asked=asked)
+    for var, write in proven:
+        _check_write(ir, var, write, spread)
+    _check_shared_writes(ir, shared, spread)
     _check_start(ir, tg, replicas)
     return {"variables": checked}
 
@@ -91,12 +94,18 @@ def _check_write(ir: GraphIR, var, write: str, spread: ReplicaSpread) -> None:
                 "data would be ignored")
 
 
-def _check_shared_writes(ir: GraphIR, closure: set, spread: ReplicaSpread) -> None:
-    """A write that runs once per step, outside every replica (global_step's increment, a
-    shared variable's update), must not read one replica's own value."""
+def _shared_writes(ir: GraphIR, closure: set) -> list[str]:
+    """The step's writes outside every replica (global_step's increment, a shared variable's
+    update): each runs once per step."""
     nodes = ir.g._node
-    for name in sorted(name for name in closure
-                       if not name.startswith("replica_") and is_mutating_op(nodes[name]["op"])):
+    return sorted(name for name in closure
+                  if not name.startswith("replica_") and is_mutating_op(nodes[name]["op"]))
+
+
+def _check_shared_writes(ir: GraphIR, shared: list, spread: ReplicaSpread) -> None:
+    """A write that runs once per step, outside every replica, must not read one replica's
+    own value."""
+    for name in shared:
         for src, port in ir.inputs(name):
             if ir.op(src) in VARIABLE_OPS:
                 continue

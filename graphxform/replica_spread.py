@@ -17,8 +17,19 @@ edges are just edges; values only ever grow, so it ends):
   others' data.
 
 A write that makes a variable differ (or narrows its coverage) carries to the variable's
-reads: batch-norm statistics updated per replica feed the next step. The sweep is a worklist
-(see ``ReplicaSpread._sweep``); it finds the least fixed point, loops included.
+reads: batch-norm statistics updated per replica feed the next step. A write counts with the
+value it has once everything it reads is settled (an update from the all-reduced gradient
+covers every replica and taints nothing, however its inputs were reached), so the result does
+not depend on the order nodes are visited in: the sweep (``ReplicaSpread._sweep``) settles
+the data edges to their least fixed point, then carries the writes to their variables, and
+goes on until nothing grows.
+
+Asked about a few nodes (``asked``: the contract asks about what updates read), it computes
+only what they depend on: their data inputs, back to cross-replica ops (all-reduce: not
+differing, covering every replica once any slice reaches them, which a search along data
+edges back to a split shows), and for a variable the step's writes of it. That is the same
+fixed point on fewer nodes: an all-reduced update depends on the gradient's unpacking, not on
+the forward and backward passes of eight replicas.
 """
 
 from __future__ import annotations
@@ -44,9 +55,11 @@ class ReplicaSpread:
     """``differs`` (a set of nodes) and ``coverage`` (node -> bit mask) of a replicated graph
     with ``replicas`` replicas (see the module docstring)."""
 
-    def __init__(self, ir: GraphIR, replicas: int, step: set | None = None):
+    def __init__(self, ir: GraphIR, replicas: int, step: set | None = None,
+                 asked=None):
         """``step``: the nodes a training step runs, when known: only their writes and random
-        draws count (initializers run once, and sync-init makes them equal)."""
+        draws count (initializers run once, and sync-init makes them equal). ``asked``: the
+        only nodes the caller will ask about (of ``step``); None: every node."""
         self.ir = ir
         self.step = step
         self.all = (1 << replicas) - 1
@@ -54,7 +67,11 @@ class ReplicaSpread:
         self.coverage: dict = {}
         self._splits = {n for n in ir.nodes_of(("Split", "SplitV"))
                         if n.startswith(SPLIT_SCOPE)}
-        self._sweep()
+        self._reduced: set = set()  # cross-replica ops a slice is known to reach
+        self._reaching: set = set()  # nodes a slice reaches along data edges
+        self._not_reaching: set = set()  # nodes no slice reaches so
+        domain = step if asked is None else self._needed(asked)
+        self._sweep(domain)
 
     def covers_all(self, node: str) -> bool:
         return self.coverage.get(node, 0) in (0, self.all)
@@ -63,32 +80,98 @@ class ReplicaSpread:
         mask = self.coverage.get(node, 0)
         return [i for i in range(self.all.bit_length()) if mask >> i & 1]
 
-    def _sweep(self) -> None:
+    def _needed(self, asked) -> set:
+        """The nodes the values of ``asked`` depend on: data inputs, and for a variable the
+        step's writes of it; a cross-replica op that a slice of the batch reaches along data
+        edges ends the search (its value is known, whatever else reaches it)."""
+        nodes, succ, pred, step = self.ir.g._node, self.ir.g._succ, self.ir.g._pred, self.step
+        needed, stack = set(), [n for n in asked if step is None or n in step]
+        while stack:
+            node = stack.pop()
+            if node in needed:
+                continue
+            needed.add(node)
+            op = nodes[node]["op"]
+            if op in CROSS_REPLICA_OPS and self._slice_reaches(node):
+                self._reduced.add(node)
+                continue
+            stack.extend(src for src, keyed in data_pairs(pred[node])
+                         if src not in needed and (len(keyed) > 1 or CONTROL_KEY not in keyed))
+            if op in VARIABLE_OPS:
+                stack.extend(dst for dst in succ[node] if dst not in needed
+                             and (step is None or dst in step)
+                             and is_mutating_op(nodes[dst]["op"]))
+        return needed
+
+    def _slice_reaches(self, node: str) -> bool:
+        """Whether a split's output reaches ``node`` along data edges (then the sweep would
+        give it a non-zero coverage, whatever the variables hold). Depth first, stopping at
+        the first split; a search that finds none has seen everything it could reach, and
+        remembers that for the next."""
+        pred, splits = self.ir.g._pred, self._splits
+        known_yes, known_no = self._reaching, self._not_reaching
+        seen, path = {node}, [(node, iter(data_pairs(pred[node])))]
+        while path:
+            current, inputs = path[-1]
+            for src, keyed in inputs:
+                if len(keyed) == 1 and CONTROL_KEY in keyed:
+                    continue
+                if src in splits or src in known_yes:
+                    known_yes.update(name for name, _ in path)
+                    return True
+                if src not in seen and src not in known_no:
+                    seen.add(src)
+                    path.append((src, iter(data_pairs(pred[src]))))
+                    break
+            else:
+                path.pop()
+        known_no.update(seen)
+        return False
+
+    def _sweep(self, domain: set | None) -> None:
         """A worklist over data edges, in graph order: a node is (re)computed when one of its
         inputs grew, smallest position first. Graph order is topological apart from what the
         passes rewired and loops' back edges, so most nodes are computed once, after their
         inputs; the few that are not are computed again when an input grows, until nothing
-        grows (values only grow, so it ends, at the least fixed point). A write that changed a
-        variable's state sends the variable's reads through the worklist too. With ``step``,
-        only the step's nodes are computed: the contract asks about nothing else.
+        grows (values only grow, so it ends, at the least fixed point). Then the writes whose
+        values differ or cover only some replicas carry to their variables, whose reads go
+        through the worklist again, until no variable grows. Only the nodes of ``domain``
+        (None: every node) are computed.
 
         The rule for one node is written inline (it runs once or more per node of the step,
         in every replica: a call per node cost a third of the sweep)."""
         ir, step, everything = self.ir, self.step, self.all
         nodes, succ, pred = ir.g._node, ir.g._succ, ir.g._pred
-        order = list(nodes)
+        order = list(nodes) if domain is None or len(domain) * 4 > len(nodes) else \
+            [n for n in nodes if n in domain]
         position = dict(zip(order, range(len(order))))
         draws = ir.nodes_of([op for op in ir.op_types() if op.startswith(RANDOM_PREFIXES)])
         self._unseeded = unseeded = {n for n in draws if _unseeded_random(ir, n)
                                      and (step is None or n in step)}
-        splits, sources = self._splits, set(ir.nodes_of(LOCAL_SOURCE_OPS))
-        queued = splits | sources | unseeded
+        splits, sources, reduced = self._splits, set(ir.nodes_of(LOCAL_SOURCE_OPS)), self._reduced
+        queued = splits | sources | unseeded | reduced
+        if domain is not None:
+            queued &= domain
         heap = [position[n] for n in queued]
         heapq.heapify(heap)
         cover, differing = self.coverage, self.differs
         replicated = everything > 1
         pop, push, search = heapq.heappop, heapq.heappush, _REPLICA.search
-        while heap:
+        writes = set()  # writes whose value grew since they were last carried
+
+        def enqueue(grew: str) -> None:
+            for dst, keyed in data_pairs(succ[grew]):
+                if (dst not in queued and (len(keyed) > 1 or CONTROL_KEY not in keyed)
+                        and (domain is None or dst in domain)):
+                    queued.add(dst)
+                    push(heap, position[dst])
+
+        while heap or writes:
+            if not heap:  # the data edges are settled: carry the writes
+                for grew in self._carry(writes):
+                    enqueue(grew)
+                writes = set()
+                continue
             node = order[pop(heap)]
             queued.discard(node)
             op = nodes[node]["op"]
@@ -109,22 +192,27 @@ class ReplicaSpread:
                     coverage |= cover.get(src, 0)
                     differs = differs or (in_replica and src in differing)
             if op in CROSS_REPLICA_OPS:
-                differs, coverage = False, everything if coverage else 0
+                differs = False
+                coverage = everything if coverage or node in reduced else 0
             if not self._set(node, differs, coverage):
                 continue
-            changed = [node]
-            if is_mutating_op(op) and (differs or coverage != everything) and (
-                    step is None or node in step):
-                # a write from values equal everywhere and covering every replica (an update
-                # from the all-reduced gradient) changes nothing its reads could be refused for
-                changed += [src for src in pred[node] if nodes[src]["op"] in VARIABLE_OPS
-                            and self._set(src, differs, coverage)]
-            for grown in changed:
-                for dst, keyed in data_pairs(succ[grown]):
-                    if (dst not in queued and (len(keyed) > 1 or CONTROL_KEY not in keyed)
-                            and (step is None or dst in step)):
-                        queued.add(dst)
-                        push(heap, position[dst])
+            if is_mutating_op(op) and (step is None or node in step):
+                writes.add(node)
+            enqueue(node)
+
+    def _carry(self, writes: set) -> list[str]:
+        """Give each variable that ``writes`` write their values, where those differ or cover
+        only some replicas (a write from values equal everywhere and covering every replica,
+        an update from the all-reduced gradient, changes nothing its reads could be refused
+        for); returns the variables that grew."""
+        nodes, pred, everything = self.ir.g._node, self.ir.g._pred, self.all
+        grown = []
+        for write in writes:
+            differs, coverage = write in self.differs, self.coverage.get(write, 0)
+            if differs or coverage != everything:
+                grown += [src for src in pred[write] if nodes[src]["op"] in VARIABLE_OPS
+                          and self._set(src, differs, coverage)]
+        return grown
 
     def _set(self, node: str, differs: bool, coverage: int) -> bool:
         """Grow ``node``'s state; True when it grew."""

@@ -5,10 +5,12 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from conftest import ALL_FIXTURES, fixture_path
+from recipe_loop import load_manifest, recipe_meta
 
 from graphxform import contract, metagraph, strategies, training
 from graphxform.contract import ContractError
 from graphxform.nodes import Builder
+from graphxform.replica_spread import ReplicaSpread
 
 v1 = tf.compat.v1
 DEVICES = ["/device:CPU:0", "/device:CPU:1"]
@@ -91,6 +93,69 @@ def test_refuses_an_update_from_a_local_value():
     ir.set_input(update, 2, local)
     with pytest.raises(ContractError, match="variable 'dense1/bias'.*own slice of the batch"):
         contract.check(ir, tg, 2)
+
+
+def test_refuses_an_update_from_a_variable_each_replica_writes_from_its_slice():
+    """A learning rate adapted from the loss: each replica's copy follows its own slice's
+    loss, so the updates that read it differ (through the variable, not a data path)."""
+    g = tf.Graph()
+    with g.as_default():
+        x = v1.placeholder(tf.float32, [None, 3], name="x")
+        w = v1.get_variable("w", [3, 1])
+        rate = v1.get_variable("rate", [], trainable=False,
+                               initializer=v1.constant_initializer(0.1))
+        loss = tf.reduce_mean(tf.square(tf.matmul(x, w)), name="loss")
+        step = v1.train.get_or_create_global_step()
+        train = v1.train.GradientDescentOptimizer(rate).minimize(loss, global_step=step)
+        with tf.control_dependencies([train]):
+            adapt = v1.assign(rate, rate * (1.0 - 0.01 * loss))
+        v1.add_to_collection(v1.GraphKeys.TRAIN_OP, tf.group(adapt, name="train"))
+        meta = v1.train.export_meta_graph(graph=g)
+    with pytest.raises(ContractError, match="variable 'w'.*differs between replicas"):
+        strategies.transform(metagraph.from_metagraph(meta), "allreduce", devices=DEVICES)
+
+
+def test_refuses_an_update_that_only_some_replicas_reach():
+    """pscpu sums the replicas' gradients outside every replica: summing replica 0's twice
+    leaves replica 1's data out, although nothing differs between replicas."""
+    ir = metagraph.load(fixture_path("mlp_sgd"))
+    strategies.transform(ir, "replicated", devices=DEVICES, all_reduce_spec="pscpu")
+    ir.set_input("replicated/group_3/sum", 1,
+                 "replica_0/gradients/dense1/add_grad/tuple/control_dependency_1:0")
+    tg = training.analyze(metagraph.load(fixture_path("mlp_sgd")))
+    with pytest.raises(ContractError, match=r"'dense1/bias'.*only replicas \[0\]'s slices"):
+        contract.check(ir, tg, 2)
+
+
+@pytest.mark.parametrize("strategy, options", [("allreduce", {}),
+                                               ("replicated", {"all_reduce_spec": "pscpu"})])
+def test_the_spread_of_what_the_contract_asks_equals_the_full_sweep(strategy, options,
+                                                                     monkeypatch):
+    """The contract computes the spread only for what updates read (back to all-reduce ops a
+    slice reaches): on every fixture and recipe, the same values as the sweep of the whole
+    step."""
+    built = []
+
+    class Recorded(ReplicaSpread):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            built.append((self, args, kwargs))
+
+    monkeypatch.setattr(contract, "ReplicaSpread", Recorded)
+    paths = [fixture_path(name) for name in ALL_FIXTURES] + [
+        recipe_meta(name) for name in load_manifest()]
+    compared = 0
+    for path in paths:
+        built.clear()
+        strategies.transform(metagraph.load(path), strategy, devices=DEVICES, **options)
+        (asked, (ir, replicas), kwargs), = built
+        full = ReplicaSpread(ir, replicas, step=kwargs["step"])
+        for node in kwargs["asked"]:
+            assert (node in asked.differs, asked.coverage.get(node, 0)) == (
+                node in full.differs, full.coverage.get(node, 0)), (path, node)
+            compared += 1
+        assert len(asked.coverage) < len(kwargs["step"])
+    assert compared > 500
 
 
 def test_one_replica_is_proven():
