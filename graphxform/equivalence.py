@@ -139,6 +139,13 @@ def mismatch_reasons(ir: GraphIR, tg: training.TrainingGraph, synced_batch_norm=
         reasons.append("batch norm in training mode: each replica normalises its slice with that "
                        "slice's own mean and variance and updates the moving averages from it "
                        f"({_some(batch_norm)}); --sync-batch-norm uses the global batch's")
+    metrics = sorted(v.name for v in tg.variables.values()
+                     if v.local and any(u in from_inputs for u in v.updates))
+    if metrics:
+        reasons.append("local variables updated from the batch in the step (tf.compat.v1.metrics' "
+                       f"totals and counts: {_some(metrics)}) are kept per replica, each from "
+                       "its own slices: fetching them, or a metric's value or update_op, gives "
+                       "replica 0's figure, not the global batch's")
     seeded, unseeded = _random_ops(ir, tg, from_inputs)
     if seeded and not consistent_random:
         reasons.append("random ops run in the step (dropout, sampling) and each replica draws "
@@ -162,7 +169,7 @@ def _batch_norm_evidence(ir: GraphIR, tg, from_inputs: set) -> list[str]:
     inputs (batch norm's moving averages, but not an average of the weights), fused batch norm
     in training mode, and ``tf.nn.moments`` over axis 0."""
     found = sorted(v.name for v in tg.variables.values() if v.role == "statistic"
-                   and any(u in from_inputs for u in v.updates))
+                   and not v.local and any(u in from_inputs for u in v.updates))
     for name in sorted(tg.train_closure):
         op = ir.op(name)
         if op in FUSED_BATCH_NORM and _is_training(ir, name) and not _per_example(ir, name):

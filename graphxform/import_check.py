@@ -21,7 +21,10 @@ constant value. So ``check``:
    whole graph instead;
 4. does what TF's Python importer adds to the C one: every device string parses; and, since
    twins are left out of the import, it checks itself that every ``loc:@`` colocation names
-   a node of the graph.
+   a node of the graph;
+5. does what ``tf.compat.v1.train.import_meta_graph`` adds: every name a collection holds
+   resolves (a node list's ops and tensors, a variable collection's variables, their
+   initializers and snapshots, a queue runner's ops).
 
 So a graph TF would reject is rejected whichever replica holds the fault: a fault in a twin
 is a fault in its representative, which is imported.
@@ -59,6 +62,7 @@ def check(ir: GraphIR, keep_until_exit: bool = False) -> dict:
     with paused_gc():  # it reads and writes objects by the ten thousand, frees few
         _check_devices({data["device"] for data in ir.g._node.values()})
         _check_colocation(ir)
+        _check_collections(ir)
         twins = find_twins(ir)
         whole = not twins.of or any(rep is None for _, rep in twins.frontier)
         if not whole:
@@ -281,6 +285,59 @@ def _check_colocation(ir: GraphIR) -> None:
                    [target for k in rest for target in kept[k]])
         _colocated(node_table, [names[k] for k in rest],
                    [replica.prefix + node for k in rest for node in copied[k]])
+
+
+# the collections import_meta_graph reads as VariableDefs (graphxform.passes.replicate)
+_VARIABLE_DEF_COLLECTIONS = ("variables", "trainable_variables", "local_variables",
+                             "model_variables", "moving_average_variables", "global_step",
+                             "metric_variables")
+
+
+def _check_collections(ir: GraphIR) -> None:
+    """Every name a collection holds resolves as ``import_meta_graph`` resolves it: a node
+    list's values are ops or existing output ports; a variable collection's VariableDefs name
+    a variable op, and existing initializer, snapshot and initial value; a queue runner's
+    names are ops. (TF's C importer, which ``check`` runs, never reads collections.)"""
+    from tensorflow.core.framework import variable_pb2
+    from tensorflow.core.protobuf import queue_runner_pb2
+
+    from graphxform import opdefs
+    from graphxform.training import VARIABLE_OPS
+    node_table = ir.g._node
+
+    def resolve(key: str, name: str, variable: bool = False) -> None:
+        node, _, port = name.partition(":")
+        data = node_table.get(node)
+        problem = None
+        if data is None:
+            problem = "no such node"
+        elif variable and data["op"] not in VARIABLE_OPS:
+            problem = f"its op is {data['op']}, not a variable op"
+        elif port and (not port.isdigit() or int(port) >= (opdefs.num_outputs(ir, node) or 0)):
+            problem = f"{data['op']} has no output {port}"
+        if problem:
+            raise GraphxformError(f"TensorFlow rejects the graph: collection '{clip(key)}' "
+                                  f"names '{clip(name)}' ({problem}); import_meta_graph would "
+                                  "fail")
+
+    for key, col in sorted(ir.meta.collection_def.items()):
+        if col.HasField("node_list"):
+            for value in col.node_list.value:
+                resolve(key, value)
+        elif key in _VARIABLE_DEF_COLLECTIONS and col.HasField("bytes_list"):
+            for raw in col.bytes_list.value:
+                vd = variable_pb2.VariableDef.FromString(raw)
+                resolve(key, vd.variable_name, variable=True)
+                for name in (vd.initializer_name, vd.snapshot_name, vd.initial_value_name):
+                    if name:
+                        resolve(key, name)
+        elif key == "queue_runners" and col.HasField("bytes_list"):
+            for raw in col.bytes_list.value:
+                runner = queue_runner_pb2.QueueRunnerDef.FromString(raw)
+                for name in [runner.queue_name, *runner.enqueue_op_name,
+                             runner.close_op_name, runner.cancel_op_name]:
+                    if name:
+                        resolve(key, name)
 
 
 def _plans_targets(plans: list, by_plan: dict) -> tuple[list, dict, dict]:

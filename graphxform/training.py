@@ -79,6 +79,9 @@ class Variable:
     slots: dict = dataclasses.field(default_factory=dict)  # slot name -> variable name
     slot_of: str | None = None
     device: str = ""
+    # in local_variables but not the global collection: a metric's total, a loop's counter.
+    # TF's default Saver leaves it out and local_variables_initializer starts it
+    local: bool = False
 
     @property
     def dtype_name(self) -> str:
@@ -162,6 +165,9 @@ class TrainingGraph:
     extra_updates: list  # update ops in the train step that are not the optimizer's
     noop_sinks: list  # NoOps nothing waits on: the train op, `init`, groups a user may run
     steps: list = dataclasses.field(default_factory=list)  # Step per train op, in run order
+    # checkpoint key -> (variable or None, slice spec) the input's Saver writes; None: the
+    # graph has no Saver of SaveV2 ops (TF's default Saver keys the global variables by name)
+    saved: dict | None = None
 
     def require_train_op(self, what: str = "this pass") -> str:
         if self.train_op is None:
@@ -220,6 +226,7 @@ def analyze(ir: GraphIR, train_op=None) -> TrainingGraph:
     return TrainingGraph(variables=variables, inputs=inputs, train_op=train_op,
                          loss=losses[0] if losses else None, losses=losses,
                          global_step=global_step, optimizer=optimizer, saver_scope=saver_scope,
+                         saved=_saved_by_saver(ir, saver_scope),
                          train_closure=closure, extra_updates=extra, noop_sinks=sinks,
                          steps=steps)
 
@@ -364,6 +371,33 @@ def _climb_identities(ir: GraphIR, node: str) -> str:
     return node
 
 
+def _saved_by_saver(ir: GraphIR, scope: str | None) -> dict | None:
+    """{checkpoint key: (variable, slice spec)} the input's Saver writes: the tensor names of
+    its SaveV2 ops under ``scope``, each tensor read back through Identity and ReadVariableOp
+    to the variable whose value it is (None when it is not one). None without such a Saver."""
+    if scope is None:
+        return None
+    found = {}
+    for save in ir.nodes_of(("SaveV2",)):
+        if not save.startswith(scope):
+            continue
+        inputs = ir.inputs(save)
+        keys, specs = (_const_strings(ir, src) for src, _ in inputs[1:3])
+        if keys is None or specs is None:
+            return None
+        for key, spec, (src, _) in zip(keys, specs, inputs[3:]):
+            while ir.op(src) in ("Identity", "ReadVariableOp") and ir.inputs(src):
+                src = ir.inputs(src)[0][0]
+            found[key] = (src if ir.op(src) in VARIABLE_OPS else None, spec)
+    return found or None
+
+
+def _const_strings(ir: GraphIR, node: str) -> list[str] | None:
+    if ir.op(node) != "Const":
+        return None
+    return [value.decode() for value in ir.attrs(node)["value"].tensor.string_val]
+
+
 def _saver_scope(ir: GraphIR) -> str | None:
     if ir.kind != "meta" or not ir.meta.HasField("saver_def"):
         return None
@@ -372,9 +406,10 @@ def _saver_scope(ir: GraphIR) -> str | None:
 
 
 def _variable_defs(ir: GraphIR) -> dict | None:
-    """Variable node name -> (VariableDef, trainable) from the collections; None if none."""
+    """Variable node name -> (VariableDef, trainable, local) from the collections (local: in
+    local_variables and not in the global collection); None if none."""
     from tensorflow.core.framework import variable_pb2
-    found = None
+    found, where = None, {}
     for key in ("variables", "trainable_variables", "local_variables", "model_variables"):
         if key not in ir.meta.collection_def:
             continue
@@ -386,7 +421,12 @@ def _variable_defs(ir: GraphIR) -> dict | None:
             if node in found:
                 trainable = trainable or found[node][1]
             found[node] = (vd, trainable)
-    return found
+            where.setdefault(node, set()).add(key)
+    if found is None:
+        return None
+    return {node: (vd, trainable, "local_variables" in where[node]
+                   and "variables" not in where[node])
+            for node, (vd, trainable) in found.items()}
 
 
 def _variable(ir, name, data, var_defs, users) -> Variable:
@@ -395,7 +435,7 @@ def _variable(ir, name, data, var_defs, users) -> Variable:
     var = Variable(name=name, kind="resource" if data["op"] == "VarHandleOp" else "ref",
                    dtype=attr["dtype"].type, shape=shape, trainable=False, device=data["device"])
     if var_defs and name in var_defs:
-        vd, var.trainable = var_defs[name]
+        vd, var.trainable, var.local = var_defs[name]
         var.initializer = vd.initializer_name or None
         var.initial_value = vd.initial_value_name or None
     read_op = "ReadVariableOp" if var.kind == "resource" else "Identity"

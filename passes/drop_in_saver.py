@@ -1,7 +1,10 @@
 """drop-in-saver: a Saver keyed by the original variable names and full shapes.
 
 Saving writes replica 0's values (replicas are identical after every step); restoring assigns
-every replica's copy. A variable `partition-variables` split is saved as the concatenation of its
+every replica's copy. It writes what the input's Saver wrote, under the same checkpoint keys
+(a Saver given a dict or a subset of the variables); without one, what TF's default Saver
+writes: the global variables under their names, not the local ones (metrics' totals), which
+local_variables_initializer starts. A variable `partition-variables` split is saved as the concatenation of its
 shards and restored by slicing, so a checkpoint of the single-device graph restores into the transformed
 graph and the reverse. Under model-average a trained variable is saved from its centre (what the
 workers agreed on at the last round) and restored into the centre and every local copy. The
@@ -14,6 +17,7 @@ import dataclasses
 
 import numpy as np
 
+from graphxform.errors import GraphxformError
 from graphxform.nodes import Builder, replica_prefix
 from graphxform.pipeline import Pass, PassResult
 
@@ -35,13 +39,14 @@ class DropInSaver(Pass):
         centres = averaged.get("centres", {})  # saved from the centre, restored to all copies
         build = Builder(ir, self.name)
         parts = {shard for found in shards.values() for shard, _, _ in found}
-        variables = sorted([v for v in tg.variables.values() if v.name not in parts] +
-                           list(partitioned["originals"].values()), key=lambda v: v.name)
+        candidates = {v.name: v for v in tg.variables.values() if v.name not in parts}
+        candidates.update((v.name, v) for v in partitioned["originals"].values())
+        keys, variables = _saved(tg.saved, candidates)
         scope = SCOPE if not ir.has_scope(SCOPE) else ir.unique_name("save") + "/"
         default = build.const(scope + "filename/input", "model", np.object_)
         filename = build.op(scope + "filename", "PlaceholderWithDefault", [default],
                             dtype=types_pb2.DT_STRING, shape=[])
-        names = build.const(scope + "SaveV2/tensor_names", [v.name for v in variables], np.object_)
+        names = build.const(scope + "SaveV2/tensor_names", keys, np.object_)
         slices = build.const(scope + "SaveV2/shape_and_slices", [""] * len(variables), np.object_)
         values = []
         for k, var in enumerate(variables):
@@ -107,3 +112,26 @@ class DropInSaver(Pass):
         begin = build.const(name + "/begin", [offset] + [0] * (rank - 1), np.int32)
         size = build.const(name + "/size", [rows] + [-1] * (rank - 1), np.int32)
         return build.op(name, "Slice", [tensor, begin, size], T=var.dtype, Index=3)
+
+
+def _saved(saved: dict | None, candidates: dict) -> tuple[list, list]:
+    """(checkpoint keys, the variable each saves): what the input's Saver wrote (``saved``,
+    key -> (variable, slice spec)), or without one what TF's default Saver writes: every
+    global variable under its own name. Refuses a Saver this pass cannot rebuild."""
+    if saved is None:
+        chosen = sorted((v for v in candidates.values() if not v.local), key=lambda v: v.name)
+        return [v.name for v in chosen], chosen
+    keys, variables = [], []
+    for key, (variable, spec) in sorted(saved.items()):
+        if variable is None or variable not in candidates:
+            raise GraphxformError(f"the input's Saver writes checkpoint key '{key}' from a value "
+                                  "that is not a variable's: a Saver rebuilt for the replicas "
+                                  "could not write it, so checkpoints would not move between "
+                                  "the graphs")
+        if spec:
+            raise GraphxformError(f"the input's Saver writes a slice ('{spec}') of variable "
+                                  f"'{variable}' under key '{key}': rebuilding a Saver of "
+                                  "partitioned variables is not supported")
+        keys.append(key)
+        variables.append(candidates[variable])
+    return keys, variables

@@ -26,8 +26,11 @@ from graphxform.nodes import replica_prefix
 from graphxform.pipeline import Pass, PassResult
 from graphxform.training import PLACEHOLDER_OPS
 
+# the collections whose values import_meta_graph reads as VariableDefs (tf.compat.v1.metrics
+# keeps its totals and counts in metric_variables)
 VARIABLE_DEF_COLLECTIONS = ("variables", "trainable_variables", "local_variables",
-                            "model_variables", "moving_average_variables", "global_step")
+                            "model_variables", "moving_average_variables", "global_step",
+                            "metric_variables")
 CONTEXT_COLLECTIONS = ("while_context", "cond_context")
 
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from conftest import fixture_path, graph_without_train_op
 
-from graphxform import equivalence, metagraph, strategies
+from graphxform import equivalence, metagraph, strategies, training
 from graphxform.errors import GraphxformError
 
 MATCHABLE = ["mlp_sgd", "cnn_momentum", "embedding_adam", "legacy_ref", "rnn_while",
@@ -165,6 +165,78 @@ def test_drop_in_contract(tmp_path):
     assert original_losses[0] > 0
 
 
+def saver_graph(make_saver):
+    """A dense softmax model trained with Adam whose Saver ``make_saver()`` builds, as a user
+    hands graphxform a graph exported with its own Saver's saver_def."""
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+    g = tf.Graph()
+    with g.as_default():
+        tf1.set_random_seed(1)
+        x = tf1.placeholder(tf.float32, [None, 8], name="x")
+        y = tf1.placeholder(tf.int64, [None], name="y")
+        w = tf1.get_variable("dense/kernel", [8, 3])
+        loss = tf1.losses.sparse_softmax_cross_entropy(y, tf.matmul(x, w))
+        step = tf1.train.get_or_create_global_step()
+        tf1.add_to_collection("train_op", tf1.train.AdamOptimizer(0.01).minimize(loss, step))
+        saver = make_saver()
+        meta = tf1.train.export_meta_graph(graph=g, saver_def=saver.as_saver_def())
+    return metagraph.from_metagraph(meta)
+
+
+SAVERS = {  # the Saver a user made: checkpoint keys it writes
+    "dict": (lambda: __import__("tensorflow").compat.v1.train.Saver(
+        {"model/weights": _var("dense/kernel"), "step": _var("global_step")}),
+        {"model/weights", "step"}),
+    "subset": (lambda: __import__("tensorflow").compat.v1.train.Saver([_var("dense/kernel")]),
+               {"dense/kernel"}),
+}
+
+
+def _var(name):
+    import tensorflow as tf
+    return next(v for v in tf.compat.v1.global_variables() if v.op.name == name)
+
+
+@pytest.mark.parametrize("kind", sorted(SAVERS))
+def test_checkpoints_of_the_inputs_own_saver_move_both_ways(kind, tmp_path):
+    """A Saver given a dict of keys or a subset of the variables: the transformed graph's saver
+    writes the same keys, so the user's checkpoints restore into it and its own restore into
+    the single-device graph."""
+    import tensorflow as tf
+
+    from graphxform.runtime import Feeds, Runner
+    make, keys = SAVERS[kind]
+    original = saver_graph(make)
+    ir = saver_graph(make)
+    strategies.transform(ir, "allreduce", devices=["/device:CPU:0", "/device:CPU:1"])
+    np.savez(tmp_path / "rows.npz", x=np.random.RandomState(0).randn(32, 8).astype(np.float32),
+             y=np.random.RandomState(1).randint(0, 3, 32))
+    feeds = Feeds(training.analyze(original).inputs, str(tmp_path / "rows.npz"), 16)
+    with Runner(original) as run:
+        run.initialize()
+        run.step(feeds.batch(0))
+        first = run.save(str(tmp_path / "original"))
+    assert set(tf.train.load_checkpoint(first).get_variable_to_shape_map()) == keys
+    with Runner(ir) as run:
+        run.restore(first)
+        run.step(feeds.batch(1))
+        second = run.save(str(tmp_path / "transformed"))
+    assert set(tf.train.load_checkpoint(second).get_variable_to_shape_map()) == keys
+    with Runner(original) as run:
+        run.restore(second)
+        run.step(feeds.batch(0))
+
+
+def test_a_saver_of_a_value_that_is_no_variable_is_refused():
+    import tensorflow as tf
+    ir = saver_graph(lambda: tf.compat.v1.train.Saver([_var("dense/kernel")]))
+    ir.set_input("save/SaveV2", 3, "x:0")  # as if it saved a tensor, not a variable's value
+    with pytest.raises(GraphxformError, match="checkpoint key 'dense/kernel' from a value that "
+                                              "is not a variable"):
+        strategies.transform(ir, "allreduce", devices=["/device:CPU:0", "/device:CPU:1"])
+
+
 def test_initialization_makes_replicas_identical(tmp_path):
     out = str(tmp_path / "m.meta")
     metagraph.save(transformed("cnn_momentum", 3), out)
@@ -259,6 +331,30 @@ def test_verify_cli_pass_and_explained_fail(run_cli):
     code, out, _ = run_cli("verify", fixture_path("cnn_bn_momentum"), "--replicas", "2",
                            "--steps", "2", "--batch-size", "16")
     assert code != 0 and "FAIL" in out and "batch norm" in out
+
+
+def test_run_and_verify_start_the_metrics_local_variables(run_cli, tmp_path):
+    """tf.compat.v1.metrics' totals are local variables: `run` and `verify` start them as a
+    TF1 loop does (local_variables_initializer, also after restoring, since no checkpoint
+    holds them), and the transformed graph's saver keeps them out as TF's default Saver does,
+    so a single-device checkpoint restores into it. verify names the metrics as replica 0's."""
+    from recipe_loop import RECIPES_DIR, recipe_meta
+    meta, feeds = recipe_meta("metrics_mlp"), RECIPES_DIR / "metrics_mlp.npz"
+    code, _, err = run_cli("run", meta, "--feeds", feeds, "--steps", "2",
+                           "--save", tmp_path / "ckpt")
+    assert code == 0, err
+    out_meta = tmp_path / "out.meta"
+    code, _, err = run_cli("apply", "--strategy", "allreduce", "--replicas", "2", meta,
+                           "-o", out_meta)
+    assert code == 0, err
+    code, _, err = run_cli("run", out_meta, "--feeds", feeds, "--steps", "1",
+                           "--restore", tmp_path / "ckpt")
+    assert code == 0, err
+    code, out, err = run_cli("verify", meta, "--replicas", "2", "--feeds", feeds,
+                             "--steps", "3")
+    assert code == 0 and "PASS" in out, out + err
+    assert "metrics' totals and counts: accuracy/count, accuracy/total" in out
+    assert "batch norm" not in out
 
 
 def test_train_op_without_global_step(tmp_path):

@@ -198,7 +198,8 @@ def test_every_corpus_graph_names_what_keeps_it_from_matching(name):
     text = " ".join(reasons)
     assert ("--sync-batch-norm" in text) == ("bn" in entry["has"]), text
     assert ("--consistent-random" in text) == ("dropout" in entry["has"]), text
-    assert len(reasons) == ("bn" in entry["has"]) + ("dropout" in entry["has"])
+    assert ("metrics' totals" in text) == ("metrics" in entry["has"]), text
+    assert len(reasons) == sum(tag in entry["has"] for tag in ("bn", "dropout", "metrics"))
 
 
 def test_changed_only_checks_copies_of_unchecked_nodes_in_one_replica_and_changed_copies():

@@ -147,3 +147,44 @@ def test_apply_rejects_a_broken_output_by_default(run_cli, tmp_path, monkeypatch
     code, _, err = run_cli("apply", "--replicas", REPLICAS, fixture_path("mlp_sgd"), "-o", out)
     assert code == 1 and "TensorFlow rejects the graph" in err and "replica_2/dense0/Relu" in err
     assert len(err.strip().splitlines()) == 1 and not out.exists()
+
+
+def _variable_def(name):
+    from tensorflow.core.framework import variable_pb2
+    return variable_pb2.VariableDef(variable_name=name + ":0", initializer_name=name + "/Assign",
+                                    snapshot_name=name + "/Read/ReadVariableOp:0")
+
+
+@pytest.mark.parametrize("collection, value, problem", [
+    ("metric_variables", "dense0/kernel", "its op is Identity, not a variable op"),
+    ("local_variables", "nowhere", "no such node"),
+    ("summaries", "dense0/Relu:3", "has no output 3"),
+    ("summaries", "nowhere:0", "no such node"),
+])
+def test_a_collection_import_meta_graph_cannot_resolve_is_rejected(transformed, collection,
+                                                                  value, problem):
+    """import_meta_graph resolves every name a collection holds (TF's C importer reads none):
+    a variable collection naming what merge-fetches serves (an Identity), or a missing node
+    or output port, fails there, so the TF check rejects it."""
+    col = transformed.meta.collection_def[collection]
+    if collection.endswith("variables"):
+        col.bytes_list.value.append(_variable_def(value).SerializeToString())
+    else:
+        col.node_list.value.append(value)
+    with pytest.raises(GraphxformError, match=f"collection '{collection}' names .*{problem}"):
+        verify.check_imports(transformed)
+
+
+def test_collections_of_a_transformed_metrics_recipe_import():
+    """tf.compat.v1.metrics keeps its totals in metric_variables: replicate renames them there
+    too, so import_meta_graph of the output builds every variable object."""
+    import tensorflow as tf
+    from recipe_loop import recipe_meta
+    ir = metagraph.load(recipe_meta("metrics_mlp"))
+    strategies.transform(ir, "allreduce", devices=["/device:CPU:0", "/device:CPU:1"])
+    verify.check_imports(ir)
+    with tf.Graph().as_default():
+        tf.compat.v1.train.import_meta_graph(metagraph.to_metagraph(ir))
+        names = {v.op.name for v in tf.compat.v1.get_collection("metric_variables")}
+    assert names == {f"replica_{i}/{m}/{v}" for i in range(2)
+                     for m in ("accuracy", "mean_loss") for v in ("total", "count")}

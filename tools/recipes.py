@@ -506,6 +506,26 @@ def ema_weights(rng):
     return Built({"x": xs, "y": _teacher_classes(rng, xs, 3)}, [train_op], [loss])
 
 
+@recipe(note="tf.compat.v1.metrics docs: accuracy and mean return (value, update_op); the "
+             "training loop runs the update ops grouped with the optimizer step "
+             "(tf.group(train, acc_update, loss_update)) after "
+             "local_variables_initializer(), which starts the metrics' totals and counts",
+        has=["metrics", "tf_layers", "tf_losses"])
+def metrics_mlp(rng):
+    x = v1.placeholder(tf.float32, [None, 10], name="x")
+    y = v1.placeholder(tf.int64, [None], name="y")
+    hidden = v1.layers.dense(x, 16, activation=tf.nn.relu, name="dense1")
+    logits = v1.layers.dense(hidden, 3, name="dense2")
+    loss = v1.losses.sparse_softmax_cross_entropy(y, logits)
+    _, accuracy_update = v1.metrics.accuracy(y, tf.argmax(logits, 1), name="accuracy")
+    _, loss_update = v1.metrics.mean(loss, name="mean_loss")
+    global_step = v1.train.get_or_create_global_step()
+    train = v1.train.AdamOptimizer(0.01).minimize(loss, global_step=global_step)
+    train_op = tf.group(train, accuracy_update, loss_update, name="train_op")
+    xs = _images(rng, [10])
+    return Built({"x": xs, "y": _teacher_classes(rng, xs, 3)}, [train_op], [loss])
+
+
 @recipe(note="TF1 'Deep MNIST for Experts' style: unnamed placeholders, "
              "tf.Variable(tf.truncated_normal(...)) as TF1 made them (reference variables, "
              "VariableV2, via variable_scope(use_resource=False)), conv2d + max_pool + "

@@ -254,6 +254,11 @@ class Runner:
             if self.saver is None:  # no saver_def: save the global variables by op name
                 self.saver = tf1.train.Saver(allow_empty=True)
             self.variables = tf1.global_variables()
+            # what a TF1 training loop (tf.train.Scaffold) runs after initializing or restoring
+            # the global variables: metrics keep their totals in local variables, feature
+            # columns their vocabularies in tables, and no checkpoint holds either
+            self.local_init_op = tf.group(tf1.local_variables_initializer(),
+                                          tf1.tables_initializer())
             if self.variables:
                 self.init_op = tf1.global_variables_initializer()
             else:  # no variable collections (a bare GraphDef): run the initializers found
@@ -283,12 +288,15 @@ class Runner:
 
     def initialize(self):
         self.session.run(self.init_op)
+        self.session.run(self.local_init_op)
 
     def restore(self, prefix: str):
-        """Restore a checkpoint prefix, or the latest checkpoint of a directory."""
+        """Restore a checkpoint prefix, or the latest checkpoint of a directory, after
+        initializing, as a TF1 loop does (a Saver of some variables restores only those)."""
         import os
 
         import tensorflow as tf
+        self.session.run(self.init_op)
         if os.path.isdir(prefix):
             latest = tf.train.latest_checkpoint(prefix)
             if latest is None:
@@ -299,9 +307,17 @@ class Runner:
                 self.saver.restore(self.session, prefix)
         except (ValueError, tf.errors.OpError) as e:
             raise GraphxformError(f"cannot restore checkpoint {prefix}: {tf_error_line(e)}") from None
+        self.session.run(self.local_init_op)
 
     def save(self, prefix: str) -> str:
+        """Save to ``prefix``, making its directory first (a sharded Saver would not)."""
+        import os
+
         import tensorflow as tf
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
+        except OSError as e:
+            raise GraphxformError(f"cannot save checkpoint {prefix}: {e.strerror}") from None
         try:
             with self.graph.as_default():
                 return self.saver.save(self.session, prefix, write_meta_graph=False)
