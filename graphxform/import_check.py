@@ -287,12 +287,6 @@ def _check_colocation(ir: GraphIR) -> None:
                    [replica.prefix + node for k in rest for node in copied[k]])
 
 
-# the collections import_meta_graph reads as VariableDefs (graphxform.passes.replicate)
-_VARIABLE_DEF_COLLECTIONS = ("variables", "trainable_variables", "local_variables",
-                             "model_variables", "moving_average_variables", "global_step",
-                             "metric_variables")
-
-
 def _check_collections(ir: GraphIR) -> None:
     """Every name a collection holds resolves as ``import_meta_graph`` resolves it: a node
     list's values are ops or existing output ports; a variable collection's VariableDefs name
@@ -302,7 +296,7 @@ def _check_collections(ir: GraphIR) -> None:
     from tensorflow.core.protobuf import queue_runner_pb2
 
     from graphxform import opdefs
-    from graphxform.training import VARIABLE_OPS
+    from graphxform.training import VARIABLE_DEF_COLLECTIONS, VARIABLE_OPS
     node_table = ir.g._node
 
     def resolve(key: str, name: str, variable: bool = False) -> None:
@@ -324,7 +318,7 @@ def _check_collections(ir: GraphIR) -> None:
         if col.HasField("node_list"):
             for value in col.node_list.value:
                 resolve(key, value)
-        elif key in _VARIABLE_DEF_COLLECTIONS and col.HasField("bytes_list"):
+        elif key in VARIABLE_DEF_COLLECTIONS and col.HasField("bytes_list"):
             for raw in col.bytes_list.value:
                 vd = variable_pb2.VariableDef.FromString(raw)
                 resolve(key, vd.variable_name, variable=True)

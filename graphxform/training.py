@@ -24,6 +24,11 @@ from graphxform.ir import GraphIR, parse_tensor, tensor_name
 
 VARIABLE_OPS = {"VarHandleOp", "VariableV2", "Variable"}
 PLACEHOLDER_OPS = {"Placeholder", "PlaceholderWithDefault"}
+# the collections whose values import_meta_graph reads as VariableDefs (tf.compat.v1.metrics
+# keeps its totals and counts in metric_variables)
+VARIABLE_DEF_COLLECTIONS = ("variables", "trainable_variables", "local_variables",
+                            "model_variables", "moving_average_variables", "global_step",
+                            "metric_variables")
 APPLY_PREFIXES = ("ApplyGradientDescent", "Apply", "ResourceApply", "SparseApply",
                   "ResourceSparseApply")
 RANDOM_OPS = {"RandomUniform", "RandomUniformInt", "RandomStandardNormal", "TruncatedNormal",

@@ -444,7 +444,7 @@ def _numpy(dtype_enum):
 def _update_variable_defs(ir, state) -> None:
     """Variable collections list the shards in place of the variables they split."""
     from tensorflow.core.framework import variable_pb2
-    from graphxform.passes.replicate import VARIABLE_DEF_COLLECTIONS
+    from graphxform.training import VARIABLE_DEF_COLLECTIONS
     for key in VARIABLE_DEF_COLLECTIONS:
         if key not in ir.meta.collection_def:
             continue

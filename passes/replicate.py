@@ -24,13 +24,8 @@ from graphxform.errors import GraphxformError
 from graphxform.ir import tensor_name
 from graphxform.nodes import replica_prefix
 from graphxform.pipeline import Pass, PassResult
-from graphxform.training import PLACEHOLDER_OPS
+from graphxform.training import PLACEHOLDER_OPS, VARIABLE_DEF_COLLECTIONS
 
-# the collections whose values import_meta_graph reads as VariableDefs (tf.compat.v1.metrics
-# keeps its totals and counts in metric_variables)
-VARIABLE_DEF_COLLECTIONS = ("variables", "trainable_variables", "local_variables",
-                            "model_variables", "moving_average_variables", "global_step",
-                            "metric_variables")
 CONTEXT_COLLECTIONS = ("while_context", "cond_context")
 
 
