@@ -23,7 +23,7 @@ from graphxform.ir import GraphIR, parse_tensor
 from graphxform.nodes import replica_prefix
 from graphxform.replica_spread import ReplicaSpread
 from graphxform.training import (VARIABLE_OPS, TrainingGraph, consumers_through_switches,
-                                 is_mutating_op)
+                                 is_mutating_op, tape_gradients)
 
 
 
@@ -126,6 +126,13 @@ def _check_losses_are_means(ir: GraphIR, tg: TrainingGraph) -> None:
     prefix = replica_prefix(0)
     for step in tg.steps:
         if not step.loss:
+            taped = tape_gradients(tg.variables, step.closure)
+            if taped:
+                raise ContractError(
+                    f"step '{step.name}' applies gradients a tf.GradientTape made (of "
+                    f"'{taped[0]}'), of a loss that cannot be found, so averaging them across "
+                    "replicas cannot be shown right (it is for a mean over the batch): list "
+                    "the loss with tf.compat.v1.add_to_collection('losses', loss)")
             continue
         node, port = parse_tensor(step.loss)
         copy = prefix + node

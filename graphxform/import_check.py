@@ -239,10 +239,19 @@ def _outputs(graph, c_op) -> list:
             value = None
         found.append((int(c_api.TF_OperationOutputType(output)),
                       None if tensor.shape.rank is None else tensor.shape.as_list(),
-                      c_api.GetHandleShapeAndType(graph, output),
-                      None if value is None else (value.dtype.str, value.shape,
-                                                  value.tobytes())))
+                      c_api.GetHandleShapeAndType(graph, output), _comparable(value)))
     return found
+
+
+def _comparable(value):
+    """A folded constant as something ``==`` compares by value: an array of numbers by its
+    bytes; strings (a scalar comes back as bytes, an array of them holds objects) as lists."""
+    import numpy as np
+    if value is None:
+        return None
+    if isinstance(value, np.ndarray) and value.dtype != object:
+        return value.dtype.str, value.shape, value.tobytes()
+    return "strings", np.shape(value), np.asarray(value, dtype=object).tolist()
 
 
 def _check_devices(devices) -> None:

@@ -50,7 +50,9 @@ classified first. (merge-fetches then serves a loss that is not shown to be a me
 batch norm, as the mean anyway: that is what the averaged gradients train.) User overrides (the
 strategies' ``fetch_mean`` and ``fetch_concat``) take precedence over everything.
 
-Only static facts are read: op types, attrs, the values of Const inputs (axes, shapes,
+A constant split-inputs rewrote from the global batch to the slice (a shape, size or divisor TF
+folded from a fixed batch) has the class its ``REBATCHED_ATTR`` names. Only static facts are
+read: op types, attrs, the values of Const inputs (axes, shapes,
 permutations) and ranks carried forward from placeholders, variables and constants; what a rule
 cannot see (an unknown rank beside a negative axis, axes that are not constants) makes the
 result unknown. Classes flow in one sweep over replica 0's copies and the shared and pass-made
@@ -76,6 +78,9 @@ from graphxform.training import RANDOM_OPS, VARIABLE_OPS, is_mutating_op
 IDENTICAL, SAME, BATCH, BATCH_FILL, MEAN, SUM, COUNT, BATCH_SHAPE, UNKNOWN = (
     "identical", "same", "batch", "batch_fill", "mean", "sum", "count", "batch_shape", "unknown")
 BATCHED = frozenset({BATCH, BATCH_FILL})
+# on a constant split-inputs rewrote from the global batch's value to the slice's (a folded
+# shape, size or mean divisor): the class it stands for (batch_shape, count, batch_fill)
+REBATCHED_ATTR = "_graphxform_batch_class"
 LINEAR = frozenset({MEAN, SUM, COUNT})  # merged by averaging or summing; linear ops keep them
 
 _REPLICA = re.compile(r"(?:^|/)(replica_\d+/)")  # a replica's node: a replica_<i> component
@@ -244,9 +249,13 @@ class _Sweep:
         if self._owner(name) is None or name in self.single:
             classes[name] = _shared_classes(data, op, identical)
             return
-        if op == "Const" and not name.startswith(self.prefix):
-            classes[name] = self._made_constant(name)
-            return
+        if op == "Const":
+            if not name.startswith(self.prefix):
+                classes[name] = self._made_constant(name)
+                return
+            if REBATCHED_ATTR in data["attr"] and name not in self.overridden:
+                classes[name] = (data["attr"][REBATCHED_ATTR].s.decode(),)
+                return
         if effect and is_mutating_op(op):
             self.writes.append(name)
         if name not in self.overridden:

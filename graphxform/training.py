@@ -18,7 +18,7 @@ import dataclasses
 import functools
 import re
 
-from graphxform import opdefs
+from graphxform import input_pipeline, opdefs
 from graphxform.errors import GraphxformError
 from graphxform.ir import GraphIR, parse_tensor, tensor_name
 
@@ -37,7 +37,9 @@ RANDOM_OPS = {"RandomUniform", "RandomUniformInt", "RandomStandardNormal", "Trun
               "StatelessRandomUniformV2", "StatelessRandomNormalV2", "RandomShuffleQueueV2"}
 GRADIENT_ARGS = ("grad", "delta", "indices")  # input args of Apply ops that carry the gradient
 REPLICA_SCOPE = re.compile(r"^replica_\d+/")
-GRADIENTS_SCOPE = re.compile(r"^(?:.*/)?gradients(?:_\d+)?/")
+# tf.gradients' scope, or that of tf.GradientTape.gradient in graph mode
+GRADIENTS_SCOPE = re.compile(r"^(?:.*/)?(?:gradients|gradient_tape)(?:_\d+)?/")
+TAPE_SCOPE = re.compile(r"gradient_tape(?:_\d+)?/$")
 _INT_TYPES = {3, 9, 4, 6, 5, 17, 22, 23}  # int32 int64 uint8 int8 int16 uint16 uint32 uint64
 
 
@@ -173,6 +175,8 @@ class TrainingGraph:
     # checkpoint key -> (variable or None, slice spec) the input's Saver writes; None: the
     # graph has no Saver of SaveV2 ops (TF's default Saver keys the global variables by name)
     saved: dict | None = None
+    # the tf.data iterator or input queue the steps read (graphxform/input_pipeline.py)
+    pipeline: object = None
 
     def require_train_op(self, what: str = "this pass") -> str:
         if self.train_op is None:
@@ -227,13 +231,14 @@ def analyze(ir: GraphIR, train_op=None) -> TrainingGraph:
     losses = list(dict.fromkeys([s.loss for s in steps if s.loss] + _losses(ir)))
     sinks = [n for n in noops if not any(ir.successors(n))
              and not (saver_scope and n.startswith(saver_scope))]
-    inputs = _inputs(ir, placeholders, saver_scope, steps)
+    pipeline = input_pipeline.find(ir, closure)
+    inputs = _inputs(ir, placeholders, saver_scope, steps, whole=pipeline.nodes)
     return TrainingGraph(variables=variables, inputs=inputs, train_op=train_op,
                          loss=losses[0] if losses else None, losses=losses,
                          global_step=global_step, optimizer=optimizer, saver_scope=saver_scope,
                          saved=_saved_by_saver(ir, saver_scope),
                          train_closure=closure, extra_updates=extra, noop_sinks=sinks,
-                         steps=steps)
+                         steps=steps, pipeline=pipeline)
 
 
 def find_steps(ir: GraphIR, given=None) -> list[str]:
@@ -296,8 +301,8 @@ def _collection_values(ir: GraphIR, key: str) -> list[str]:
 
 
 def gradient_scope(name: str) -> str | None:
-    """The gradients scope ``name`` lies in ('gradients/', 'gradients_1/', 'opt/gradients/'),
-    or None."""
+    """The gradients scope ``name`` lies in ('gradients/', 'gradients_1/', 'opt/gradients/',
+    a GradientTape's 'gradient_tape/'), or None."""
     match = GRADIENTS_SCOPE.match(name)
     return match.group(0) if match else None
 
@@ -331,7 +336,20 @@ def _step_loss(ir: GraphIR, step: str, closure: set, variables: dict) -> str | N
             loss = _unscaled(ir, _climb_identities(ir, loss))
             merged = REPLICA_SCOPE.sub("", loss)  # a transformed graph: the merged fetch
             return tensor_name(merged if merged in ir else loss, 0)
+    if scopes and all(TAPE_SCOPE.search(scope) for scope in scopes):
+        # a GradientTape names its gradients after no forward op: the loss is what the graph
+        # lists as one (tf.compat.v1.losses adds its losses to the 'losses' collection)
+        listed = [name for name in _losses(ir) if parse_tensor(name)[0] in ir]
+        return listed[0] if len(listed) == 1 else None
     return None
+
+
+def tape_gradients(variables: dict, closure: set) -> list[str]:
+    """The variables (updated in ``closure``) whose gradients a GradientTape made."""
+    return sorted(v.name for v in variables.values()
+                  if v.gradient and v.updates and v.updates[0] in closure
+                  and any(TAPE_SCOPE.search(gradient_scope(parse_tensor(t)[0]) or "")
+                          for t in v.gradient.tensors))
 
 
 def _common_consumer(ir: GraphIR, ops: list[str]) -> str | None:
@@ -604,8 +622,9 @@ def _global_step(ir, variables) -> str | None:
     return "global_step" if "global_step" in variables else None
 
 
-def _inputs(ir, placeholders, saver_scope, steps=()) -> list[Input]:
-    """The placeholders the user feeds, with the batch rule of ``Input``."""
+def _inputs(ir, placeholders, saver_scope, steps=(), whole=frozenset()) -> list[Input]:
+    """The placeholders the user feeds, with the batch rule of ``Input``; those in ``whole``
+    (an input pipeline's own: its file names) are fed whole."""
     read = _read_by_steps(ir, steps)
     found = []
     for name in placeholders:
@@ -618,10 +637,12 @@ def _inputs(ir, placeholders, saver_scope, steps=()) -> list[Input]:
         found.append(Input(name, attr["dtype"].type, shape, batched=bool(shape) and shape[0] == -1,
                            has_default=ir.op(name) == "PlaceholderWithDefault",
                            read_by_step=read is None or name in read))
-    leading = {i.shape[0] for i in found if i.read_by_step and i.shape}
+    leading = {i.shape[0] for i in found if i.read_by_step and i.shape and i.name not in whole}
     if len(leading) == 1 and min(leading) > 0:  # one fixed size shared by all: the batch
         for inp in found:
             inp.batched = inp.read_by_step and bool(inp.shape) and inp.shape[0] in leading
+    for inp in found:
+        inp.batched = inp.batched and inp.name not in whole
     return found
 
 

@@ -120,7 +120,8 @@ def _slice_constants(ir, copies: list, tg, replicas: int) -> dict:
     mean's divisor, zeros of the batch's shape), and split-inputs makes each replica's say the
     slice's size: they are neither identical to the single-device value nor a known merge.
     Every numeric constant with a multiple of the slice's size among its values or as its
-    leading dimension counts (a few innocent ones are only served as unknown)."""
+    leading dimension counts (a few innocent ones are only served as unknown), but those
+    split-inputs rewrote, which say what they hold."""
     sizes = {i.fixed_batch for i in tg.inputs if i.fixed_batch}
     if not sizes or replicas < 2:
         return {}
@@ -131,6 +132,8 @@ def _slice_constants(ir, copies: list, tg, replicas: int) -> dict:
     for name in copies:
         if node_table[name]["op"] != "Const":
             continue
+        if replica_values.REBATCHED_ATTR in ir.attrs(name):
+            continue  # split-inputs says what it holds
         tensor = ir.attrs(name)["value"].tensor
         dims = [d.size for d in tensor.tensor_shape.dim]
         if tensor.dtype not in _REALS:

@@ -1,7 +1,8 @@
 """replicate: copy the training step once per replica as `replica_{i}/...` on its device.
 
 Each replica gets its own copy of every variable and slot. Shared by all replicas, under their
-original names: the input placeholders (split-inputs slices them) and global_step with the ops
+original names: the input placeholders and the input pipeline the step reads, a tf.data
+iterator or an input queue (split-inputs slices their batches), and global_step with the ops
 that only serve it (its initializer, reads and the once-per-step increment), plus whatever
 `share-variables` chose to keep single. A shared op that waited on a replicated op now waits on
 every replica's copy. A shared op that reads a replicated tensor (an update op reading a
@@ -30,8 +31,11 @@ CONTEXT_COLLECTIONS = ("while_context", "cond_context")
 
 
 def shared_nodes(ir, tg, with_global_step: bool = True) -> set:
-    """Nodes that stay single: placeholders, global_step and what only serves it."""
+    """Nodes that stay single: placeholders, the input pipeline the steps read
+    (graphxform/input_pipeline.py), global_step and what only serves it."""
     shared = set(ir.nodes_of(PLACEHOLDER_OPS))
+    if tg.pipeline:
+        shared |= tg.pipeline.nodes
     if tg.global_step and with_global_step:
         shared.add(tg.global_step)
         users = list(ir.consumers(tg.global_step))
@@ -69,6 +73,8 @@ class Replicate(Pass):
         if ir.has_scope("replica_0/"):
             raise GraphxformError("the graph is already transformed (it has nodes under "
                                   "replica_0/); start from the single-device graph")
+        if tg.pipeline:
+            tg.pipeline.require_single()
         shared = kept_single(ir, ctx, self.mirror_global_step)
         sync = ctx.state.get("sync-init", {"first_only": set(), "redirect": [],
                                            "initial_values": set()})

@@ -85,6 +85,7 @@ class ShareVariables(Pass):
                                   "aggregate on ps tasks")
         placement = ctx.state.get("place-variables", {}).get("devices", {})
         batched = [i.name for i in tg.inputs if i.batched]
+        batched += [r.node for r in (tg.pipeline.reads if tg.pipeline else ()) if r.batched]
         per_example = _descendants(ir, batched)
         born = {parse_tensor(t)[0] for p in points for t in p.gradient.tensors}
         region = update_region(ir, [s.op for s in tg.steps], born)

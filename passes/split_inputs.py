@@ -1,5 +1,6 @@
 """split-inputs: the original placeholders stay the entry point; replica i gets the i-th even
-slice of the global batch along axis 0.
+slice of the global batch along axis 0. So does each batch an input pipeline in the graph
+reads (a tf.data iterator's, an input queue's: graphxform/input_pipeline.py).
 
 Inputs with a fixed batch dimension (``training.Input``'s rule) are split too; a fixed size that
 does not divide by the number of replicas is refused here, naming the input. TensorFlow folded
@@ -17,7 +18,7 @@ import re
 
 import numpy as np
 
-from graphxform import opdefs, training
+from graphxform import opdefs, replica_values, training
 from graphxform.errors import GraphxformError
 from graphxform.nodes import Builder, replica_prefix, tensor_proto
 from graphxform.pipeline import Pass, PassResult
@@ -35,34 +36,58 @@ class SplitInputs(Pass):
     def run(self, ir, ctx):
         build = Builder(ir, self.name)
         replicas = len(ctx.devices)
-        split = []
-        for inp in ctx.training.inputs:
-            if not inp.batched or not ir.consumers(inp.name):
-                continue
-            _check_divides(inp, replicas)
-            scope = f"{SCOPE}{inp.name}/"
+        split, splits, fixed = [], [], []
+        for tensor, scope, dtype, batch in _batches(ir, ctx.training):
+            name = tensor[:-2] if tensor.endswith(":0") else tensor
+            if batch and batch % replicas:
+                raise GraphxformError(f"input '{name}' has a fixed batch of {batch}, which "
+                                      f"does not divide evenly across {replicas} replicas")
             axis = build.const(scope + "axis", 0, np.int32)
-            node = build.op(scope + "split", "Split", [axis, inp.name], num_split=replicas,
-                            T=inp.dtype)
+            node = build.op(scope + "split", "Split", [axis, tensor], num_split=replicas,
+                            T=dtype)
             for i in range(replicas):
                 prefix = replica_prefix(i)
-                ir.replace_all_uses_with(f"{inp.name}:0", f"{node}:{i}",
+                ir.replace_all_uses_with(tensor, f"{node}:{i}",
                                          where=lambda n, p=prefix: n.startswith(p))
-            split.append(inp.name)
-        fixed = [i.fixed_batch for i in ctx.training.inputs if i.name in split and i.fixed_batch]
+            split.append(name)
+            splits.append(node)
+            fixed += [batch] if batch else []
         rebatched = []
         if fixed:
-            splits = [f"{SCOPE}{name}/split" for name in split]
             rebatched = rebatch_constants(ir, build, splits, fixed[0], replicas)
             _forget_recorded_shapes(ir, splits + rebatched)
         return PassResult(modified=bool(split),
                           summary={"inputs": split, "rebatched_constants": len(rebatched)})
 
 
-def _check_divides(inp, replicas: int) -> None:
-    if inp.fixed_batch and inp.fixed_batch % replicas:
-        raise GraphxformError(f"input '{inp.name}' has a fixed batch of {inp.fixed_batch}, "
-                              f"which does not divide evenly across {replicas} replicas")
+def _batches(ir, tg):
+    """(tensor, split scope, dtype, fixed batch size or None) of every batch the replicas
+    read: the batched placeholders, and the batched outputs of the input pipeline's reads
+    (graphxform/input_pipeline.py), which replicate kept single."""
+    for inp in tg.inputs:
+        if inp.batched and ir.consumers(inp.name):
+            yield f"{inp.name}:0", f"{SCOPE}{inp.name}/", inp.dtype, inp.fixed_batch
+    for read in (tg.pipeline.reads if tg.pipeline else ()):
+        for port in read.batched:
+            if ir.consumers(read.node, port):
+                yield (f"{read.node}:{port}", f"{SCOPE}{read.node}/output_{port}/",
+                       opdefs.output_dtype(ir, read.node, port), read.fixed_batch)
+
+
+_SPLIT_NODE = re.compile(r"split_inputs/(.+?)(?:/output_(\d+))?/split\b")
+
+
+def uneven_batch(error_text: str) -> str | None:
+    """One line for a run that failed in a split of this pass (a batch that does not divide
+    across the replicas); None when it failed elsewhere."""
+    match = _SPLIT_NODE.search(error_text)
+    if not match:
+        return None
+    if match.group(2) is None:
+        return f"the batch for input '{match.group(1)}' does not divide evenly across replicas"
+    return (f"the batch that '{match.group(1)}' read (output {match.group(2)}) does not divide "
+            "evenly across replicas (a dataset's last, smaller batch? batch it with "
+            "drop_remainder=True)")
 
 
 def rebatch_constants(ir, build, splits: list[str], batch: int, replicas: int) -> list[str]:
@@ -72,8 +97,11 @@ def rebatch_constants(ir, build, splits: list[str], batch: int, replicas: int) -
     rest: integer shapes whose leading entry is the batch (``Shape``, ``shape_as_tensor``, a
     Mean gradient's Tile multiples, a Reshape of the batch to it), ``Size`` scalars that are a
     multiple of it, a Mean gradient's divisor where that Mean averages over axis 0, and filled
-    tensors (``zeros_like`` of a batch) whose leading dimension is the batch. Returns the nodes
-    now computed differently."""
+    tensors (``zeros_like`` of a batch) whose leading dimension is the batch. Each rewritten
+    constant says what it now holds in ``replica_values.REBATCHED_ATTR`` (the batch's shape, a
+    count, a batch of one value), so that the graph's readers classify it as what it stands
+    for, not as a constant (a loss's divisor is then a count, and the loss a mean). Returns the
+    nodes now computed differently."""
     from_batch = ir.data_descendants(splits)
     changed = []
     for name in ir.nodes_of({"Const"}):
@@ -84,22 +112,27 @@ def rebatch_constants(ir, build, splits: list[str], batch: int, replicas: int) -
         if live is not None:
             changed.append(_make_live(ir, build, name, *live))
             continue
+        if _live_shape(ir, name, value, from_batch, of_batch=False) is not None:
+            continue  # the shape of a weight as wide as the batch is long
         new = _rebatched(ir, name, value, batch, replicas, from_batch)
         if new is not None:
-            ir.node(name)["attr"]["value"].tensor.CopyFrom(tensor_proto(new))
+            attrs = ir.node(name)["attr"]
+            attrs["value"].tensor.CopyFrom(tensor_proto(new[0]))
+            attrs[replica_values.REBATCHED_ATTR].s = new[1].encode()
             changed.append(name)
     return changed
 
 
-def _live_shape(ir, name: str, value, from_batch: set):
+def _live_shape(ir, name: str, value, from_batch: set, of_batch: bool = True):
     """("Shape" or "Size", tensor) when ``name``, in a gradient scope, equals the recorded
-    static shape (size) of an input of its forward op that is computed from the batch."""
+    static shape (size) of an input of its forward op that is computed from the batch (with
+    ``of_batch=False``: that is not, such as a bias added to a batch)."""
     forward = _forward_op(ir, name)
     if forward is None or value is None or value.dtype.kind not in "iu" or value.ndim > 1:
         return None
     for port, (src, src_port) in enumerate(ir.inputs(forward)):
         shape = _recorded_shape(ir, src, src_port)
-        if src not in from_batch or shape is None:
+        if (src in from_batch) != of_batch or shape is None:
             continue
         if value.ndim == 1 and value.tolist() == shape:
             return "Shape", src, src_port
@@ -136,8 +169,8 @@ def _recorded_shape(ir, node: str, port: int) -> list | None:
     the placeholder's, the global batch, which is what TF folded)."""
     attrs = ir.attrs(node)
     if node.startswith(SCOPE) and ir.op(node) == "Split":
-        shape = ir.attrs(ir.input(node, 1)[0])["shape"].shape
-    elif "_output_shapes" in attrs and port < len(attrs["_output_shapes"].list.shape):
+        return _batch_shape(ir, *ir.input(node, 1))
+    if "_output_shapes" in attrs and port < len(attrs["_output_shapes"].list.shape):
         shape = attrs["_output_shapes"].list.shape[port]
     else:
         return None
@@ -146,22 +179,46 @@ def _recorded_shape(ir, node: str, port: int) -> list | None:
 
 
 def _rebatched(ir, name: str, value, batch: int, replicas: int, from_batch: set):
-    """``value`` as the slice would have it, or None when it is not folded from the batch."""
+    """(``value`` as the slice would have it, its class in graphxform.replica_values), or None
+    when it is not folded from the batch."""
     if value is None or value.dtype.kind not in "iufb":
         return None
-    if value.ndim >= 1 and value.shape[0] == batch > 1 and (value == value.flat[0]).all():
-        return np.full((batch // replicas,) + value.shape[1:], value.flat[0], value.dtype)
+    if (value.ndim >= 1 and value.shape[0] == batch > 1 and (value == value.flat[0]).all()
+            and not _initial_value(ir, name)):
+        return (np.full((batch // replicas,) + value.shape[1:], value.flat[0], value.dtype),
+                replica_values.BATCH_FILL)
     leaf = name.rsplit("/", 1)[-1]
     if value.dtype.kind in "iu":
         if value.ndim == 1 and value.size and value[0] == batch and (
                 FOLDED_SHAPE.match(leaf) or _reshapes_the_batch(ir, name, from_batch)):
-            return np.concatenate([[batch // replicas], value[1:]]).astype(value.dtype)
+            return (np.concatenate([[batch // replicas], value[1:]]).astype(value.dtype),
+                    replica_values.BATCH_SHAPE)
         if value.ndim == 0 and value % batch == 0 and value and FOLDED_SIZE.match(leaf):
-            return np.asarray(value // replicas, dtype=value.dtype)
+            return np.asarray(value // replicas, dtype=value.dtype), replica_values.COUNT
         return None
     if value.ndim == 0 and value and value % batch == 0 and _mean_over_batch(ir, name):
-        return np.asarray(value / replicas, dtype=value.dtype)
+        return np.asarray(value / replicas, dtype=value.dtype), replica_values.COUNT
     return None
+
+
+def _initial_value(ir, name: str) -> bool:
+    """Whether ``name`` sets a variable (a bias initialised to zeros as wide as the batch
+    is long): under a variable's ``Initializer`` scope, or written into one."""
+    return "/Initializer/" in name or any(training.is_mutating_op(ir.op(dst))
+                                          for dst, _ in ir.consumers(name))
+
+
+def _batch_shape(ir, node: str, port: int) -> list | None:
+    """The static shape of a split batch: a placeholder's, or an iterator's output's."""
+    attrs = ir.attrs(node)
+    if "shape" in attrs:
+        shape = attrs["shape"].shape
+    elif "output_shapes" in attrs and port < len(attrs["output_shapes"].list.shape):
+        shape = attrs["output_shapes"].list.shape[port]
+    else:
+        return None
+    dims = [d.size for d in shape.dim]
+    return None if shape.unknown_rank or any(d < 0 for d in dims) else dims
 
 
 def _reshapes_the_batch(ir, name: str, from_batch: set) -> bool:

@@ -17,6 +17,7 @@ from graphxform import metagraph, training
 from graphxform.cluster import Cluster
 from graphxform.plan import CLUSTER_COLLECTION, ClusterPlan
 from graphxform.runtime import faults, servers
+from graphxform.passes.split_inputs import uneven_batch
 from graphxform.runtime.local import import_meta_graph
 from graphxform.runtime.servers import describe
 from graphxform.errors import GraphxformError, tf_error_line
@@ -304,9 +305,9 @@ class TaskRunner:
                 return (f"{self.name}: {what} failed on "
                         f"{describe(self.cluster, remote.group(1), int(remote.group(2)))}: "
                         f"{text}")
-        match = re.search(r"split_inputs/([^/]+)/split", str(error))
-        if match:
-            return f"the batch for input '{match.group(1)}' does not divide evenly across replicas"
+        uneven = uneven_batch(str(error))
+        if uneven:
+            return uneven
         return f"{self.name}: {what} failed: {text}"
 
     # ---------------------------------------------------------------- checkpoints

@@ -1,0 +1,146 @@
+"""Input pipelines inside the graph: a tf.data iterator's `IteratorGetNext`, or a TF1 input
+queue's batch dequeue (`tf.compat.v1.train.batch`, `shuffle_batch`), read by the training step.
+
+Such a read takes the next batch each time the step runs. Copied once per replica, as the rest
+of the step is, every replica would take a batch of its own: the same batch R times over (a
+seeded or unshuffled pipeline: R times the work to train on one batch) or R different batches
+(an unseeded shuffle: R batches per step, which is not what one device trains on). So the
+pipeline stays single, like a placeholder: replicate keeps it, each step reads one batch as the
+single-device step does, and split-inputs hands replica i the i-th slice of each batched
+output.
+
+The pipeline is the reads and everything they depend on, plus what uses their queues and
+iterators without reading the step's batch (enqueue and close ops that queue runners run,
+`MakeIterator` of an initializable iterator, queue sizes), and what those depend on; and the
+graph's dataset ops with theirs (a one-shot iterator builds its dataset in a function, and
+the graph keeps an unused copy of it)."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from graphxform.errors import GraphxformError
+
+# reads that take a batch: every output's axis 0 is the batch (iterators: see _batched_ports)
+BATCH_READ_OPS = {"IteratorGetNext", "IteratorGetNextSync", "QueueDequeueManyV2",
+                  "QueueDequeueUpToV2", "QueueDequeueMany", "QueueDequeueUpTo"}
+# reads of one element: every replica reads the element whole
+ELEMENT_READ_OPS = {"QueueDequeueV2", "QueueDequeue"}
+READ_OPS = BATCH_READ_OPS | ELEMENT_READ_OPS
+# ops that use a queue or iterator for the pipeline's own running, not the step's batch
+_USER_PREFIXES = ("QueueEnqueue", "QueueClose", "QueueSize", "QueueIsClosed", "MakeIterator",
+                  "IteratorToStringHandle", "DeserializeIterator")
+_DATASET_OP = re.compile(r"Dataset(V\d+)?$")
+_VARIABLE_OPS = {"VarHandleOp", "VariableV2", "Variable"}
+
+
+@dataclasses.dataclass
+class Read:
+    """One read of the pipeline by the step: ``node``, the output ports that hold a batch
+    (split across replicas) and the batch size when the graph fixes it."""
+    node: str
+    op: str
+    batched: list
+    fixed_batch: int | None = None
+
+
+@dataclasses.dataclass
+class InputPipeline:
+    reads: list  # Read, in graph order
+    nodes: set  # the pipeline: kept single by replicate
+    variables: list = dataclasses.field(default_factory=list)  # it holds (epoch counters)
+
+    def __bool__(self) -> bool:
+        return bool(self.reads)
+
+    def require_single(self) -> None:
+        """Refuse a pipeline that cannot be kept single: one holding a variable (an epoch
+        counter, as num_epochs makes), whose initializer and reads replicate would copy."""
+        if self.variables:
+            raise GraphxformError(
+                f"variable '{self.variables[0]}' (num_epochs' counter) is in the input "
+                "pipeline, which replicas share: not supported yet; drop num_epochs")
+
+
+def find(ir, step_closure: set) -> InputPipeline:
+    """The input pipeline the training step reads (empty when it reads none). In a graph
+    graphxform wrote, the queues its passes made (workers' tokens) are not input."""
+    node_table = ir.g._node
+    reads = [n for n in step_closure if node_table[n]["op"] in READ_OPS
+             and not node_table[n]["created_by"]]  # not the token queues of ps, model-average
+    if not reads:
+        return InputPipeline([], set())
+    order = {name: k for k, name in enumerate(ir.g)}
+    reads.sort(key=order.__getitem__)
+    datasets = [n for n, data in ir.node_items() if _DATASET_OP.search(data["op"])]
+    nodes = _pipeline_nodes(ir, reads + datasets)
+    held = sorted(n for n in nodes if node_table[n]["op"] in _VARIABLE_OPS)
+    return InputPipeline([_read(ir, name) for name in reads], nodes, held)
+
+
+def _pipeline_nodes(ir, reads: list) -> set:
+    """The reads (and dataset ops), their ancestors, and the users of queues and iterators among them (with
+    their ancestors), to a fixed point."""
+    pred, succ, node_table = ir.g._pred, ir.g._succ, ir.g._node
+    found, stack = set(), list(reads)
+    while stack:
+        name = stack.pop()
+        if name in found:
+            continue
+        found.add(name)
+        stack.extend(pred[name])
+        for user in succ[name]:
+            if user not in found and node_table[user]["op"].startswith(_USER_PREFIXES):
+                stack.append(user)
+    return found
+
+
+def _read(ir, name: str) -> Read:
+    op = ir.g._node[name]["op"]
+    count = _output_count(ir, name)
+    if op in ELEMENT_READ_OPS:
+        return Read(name, op, [])
+    if op.startswith("Iterator"):
+        ports, fixed = _batched_ports(_iterator_shapes(ir, name))
+        return Read(name, op, ports, fixed)
+    fixed = None
+    if op.startswith("QueueDequeueMany"):  # n elements exactly: the batch size, if constant
+        fixed = _const_int(ir, ir.input(name, 1)[0])
+    return Read(name, op, list(range(count)), fixed)
+
+
+def _output_count(ir, name: str) -> int:
+    attrs = ir.attrs(name)
+    for key in ("output_types", "component_types"):
+        if key in attrs:
+            return len(attrs[key].list.type)
+    return 0
+
+
+def _iterator_shapes(ir, name: str) -> list:
+    """Each output's shape as a list of dims (-1 unknown), or None for an unknown rank."""
+    attrs = ir.attrs(name)
+    shapes = attrs["output_shapes"].list.shape if "output_shapes" in attrs else []
+    found = [None if s.unknown_rank else [d.size for d in s.dim] for s in shapes]
+    return found + [None] * (_output_count(ir, name) - len(found))
+
+
+def _batched_ports(shapes: list) -> tuple[list, int | None]:
+    """The ports of a batch, by ``training.Input``'s rule: a leading unknown dimension is the
+    batch; fixed leading dimensions are, when every output of rank >= 1 has the same one
+    (a dataset batched with drop_remainder), which is then the batch size. Scalars and
+    unknown ranks are read whole by every replica."""
+    ranked = [(port, shape) for port, shape in enumerate(shapes) if shape]
+    leading = {shape[0] for _, shape in ranked}
+    if len(leading) == 1 and min(leading) > 0:
+        return [port for port, _ in ranked], min(leading)
+    return [port for port, shape in ranked if shape[0] < 0], None
+
+
+def _const_int(ir, name: str) -> int | None:
+    if ir.op(name) != "Const":
+        return None
+    from tensorflow.python.framework import tensor_util
+    value = tensor_util.MakeNdarray(ir.attrs(name)["value"].tensor)
+    return int(value) if value.ndim == 0 else None
