@@ -156,7 +156,38 @@ def mismatch_reasons(ir: GraphIR, tg: training.TrainingGraph, synced_batch_norm=
                        f"different numbers in every session, so they cannot match even on one "
                        f"device ({_some(unseeded)}); set a graph seed "
                        "(tf.compat.v1.set_random_seed) and use --consistent-random")
+    shuffles = _unseeded_shuffles(ir, tg)
+    if shuffles:
+        reasons.append("the input pipeline shuffles without a seed "
+                       f"({_some(shuffles)}): every session reads the examples in another "
+                       "order, even on one device; set a graph seed "
+                       "(tf.compat.v1.set_random_seed) or the shuffle's own")
     return reasons
+
+
+def _unseeded_shuffles(ir: GraphIR, tg) -> list[str]:
+    """The input pipeline's shuffles with seed = seed2 = 0 (tf.data passes them as inputs,
+    queues as attrs): TF draws a fresh seed for each."""
+    found = []
+    for name in sorted(tg.pipeline.nodes if tg.pipeline else ()):
+        op = ir.op(name)
+        if "Shuffle" not in op:
+            continue
+        attrs = ir.attrs(name)
+        if "seed" in attrs and "seed2" in attrs:
+            seeds = [attrs["seed"].i, attrs["seed2"].i]
+        else:
+            seeds = [_const(ir, src) for src, _ in ir.inputs(name)[2:4]]
+        if len(seeds) == 2 and all(seed is not None and not seed for seed in seeds):
+            found.append(name)
+    return found
+
+
+def _const(ir: GraphIR, node: str):
+    if ir.op(node) != "Const":
+        return None
+    from tensorflow.python.framework import tensor_util
+    return tensor_util.MakeNdarray(ir.attrs(node)["value"].tensor)
 
 
 def _some(names: list, limit: int = 3) -> str:
@@ -180,10 +211,12 @@ def _batch_norm_evidence(ir: GraphIR, tg, from_inputs: set) -> list[str]:
 
 
 def _fed_from_inputs(ir: GraphIR, tg) -> set:
-    """Every node of the forward pass that reads an input placeholder's data, directly or not
+    """Every node of the forward pass that reads an input placeholder's data (or a batch of the
+    input pipeline's), directly or not
     (not through gradients: loss-scale state updated from a finite check of the gradients is
     no batch statistic)."""
     seen = {i.name for i in tg.inputs if i.name in ir}
+    seen.update(r.node for r in (tg.pipeline.reads if tg.pipeline else ()) if r.node in ir)
     stack = list(seen)
     while stack:
         for dst, _ in ir.consumers(stack.pop()):

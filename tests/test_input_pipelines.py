@@ -8,7 +8,7 @@ checkpoint and compares."""
 import numpy as np
 import pytest
 
-from graphxform import metagraph, training
+from graphxform import equivalence, metagraph, training
 from graphxform.input_pipeline import find
 
 
@@ -33,25 +33,26 @@ def _model_and_step(tf1, x, y, hidden=16):
     tf1.add_to_collection("train_op", train)
 
 
-def _export(build, path) -> str:
+def _export(build, path, graph_seed=1) -> str:
     import tensorflow as tf
     tf1 = tf.compat.v1
     graph = tf.Graph()
     with graph.as_default():
-        tf1.set_random_seed(1)
+        if graph_seed is not None:
+            tf1.set_random_seed(graph_seed)
         build(tf, tf1)
         tf1.train.export_meta_graph(str(path), graph=graph)
     return str(path)
 
 
-def tf_data_graph(path, batch=16, drop_remainder=False, rows=256, repeat=True, epochs=False):
+def tf_data_graph(path, batch=16, drop_remainder=False, rows=256, repeat=True, seed=3):
     def build(tf, tf1):
-        dataset = tf.data.Dataset.from_tensor_slices(_examples(rows)).shuffle(64, seed=3)
+        dataset = tf.data.Dataset.from_tensor_slices(_examples(rows)).shuffle(64, seed=seed)
         dataset = dataset.repeat() if repeat else dataset
         dataset = dataset.batch(batch, drop_remainder=drop_remainder)
         x, y = tf1.data.make_one_shot_iterator(dataset).get_next()
         _model_and_step(tf1, x, y)
-    return _export(build, path)
+    return _export(build, path, graph_seed=None if seed is None else 1)
 
 
 def queue_graph(path, num_epochs=None):
@@ -163,3 +164,13 @@ def test_ps_keeps_the_pipeline_single_too(run_cli, tmp_path):
                        '"127.0.0.1:2225"]}')
     _passes(run_cli, "--strategy", "ps", "--cluster", cluster, "--steps", 3,
             tf_data_graph(tmp_path / "m.meta"))
+
+
+def test_verify_names_an_unseeded_shuffle(run_cli, tmp_path):
+    model = tf_data_graph(tmp_path / "m.meta", seed=None)
+    ir = metagraph.load(model)
+    reasons = " ".join(equivalence.mismatch_reasons(ir, training.analyze(ir)))
+    assert "the input pipeline shuffles without a seed (ShuffleDataset)" in reasons
+    seeded = metagraph.load(tf_data_graph(tmp_path / "s.meta"))
+    assert "shuffles" not in " ".join(equivalence.mismatch_reasons(seeded,
+                                                                  training.analyze(seeded)))
