@@ -139,12 +139,41 @@ def _check_losses_are_means(ir: GraphIR, tg: TrainingGraph) -> None:
         if copy not in ir:
             continue
         copies = [n for n in ir.ancestors(copy) if n.startswith(prefix)]
-        if replica_values.classify(ir, prefix, copies=copies).of(copy, port) == \
-                replica_values.SUM:
+        values = replica_values.classify(ir, prefix, copies=copies)
+        if values.of(copy, port) == replica_values.SUM:
             raise ContractError(
                 f"step '{step.name}' minimises '{step.loss}', a sum over the batch; gradients "
                 "are averaged across replicas (right for a mean loss), so this step would train "
                 "with 1/N of its gradient: divide the loss by the batch size (reduce_mean)")
+        ratio = _ratio_of_sums(ir, values, copy)
+        if ratio is not None:
+            raise ContractError(
+                f"step '{step.name}' minimises '{step.loss}', which divides by "
+                f"'{ratio[len(prefix):]}', a sum over the batch (of weights or a mask: "
+                "tf.compat.v1.losses with weights divides by their nonzero count): each "
+                "replica would divide by its own slice's, so the averaged gradients are not "
+                "one device's; divide by a constant (the batch size) instead")
+
+
+def _ratio_of_sums(ir: GraphIR, values, loss: str) -> str | None:
+    """The denominator of a division the loss's value is made of whose numerator and
+    denominator are both sums over the batch (a weighted mean: sum(w * l) / sum(w)), or None.
+    The mean of the replicas' ratios is not the ratio of the sums unless every slice's
+    denominator is the same, which the graph cannot show. Only what the loss's class did not
+    settle is searched (a known mean or sum reads no such ratio)."""
+    from graphxform.replica_values import _DIVIDE, SUM, UNKNOWN
+    seen, stack = {loss}, [loss]
+    while stack:
+        node = stack.pop()
+        inputs = ir.inputs(node)
+        if ir.op(node) in _DIVIDE and len(inputs) == 2 and all(
+                values.of(src, port) == SUM for src, port in inputs):
+            return inputs[1][0]
+        for src, port in inputs:
+            if src not in seen and values.of(src, port) == UNKNOWN:
+                seen.add(src)
+                stack.append(src)
+    return None
 
 
 def step_closures(ir: GraphIR, tg: TrainingGraph) -> list[tuple[str, set]]:
