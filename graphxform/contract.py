@@ -152,7 +152,8 @@ def _check_losses_are_means(ir: GraphIR, tg: TrainingGraph) -> None:
                 f"'{ratio[len(prefix):]}', a sum over the batch (of weights or a mask: "
                 "tf.compat.v1.losses with weights divides by their nonzero count): each "
                 "replica would divide by its own slice's, so the averaged gradients are not "
-                "one device's; divide by a constant (the batch size) instead")
+                "one device's (allreduce and replicated divide by the replicas' mean total "
+                "instead, when it reads no variable); divide by the batch size instead")
 
 
 def _ratio_of_sums(ir: GraphIR, values, loss: str) -> str | None:

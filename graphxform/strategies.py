@@ -7,6 +7,7 @@ from graphxform import allreduce_spec
 from graphxform.passes.all_reduce import DEFAULT_BUCKET_BYTES, AllReduce
 from graphxform.passes.consistent_random import ConsistentRandom
 from graphxform.passes.drop_in_saver import DropInSaver
+from graphxform.passes.global_denominators import GlobalDenominators
 from graphxform.passes.hybrid import (PARTITION_MIN_BYTES, ChoosePlacement,
                                      HybridWorkerSteps, OnSide, PartitionPsSide,
                                      UnshareReplicated)
@@ -47,6 +48,7 @@ def allreduce(bucket_bytes: int = DEFAULT_BUCKET_BYTES, sparse_as_dense: bool = 
         SplitInputs(),
         *([SyncBatchNorm()] if sync_batch_norm else []),
         *([ConsistentRandom()] if consistent_random else []),
+        GlobalDenominators(),
         AllReduce(bucket_bytes=bucket_bytes, sparse_as_dense=sparse_as_dense,
                   hierarchical=hierarchical),
         RewireConsumers(),

@@ -1,8 +1,10 @@
 """A loss that divides a sum over the batch by another sum over it (tf.compat.v1.losses given
-`weights`, whose default reduction divides by the number of nonzero weights; a masked mean
-`reduce_sum(l * mask) / reduce_sum(mask)`): each replica would divide by its own slice's total,
-and the average of those ratios is not the single-device loss or gradient. `apply` exited 0 on
-both and `verify` failed; now they are refused, naming the denominator."""
+`weights`, whose default reduction divides by the number of nonzero weights, or
+Reduction.MEAN; a masked mean `reduce_sum(l * mask) / reduce_sum(mask)`): each replica would
+divide by its own slice's total, and the average of those ratios is not the single-device loss
+or gradient. `apply` exited 0 on them and `verify` failed. allreduce now divides by the
+replicas' mean total (passes/global_denominators.py) and trains like one device; a strategy
+without that pass, or a denominator computed from the model, is refused naming it."""
 
 import numpy as np
 import pytest
@@ -20,6 +22,9 @@ def weighted_graph(path, form):
         logits = tf.matmul(x, w)
         if form == "tf1_losses":
             loss = tf1.losses.sparse_softmax_cross_entropy(y, logits, weights=weights)
+        elif form == "model_weighted":  # weights from the model's own predictions
+            probability = tf.stop_gradient(tf.nn.softmax(logits)[:, 1])
+            loss = tf1.losses.sparse_softmax_cross_entropy(y, logits, weights=probability)
         elif form == "masked_mean":
             per = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
             loss = tf.identity(tf.reduce_sum(per * weights) / tf.reduce_sum(weights) + 0.0,
@@ -37,28 +42,48 @@ def weighted_graph(path, form):
     return str(path)
 
 
-@pytest.mark.parametrize("form, denominator", [
-    ("tf1_losses", "sparse_softmax_cross_entropy_loss/num_present"),
-    ("weighted_mean", "sparse_softmax_cross_entropy_loss/Sum_1"),
-    ("masked_mean", "Sum_1")])
-def test_a_loss_divided_by_a_sum_over_the_batch_is_refused(run_cli, tmp_path, form,
-                                                           denominator):
-    code, _, err = run_cli("apply", "--replicas", 2, weighted_graph(tmp_path / "m.meta", form),
-                           "-o", tmp_path / "out.meta")
+
+
+def _feeds(tmp_path):
+    rng = np.random.RandomState(0)
+    xs = rng.randn(64, 8).astype(np.float32)
+    mask = (rng.rand(64) < np.linspace(0.1, 0.9, 64)).astype(np.float32)  # uneven per slice
+    np.savez(tmp_path / "f.npz", x=xs, y=(xs[:, 0] > 0).astype(np.int64), w=mask)
+    return tmp_path / "f.npz"
+
+
+@pytest.mark.parametrize("replicas", [2, 4])
+@pytest.mark.parametrize("form", ["tf1_losses", "weighted_mean", "masked_mean",
+                                  "sum_over_batch_size"])
+def test_weighted_losses_train_like_one_device(run_cli, tmp_path, form, replicas):
+    model = weighted_graph(tmp_path / "m.meta", form)
+    code, out, err = run_cli("verify", "--replicas", replicas, model, "--feeds",
+                             _feeds(tmp_path), "--batch-size", 16, "--steps", 4)
+    assert code == 0, err
+    assert "PASS" in out, out
+
+
+def test_replicated_specs_make_the_denominator_global_too(run_cli, tmp_path):
+    code, out, err = run_cli("verify", "--strategy", "replicated", "--all-reduce-spec", "pscpu",
+                             "--replicas", 2, weighted_graph(tmp_path / "m.meta", "tf1_losses"),
+                             "--feeds", _feeds(tmp_path), "--batch-size", 16, "--steps", 3)
+    assert code == 0, err
+    assert "PASS" in out, out
+
+
+@pytest.mark.parametrize("form, strategy, denominator", [
+    ("model_weighted", "allreduce", "sparse_softmax_cross_entropy_loss/num_present"),
+    ("tf1_losses", "ps", "sparse_softmax_cross_entropy_loss/num_present"),
+    ("masked_mean", "ps", "Sum_1")])
+def test_a_denominator_not_made_global_is_refused(run_cli, tmp_path, form, strategy,
+                                                  denominator):
+    cluster = tmp_path / "cluster.json"
+    cluster.write_text('{"ps": ["127.0.0.1:2222"], "worker": ["127.0.0.1:2224", '
+                       '"127.0.0.1:2225"]}')
+    where = ["--cluster", cluster] if strategy == "ps" else ["--replicas", 2]
+    code, _, err = run_cli("apply", "--strategy", strategy, *where,
+                           weighted_graph(tmp_path / "m.meta", form), "-o", tmp_path / "o.meta")
     assert code == 1
     assert f"which divides by '{denominator}', a sum over the batch" in err
     assert len(err.strip().splitlines()) == 1
-    assert not (tmp_path / "out.meta").exists()
-
-
-def test_weights_over_the_batch_size_still_train_like_one_device(run_cli, tmp_path):
-    # SUM_OVER_BATCH_SIZE divides the weighted sum by the number of examples: a mean
-    model = weighted_graph(tmp_path / "m.meta", "sum_over_batch_size")
-    rng = np.random.RandomState(0)
-    xs = rng.randn(64, 8).astype(np.float32)
-    np.savez(tmp_path / "f.npz", x=xs, y=(xs[:, 0] > 0).astype(np.int64),
-             w=(rng.rand(64) < 0.6).astype(np.float32))
-    code, out, err = run_cli("verify", "--replicas", 2, model, "--feeds", tmp_path / "f.npz",
-                             "--batch-size", 16)
-    assert code == 0, err
-    assert "PASS" in out
+    assert not (tmp_path / "o.meta").exists()
