@@ -167,11 +167,24 @@ def _forward_op(ir, name: str) -> str | None:
 def _recorded_shape(ir, node: str, port: int) -> list | None:
     """The static shape TF recorded for a tensor of the input graph (a slice of an input:
     the placeholder's, the global batch, which is what TF folded)."""
+    if node.startswith(SCOPE) and ir.op(node) == "Split":  # a placeholder's or an iterator's
+        source, port = ir.input(node, 1)
+        return _static_shape(ir, source, port, ("shape", "output_shapes"))
+    return _static_shape(ir, node, port, ("_output_shapes",))
+
+
+def _static_shape(ir, node: str, port: int, keys) -> list | None:
+    """The fully known shape the first of attrs ``keys`` gives output ``port`` (a shape, or a
+    list of one per output), else None."""
     attrs = ir.attrs(node)
-    if node.startswith(SCOPE) and ir.op(node) == "Split":
-        return _batch_shape(ir, *ir.input(node, 1))
-    if "_output_shapes" in attrs and port < len(attrs["_output_shapes"].list.shape):
-        shape = attrs["_output_shapes"].list.shape[port]
+    key = next((k for k in keys if k in attrs), None)
+    if key is None:
+        return None
+    value = attrs[key]
+    if value.HasField("shape"):
+        shape = value.shape
+    elif port < len(value.list.shape):
+        shape = value.list.shape[port]
     else:
         return None
     dims = [d.size for d in shape.dim]
@@ -206,19 +219,6 @@ def _initial_value(ir, name: str) -> bool:
     is long): under a variable's ``Initializer`` scope, or written into one."""
     return "/Initializer/" in name or any(training.is_mutating_op(ir.op(dst))
                                           for dst, _ in ir.consumers(name))
-
-
-def _batch_shape(ir, node: str, port: int) -> list | None:
-    """The static shape of a split batch: a placeholder's, or an iterator's output's."""
-    attrs = ir.attrs(node)
-    if "shape" in attrs:
-        shape = attrs["shape"].shape
-    elif "output_shapes" in attrs and port < len(attrs["output_shapes"].list.shape):
-        shape = attrs["output_shapes"].list.shape[port]
-    else:
-        return None
-    dims = [d.size for d in shape.dim]
-    return None if shape.unknown_rank or any(d < 0 for d in dims) else dims
 
 
 def _reshapes_the_batch(ir, name: str, from_batch: set) -> bool:
