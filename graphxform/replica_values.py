@@ -253,8 +253,9 @@ class _Sweep:
             if not name.startswith(self.prefix):
                 classes[name] = self._made_constant(name)
                 return
-            if REBATCHED_ATTR in data["attr"] and name not in self.overridden:
-                classes[name] = (data["attr"][REBATCHED_ATTR].s.decode(),)
+            attrs = self.ir.attrs(name)  # not data["attr"]: that makes a copy its own NodeDef
+            if REBATCHED_ATTR in attrs and name not in self.overridden:
+                classes[name] = (attrs[REBATCHED_ATTR].s.decode(),)
                 return
         if effect and is_mutating_op(op):
             self.writes.append(name)
