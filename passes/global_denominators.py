@@ -48,13 +48,11 @@ class GlobalDenominators(Pass):
         first = replica_prefix(0)
         if replicas < 2:
             return PassResult(modified=False)
-        splits = {n for n in ir.nodes_of({"Split"}) if n.startswith(SPLIT_SCOPE)}
         found = []  # in replica 0
         for step in tg.steps:
             node, port = parse_tensor(step.loss) if step.loss else (None, 0)
             if node and first + node in ir:
-                found += [d for d in _denominators(ir, (first + node, port), splits)
-                          if d not in found]
+                found += [d for d in _denominators(ir, (first + node, port)) if d not in found]
         if not found:
             return PassResult(modified=False)
         build = Builder(ir, self.name)
@@ -78,10 +76,11 @@ class GlobalDenominators(Pass):
             "denominators": [d[len(first):] for d in found]})
 
 
-def _denominators(ir, loss: tuple, sources: set) -> list[str]:
+def _denominators(ir, loss: tuple) -> list[str]:
     """The denominators the value of ``loss`` (node, port) divides by that are totals of the
     batch's values and depend on no variable (see the module docstring)."""
     found, seen, stack = [], set(), [loss]
+    sources = None  # the batch's splits, found when a division asks
     while stack:
         node, port = stack.pop()
         if (node, port) in seen:
@@ -91,6 +90,8 @@ def _denominators(ir, loss: tuple, sources: set) -> list[str]:
         inputs = ir.inputs(node)
         if op in _DIVIDE and len(inputs) == 2:
             bottom = inputs[1]
+            if sources is None:
+                sources = {n for n in ir.nodes_of({"Split"}) if n.startswith(SPLIT_SCOPE)}
             reads = _value_sources(ir, bottom[0])
             if (opdefs.output_dtype(ir, *bottom) in _FLOATS and not reads.isdisjoint(sources)
                     and not any(ir.op(n) in VARIABLE_OPS for n in reads)):
