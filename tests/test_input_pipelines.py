@@ -178,3 +178,29 @@ def test_verify_names_an_unseeded_shuffle(run_cli, tmp_path):
     seeded = metagraph.load(tf_data_graph(tmp_path / "s.meta"))
     assert "shuffles" not in " ".join(equivalence.mismatch_reasons(seeded,
                                                                   training.analyze(seeded)))
+
+
+@pytest.mark.parametrize("build", [tf_data_graph, queue_graph])
+def test_launched_workers_each_read_the_batch_and_train_on_their_slice(run_cli, tmp_path,
+                                                                        build):
+    """Under launch every worker's session runs its own step: an unplaced pipeline lands on the
+    worker, which reads the batch for itself (its queue runners started by the task runtime) and
+    trains on its slice, so a seeded pipeline keeps the workers on the same batches and the
+    mean loss over workers is the single-device loss."""
+    from processes import assert_launched_tasks_gone
+    from graphxform.runtime.local import Runner
+    model = build(tmp_path / "m.meta")
+    with Runner(metagraph.load(model)) as run:
+        run.initialize()
+        start = run.save(str(tmp_path / "start"))
+        losses = [run.step({}).loss for _ in range(3)]
+    cluster = tmp_path / "cluster.json"
+    cluster.write_text('{"worker": ["127.0.0.1:2311", "127.0.0.1:2312"]}')
+    out_path = tmp_path / "out.meta"
+    assert run_cli("apply", "--cluster", cluster, model, "-o", out_path)[0] == 0
+    code, out, err = run_cli("launch", out_path, "--steps", 3, "--restore", start,
+                             "--timeout", 60)
+    assert code == 0, out + err
+    got = [float(x) for x in re.findall(r"^step \d+  loss (\S+)$", out, re.M)]
+    np.testing.assert_allclose(got, losses, rtol=1e-5)
+    assert_launched_tasks_gone(out)

@@ -11,6 +11,7 @@ from graphxform import cluster, metagraph, training
 from graphxform.errors import GraphxformError, tf_error_line
 from graphxform.ir import GraphIR
 from graphxform.passes.split_inputs import uneven_batch
+from graphxform.runtime.input_threads import InputThreads
 
 DEFAULT_BATCH = 32
 
@@ -276,38 +277,11 @@ class Runner:
                                      inter_op_parallelism_threads=threads,
                                      intra_op_parallelism_threads=threads)
         self.session = tf1.Session(target, graph=self.graph, config=config)
-        self._coordinator = self._input_threads = None
+        self.input_threads = InputThreads(self.graph, self.session)
 
     def close(self):
-        self._stop_input_threads()
+        self.input_threads.stop()
         self.session.close()
-
-    def _start_input_threads(self):
-        """Start the graph's queue runners (the threads that fill TF1 input queues:
-        tf.compat.v1.train.batch and the like), as a TF1 loop does once its variables are
-        ready; without them the step's dequeue would wait for ever."""
-        if self._input_threads is not None:
-            return
-        runners = self.graph.get_collection(self.tf1.GraphKeys.QUEUE_RUNNERS)
-        self._coordinator = self.tf1.train.Coordinator()
-        self._input_threads = []
-        with self.graph.as_default():
-            for runner in runners:
-                self._input_threads += runner.create_threads(
-                    self.session, coord=self._coordinator, daemon=True, start=True)
-
-    def _stop_input_threads(self):
-        """Stop the queue runners: request_stop closes their queues, which wakes an enqueue
-        waiting on a full one; the threads are daemons, so a stuck one cannot hold the exit."""
-        if not self._input_threads:
-            return
-        self._coordinator.request_stop()
-        try:
-            self._coordinator.join(self._input_threads, stop_grace_period_secs=5,
-                                   ignore_live_threads=True)
-        except Exception:  # an input thread's own failure: the step already reported it
-            pass
-        self._input_threads = []
 
     def __enter__(self):
         return self
@@ -318,7 +292,7 @@ class Runner:
     def initialize(self):
         self.session.run(self.init_op)
         self.session.run(self.local_init_op)
-        self._start_input_threads()
+        self.input_threads.start()
 
     def restore(self, prefix: str):
         """Restore a checkpoint prefix, or the latest checkpoint of a directory, after
@@ -338,7 +312,7 @@ class Runner:
         except (ValueError, tf.errors.OpError) as e:
             raise GraphxformError(f"cannot restore checkpoint {prefix}: {tf_error_line(e)}") from None
         self.session.run(self.local_init_op)
-        self._start_input_threads()
+        self.input_threads.start()
 
     def save(self, prefix: str) -> str:
         """Save to ``prefix``, making its directory first (a sharded Saver would not)."""

@@ -17,6 +17,7 @@ from graphxform import metagraph, training
 from graphxform.cluster import Cluster
 from graphxform.plan import CLUSTER_COLLECTION, ClusterPlan
 from graphxform.runtime import faults, servers
+from graphxform.runtime.input_threads import InputThreads
 from graphxform.passes.split_inputs import uneven_batch
 from graphxform.runtime.local import import_meta_graph
 from graphxform.runtime.servers import describe
@@ -120,6 +121,8 @@ class TaskRunner:
         self.run_options = tf1.RunOptions(timeout_in_ms=max(1, int(self.tf_timeout_s * 1000)))
         self.session = tf1.Session(target, graph=self.graph, config=servers.session_config(
             self.filters, self.tf_timeout_s, collective_leader=self.plan.collective_leader))
+        # this task's input queues: an unplaced pipeline lands on the task itself
+        self.input_threads = InputThreads(self.graph, self.session)
 
     def _news_ops_for_ps(self) -> dict:
         """ps task -> the op that leaves news of this run in its queue (servers.news_queue);
@@ -153,6 +156,7 @@ class TaskRunner:
     # ---------------------------------------------------------------- life cycle
     def close(self):
         with self._bounded("closing the session"):
+            self.input_threads.stop()
             self.session.close()
 
     def __enter__(self):
@@ -187,6 +191,7 @@ class TaskRunner:
         self._announce("started")
         if not self.chief:
             self._wait_until_ready()
+            self.input_threads.start()
             return
         if restore:
             self.restore(restore)
@@ -200,6 +205,7 @@ class TaskRunner:
             self._run([self.init_op, self.local_init_op], "initialising the variables")
         if self.plan.chief_init:
             self._run(self.plan.chief_init, "running chief_init")
+        self.input_threads.start()
 
     def _uninitialized(self) -> list[str]:
         """Which variables this task's session sees that are not initialised yet (another task's
