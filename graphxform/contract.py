@@ -162,12 +162,12 @@ def _ratio_of_sums(ir: GraphIR, values, loss: str) -> str | None:
     The mean of the replicas' ratios is not the ratio of the sums unless every slice's
     denominator is the same, which the graph cannot show. Only what the loss's class did not
     settle is searched (a known mean or sum reads no such ratio)."""
-    from graphxform.replica_values import _DIVIDE, SUM, UNKNOWN
+    from graphxform.replica_values import DIVIDE_OPS, SUM, UNKNOWN
     seen, stack = {loss}, [loss]
     while stack:
         node = stack.pop()
         inputs = ir.inputs(node)
-        if ir.op(node) in _DIVIDE and len(inputs) == 2 and all(
+        if ir.op(node) in DIVIDE_OPS and len(inputs) == 2 and all(
                 values.of(src, port) == SUM for src, port in inputs):
             return inputs[1][0]
         for src, port in inputs:

@@ -24,7 +24,7 @@ import numpy as np
 from graphxform import training
 from graphxform.plan import ClusterPlan
 from graphxform.ir import GraphIR
-from graphxform.nodes import replica_prefix
+from graphxform.nodes import const_value, replica_prefix
 from graphxform.runtime import servers
 from graphxform.runtime.local import Feeds, Runner, cpus_by_job, needed_inputs
 
@@ -177,17 +177,10 @@ def _unseeded_shuffles(ir: GraphIR, tg) -> list[str]:
         if "seed" in attrs and "seed2" in attrs:
             seeds = [attrs["seed"].i, attrs["seed2"].i]
         else:
-            seeds = [_const(ir, src) for src, _ in ir.inputs(name)[2:4]]
+            seeds = [const_value(ir, src) for src, _ in ir.inputs(name)[2:4]]
         if len(seeds) == 2 and all(seed is not None and not seed for seed in seeds):
             found.append(name)
     return found
-
-
-def _const(ir: GraphIR, node: str):
-    if ir.op(node) != "Const":
-        return None
-    from tensorflow.python.framework import tensor_util
-    return tensor_util.MakeNdarray(ir.attrs(node)["value"].tensor)
 
 
 def _some(names: list, limit: int = 3) -> str:
@@ -240,7 +233,7 @@ def _per_example(ir: GraphIR, name: str) -> bool:
     shape, _ = ir.input(src, 1)
     if ir.op(shape) == "Pack":
         shape, _ = ir.input(shape, 0)
-    value = _const_value(ir, shape)
+    value = const_value(ir, shape)
     return value is not None and value.size > 0 and value.reshape(-1)[0] == 1
 
 
@@ -254,15 +247,8 @@ def _moments_over_batch(ir: GraphIR, name: str) -> bool:
     mean, _ = ir.input(stop, 0)
     if ir.op(mean) != "Mean" or ir.input(mean, 0)[0] != x:
         return False
-    axes = _const_value(ir, ir.input(mean, 1)[0])
+    axes = const_value(ir, ir.input(mean, 1)[0])
     return axes is None or 0 in axes.reshape(-1).tolist()
-
-
-def _const_value(ir: GraphIR, name: str):
-    if ir.op(name) != "Const":
-        return None
-    import tensorflow as tf
-    return tf.make_ndarray(ir.attrs(name)["value"].tensor)
 
 
 def _random_ops(ir: GraphIR, tg, from_inputs: set) -> tuple[list, list]:
@@ -294,7 +280,7 @@ def _drawn_per_example(ir: GraphIR, name: str, from_inputs: set, fixed: set) -> 
     for src, _ in ir.inputs(name):
         if src in from_inputs:
             return True
-        value = _const_value(ir, src)
+        value = const_value(ir, src)
         if value is not None and value.ndim == 1 and value.size and int(value[0]) in fixed:
             return True
     return False

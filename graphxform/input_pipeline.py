@@ -139,8 +139,6 @@ def _batched_ports(shapes: list) -> tuple[list, int | None]:
 
 
 def _const_int(ir, name: str) -> int | None:
-    if ir.op(name) != "Const":
-        return None
-    from tensorflow.python.framework import tensor_util
-    value = tensor_util.MakeNdarray(ir.attrs(name)["value"].tensor)
-    return int(value) if value.ndim == 0 else None
+    from graphxform.nodes import const_value  # TF's protos: not at import (training's)
+    value = const_value(ir, name)
+    return int(value) if value is not None and value.ndim == 0 else None

@@ -71,6 +71,14 @@ _SCALAR_FIELDS = {"int32": "int_val", "int64": "int64_val", "float32": "float_va
                   "float64": "double_val", "bool": "bool_val"}
 
 
+def const_value(ir: GraphIR, name: str):
+    """The numpy value of the Const ``name``; None when it is another op."""
+    if ir.op(name) != "Const":
+        return None
+    from tensorflow.python.framework import tensor_util
+    return tensor_util.MakeNdarray(ir.attrs(name)["value"].tensor)
+
+
 def tensor_proto(array: np.ndarray):
     """What tensor_util.make_tensor_proto makes of a numeric array (one value: the typed field;
     otherwise the raw bytes), without its generic checks, which cost most of a Const."""

@@ -570,7 +570,7 @@ def _broadcast(classes, ranks) -> str:
 
 _ADDITIVE = frozenset({"Add", "AddV2", "Sub", "AddN"})
 _MULTIPLY = frozenset({"Mul", "MulNoNan"})
-_DIVIDE = frozenset({"RealDiv", "Div", "DivNoNan", "TrueDiv"})
+DIVIDE_OPS = frozenset({"RealDiv", "Div", "DivNoNan", "TrueDiv"})
 
 
 def _linear_combination(op: str, classes) -> str:
@@ -585,7 +585,7 @@ def _linear_combination(op: str, classes) -> str:
     elif op in _MULTIPLY:
         if len(others) == 1 and others[0] in LINEAR:
             return others[0]
-    elif op in _DIVIDE and len(classes) == 2:
+    elif op in DIVIDE_OPS and len(classes) == 2:
         top, bottom = classes
         if bottom == IDENTICAL and top in LINEAR:
             return top

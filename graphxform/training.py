@@ -185,6 +185,13 @@ class TrainingGraph:
         return self.train_op
 
     @property
+    def batch_sources(self) -> list[str]:
+        """The nodes the global batch comes from: batched placeholders, and the input
+        pipeline's reads that take a batch."""
+        reads = self.pipeline.reads if self.pipeline else ()
+        return [i.name for i in self.inputs if i.batched] + [r.node for r in reads if r.batched]
+
+    @property
     def trainable(self) -> list:
         return [v for v in self.variables.values() if v.trainable and v.gradient is not None]
 

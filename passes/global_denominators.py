@@ -27,15 +27,15 @@ from graphxform.nodes import Builder, replica_prefix
 from graphxform.passes.all_reduce import GROUP_KEY
 from graphxform.passes.split_inputs import SCOPE as SPLIT_SCOPE
 from graphxform.pipeline import Pass, PassResult
+from graphxform.replica_values import DIVIDE_OPS
 from graphxform.training import VARIABLE_OPS
 
 SCOPE = "global_denominators/"
 INSTANCE_KEYS = 1 << 23  # apart from the all-reduce pass's buckets and sparse gathers
-_DIVIDE = frozenset({"RealDiv", "Div", "DivNoNan", "TrueDiv"})
 _FLOATS = frozenset({1, 2, 14, 19})  # float double bfloat16 half: what the collective reduces
 _SHAPE_OPS = frozenset({"Shape", "ShapeN", "Size", "Rank"})  # read a tensor's shape only
 # how a loss's value passes on to what the user minimises
-_THROUGH = frozenset({"Identity", "AddV2", "Add", "Sub", "Mul", "AddN", "Neg"}) | _DIVIDE
+_THROUGH = frozenset({"Identity", "AddV2", "Add", "Sub", "Mul", "AddN", "Neg"})
 
 
 @dataclasses.dataclass
@@ -88,7 +88,7 @@ def _denominators(ir, loss: tuple) -> list[str]:
         seen.add((node, port))
         op = ir.op(node)
         inputs = ir.inputs(node)
-        if op in _DIVIDE and len(inputs) == 2:
+        if op in DIVIDE_OPS and len(inputs) == 2:
             bottom = inputs[1]
             if sources is None:
                 sources = {n for n in ir.nodes_of({"Split"}) if n.startswith(SPLIT_SCOPE)}

@@ -84,8 +84,7 @@ class ShareVariables(Pass):
             raise GraphxformError("no gradient of a trainable variable found: nothing to "
                                   "aggregate on ps tasks")
         placement = ctx.state.get("place-variables", {}).get("devices", {})
-        batched = [i.name for i in tg.inputs if i.batched]
-        batched += [r.node for r in (tg.pipeline.reads if tg.pipeline else ()) if r.batched]
+        batched = tg.batch_sources
         per_example = _descendants(ir, batched)
         born = {parse_tensor(t)[0] for p in points for t in p.gradient.tensors}
         region = update_region(ir, [s.op for s in tg.steps], born)

@@ -20,7 +20,7 @@ import numpy as np
 
 from graphxform import opdefs, replica_values, training
 from graphxform.errors import GraphxformError
-from graphxform.nodes import Builder, replica_prefix, tensor_proto
+from graphxform.nodes import Builder, const_value, replica_prefix, tensor_proto
 from graphxform.pipeline import Pass, PassResult
 
 SCOPE = "split_inputs/"
@@ -107,7 +107,7 @@ def rebatch_constants(ir, build, splits: list[str], batch: int, replicas: int) -
     for name in ir.nodes_of({"Const"}):
         if not name.startswith("replica_"):
             continue
-        value = _const_value(ir, name)
+        value = const_value(ir, name)
         live = _live_shape(ir, name, value, from_batch)
         if live is not None:
             changed.append(_make_live(ir, build, name, *live))
@@ -233,15 +233,10 @@ def _mean_over_batch(ir, name: str) -> bool:
     forward = _forward_op(ir, name)
     if forward is None or ir.op(forward) != "Mean":
         return False
-    axes = _const_value(ir, ir.input(forward, 1)[0])
+    axes = const_value(ir, ir.input(forward, 1)[0])
     return axes is not None and 0 in axes.reshape(-1).tolist()
 
 
-def _const_value(ir, name: str):
-    if ir.op(name) != "Const":
-        return None
-    from tensorflow.python.framework import tensor_util
-    return tensor_util.MakeNdarray(ir.attrs(name)["value"].tensor)
 
 
 def _forget_recorded_shapes(ir, starts) -> None:
