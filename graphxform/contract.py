@@ -22,6 +22,7 @@ from graphxform.errors import GraphxformError
 from graphxform.ir import GraphIR, parse_tensor
 from graphxform.nodes import replica_prefix
 from graphxform.replica_spread import ReplicaSpread
+from graphxform.training import REPLICA_SCOPE as REPLICA_HEAD
 from graphxform.training import (VARIABLE_OPS, TrainingGraph, consumers_through_switches,
                                  is_mutating_op, tape_gradients)
 
@@ -41,7 +42,10 @@ def check(ir: GraphIR, tg: TrainingGraph, replicas: int, asynchronous: bool = Fa
         return {"variables": 0}
     if replicas > 1 and not asynchronous:
         _check_losses_are_means(ir, tg)
+        _check_custom_gradients(ir, tg)
     closure = _union(closures if closures is not None else step_closures(ir, tg))
+    if replicas > 1 and not asynchronous:
+        _check_function_writes(ir, tg, closure)
     checked, proven = 0, []  # proven: (variable, write) whose inputs must be equal everywhere
     for var in sorted(tg.variables.values(), key=lambda v: v.name):
         if not var.updates:
@@ -154,6 +158,47 @@ def _check_losses_are_means(ir: GraphIR, tg: TrainingGraph) -> None:
                 "replica would divide by its own slice's, so the averaged gradients are not "
                 "one device's (allreduce and replicated divide by the replicas' mean total "
                 "instead, when it reads no variable); divide by the batch size instead")
+
+
+def _check_custom_gradients(ir: GraphIR, tg: TrainingGraph) -> None:
+    """A custom gradient in a step's backward pass must be linear in the gradient it is given
+    (graphxform/gradient_scale.py says why)."""
+    from graphxform.gradient_scale import nonlinear_custom_gradient
+    prefix = replica_prefix(0)
+    node_table = ir.g._node
+
+    def name_of(name):
+        return prefix + name if prefix + name in node_table else name
+
+    for step in tg.steps:
+        found = nonlinear_custom_gradient(ir, step.closure, name_of)
+        if found is not None:
+            forward, op = found
+            raise ContractError(
+                f"step '{step.name}': '{forward}' has a custom gradient whose '{op}' "
+                f"({ir.op(name_of(op))}) is not linear in the gradient it is given; each "
+                "replica's incoming gradient is N times one device's (its loss is the mean of "
+                "its own slice), so this gradient would compute something else: make it linear "
+                "in its incoming gradient, or train on one device")
+
+
+def _check_function_writes(ir: GraphIR, tg: TrainingGraph, closure: set) -> None:
+    """No step trains inside a function (graphxform/functions.py says why)."""
+    from graphxform.functions import written_in_function
+
+    def trains(node):
+        var = tg.variables.get(REPLICA_HEAD.sub("", node, count=1))
+        return var is not None and var.trainable
+
+    found = written_in_function(ir, closure, trains)
+    if found is not None:
+        call, function, op, target = found
+        raise ContractError(
+            f"'{REPLICA_HEAD.sub('', call, count=1)}' ({ir.op(call)}) runs function '{function}', which updates "
+            f"'{REPLICA_HEAD.sub('', target, count=1)}' ({op}) inside it: updates inside a "
+            "function (a while loop or cond body with control flow v2, a tf.function) are not "
+            "distributed, so each replica would apply its own slice's gradient and the "
+            "replicas would train apart; apply the optimizer outside the loop or function")
 
 
 def _ratio_of_sums(ir: GraphIR, values, loss: str) -> str | None:

@@ -17,11 +17,12 @@ import contextlib
 import dataclasses
 import math
 import os
+import re
 import tempfile
 
 import numpy as np
 
-from graphxform import training
+from graphxform import functions, training
 from graphxform.plan import ClusterPlan
 from graphxform.ir import GraphIR
 from graphxform.nodes import const_value, replica_prefix
@@ -127,6 +128,10 @@ def compare_series(name: str, expected: list, got: list) -> Difference:
                       scale=scale)
 
 
+# batch norm's moving statistics as tf.compat.v1.layers, tf_keras and tf_slim name them
+MOVING_STATISTIC = re.compile(r"moving_(mean|variance)")
+
+
 def mismatch_reasons(ir: GraphIR, tg: training.TrainingGraph, synced_batch_norm=False,
                      consistent_random=False) -> list[str]:
     """Why a synchronous replicated graph cannot match the single-device one step for step,
@@ -135,6 +140,14 @@ def mismatch_reasons(ir: GraphIR, tg: training.TrainingGraph, synced_batch_norm=
     reasons = []
     from_inputs = _fed_from_inputs(ir, tg)
     batch_norm = _batch_norm_evidence(ir, tg, from_inputs)
+    others = [name for name in batch_norm if name in tg.variables
+              and not MOVING_STATISTIC.search(name)]
+    batch_norm = [name for name in batch_norm if name not in others]
+    if others:
+        reasons.append("non-trainable variables updated from the batch in the step "
+                       f"({_some(others)}) are kept per replica, each updated from its own "
+                       "slice: they move apart from one device's, and from each other; "
+                       "fetching them gives replica 0's")
     if batch_norm and not synced_batch_norm:
         reasons.append("batch norm in training mode: each replica normalises its slice with that "
                        "slice's own mean and variance and updates the moving averages from it "
@@ -156,6 +169,13 @@ def mismatch_reasons(ir: GraphIR, tg: training.TrainingGraph, synced_batch_norm=
                        f"different numbers in every session, so they cannot match even on one "
                        f"device ({_some(unseeded)}); set a graph seed "
                        "(tf.compat.v1.set_random_seed) and use --consistent-random")
+    inside = functions.random_in_function(ir, tg.train_closure)
+    if inside:
+        reasons.append("random ops inside the functions the step calls (a tf.cond or while "
+                       f"loop body with control flow v2: "
+                       f"{_some([f'{call} ({op})' for call, op in inside])}) draw for each "
+                       "replica's slice, and --consistent-random cannot reach into function "
+                       "bodies")
     shuffles = _unseeded_shuffles(ir, tg)
     if shuffles:
         reasons.append("the input pipeline shuffles without a seed "
@@ -260,6 +280,7 @@ def _random_ops(ir: GraphIR, tg, from_inputs: set) -> tuple[list, list]:
     whatever the batch, the same in every replica as on one device."""
     fixed = {i.fixed_batch for i in tg.inputs if i.fixed_batch}
     seeded, unseeded = [], []
+    ahead = _ahead_of_defaults(ir, tg)
     for name in sorted(tg.train_closure):
         op = ir.op(name)
         attrs = ir.attrs(name)
@@ -268,10 +289,27 @@ def _random_ops(ir: GraphIR, tg, from_inputs: set) -> tuple[list, list]:
             continue
         if has_seed and attrs["seed"].i == 0 and attrs["seed2"].i == 0:
             unseeded.append(name)
-        elif not op.endswith("CandidateSampler") and _drawn_per_example(ir, name, from_inputs,
-                                                                        fixed):
+        elif (not op.endswith("CandidateSampler") and (ahead is None or name in ahead)
+              and _drawn_per_example(ir, name, from_inputs, fixed)):
             seeded.append(name)
     return seeded, unseeded
+
+
+def _ahead_of_defaults(ir: GraphIR, tg) -> set | None:
+    """The step's nodes it reaches other than through a PlaceholderWithDefault's default
+    (None: the graph has none). A default is computed once for the whole batch in the
+    transformed graph too (replicate's ``global_default``), so what it draws matches."""
+    if not ir.nodes_of(("PlaceholderWithDefault",)):
+        return None
+    seen, stack = set(), [step.name.split(":")[0] for step in tg.steps]
+    while stack:
+        name = stack.pop()
+        if name in seen or name not in ir:
+            continue
+        seen.add(name)
+        if ir.op(name) != "PlaceholderWithDefault":
+            stack.extend(ir.predecessors(name))
+    return seen
 
 
 def _drawn_per_example(ir: GraphIR, name: str, from_inputs: set, fixed: set) -> bool:
@@ -347,7 +385,8 @@ def _reorderable(original: GraphIR, tg) -> bool:
     the step (a mask drawn per position would fall on other examples) and no input pipeline
     (its batches are not fed)."""
     seeded, unseeded = _random_ops(original, tg, _fed_from_inputs(original, tg))
-    return not (seeded or unseeded or tg.pipeline)
+    return not (seeded or unseeded or tg.pipeline
+                or functions.random_in_function(original, tg.train_closure))
 
 
 def _reordered_noise(original: GraphIR, tg, feeds, start: str, steps: int, compared) -> float:

@@ -261,7 +261,13 @@ def find_steps(ir: GraphIR, given=None) -> list[str]:
                 raise GraphxformError(f"train op '{name}' is not a node of the graph")
         return list(dict.fromkeys(names))
     names = list(dict.fromkeys(n.lstrip("^") for n in _collection_values(ir, "train_op")))
-    names = [_runner_of(ir, n) for n in names if parse_tensor(n)[0] in ir]
+    missing = [n for n in names if parse_tensor(n)[0] not in ir]
+    if missing:
+        raise GraphxformError(
+            f"collection 'train_op' names '{missing[0]}', which is not a node of the graph (an "
+            "op made inside a while loop body or a tf.function is not; import_meta_graph fails "
+            "on this file too): give the op to run with --train-op")
+    names = [_runner_of(ir, n) for n in names]
     nodes = [parse_tensor(n)[0] for n in names]
     run_by_other = set()
     for node in dict.fromkeys(nodes):

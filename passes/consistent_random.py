@@ -9,7 +9,9 @@ pay R times the drawing; nothing else changes.
 
 A random op whose shape does not depend on the batch (a sampler, noise on weights) already
 draws the same values on every replica, as its copies share its seeds. One with seed = seed2
-= 0 draws differently on every run, even on one device: it is listed, not rewritten."""
+= 0 draws differently on every run, even on one device: it is listed, not rewritten. One
+inside a function body (dropout under ``tf.cond`` with control flow v2) is out of reach: the
+option is refused (graphxform/functions.py)."""
 
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ import numpy as np
 
 from graphxform import opdefs
 from graphxform.contract import replica_local
+from graphxform.errors import GraphxformError
+from graphxform.functions import random_in_function
 from graphxform.nodes import Builder, replica_prefix
 from graphxform.pipeline import Pass, PassResult
 
@@ -38,6 +42,14 @@ class ConsistentRandom(Pass):
 
     def run(self, ir, ctx):
         prefix = replica_prefix(0)
+        inside = random_in_function(ir, {prefix + n for n in ctx.training.train_closure})
+        if inside:
+            raise GraphxformError(
+                f"--consistent-random: '{inside[0][0][len(prefix):]}' ({ir.op(inside[0][0])}) "
+                f"draws random numbers ({inside[0][1]}) inside its function (a tf.cond or while "
+                "loop body with control flow v2), which the pass "
+                "cannot reach; build the graph with control flow v1 "
+                "(tf.compat.v1.disable_control_flow_v2()), or drop the option")
         random_ops = sorted(n[len(prefix):] for n in ir.nodes_of(SHAPED_RANDOM_OPS)
                             if n.startswith(prefix))
         unseeded = [n for n in random_ops if _unseeded(ir.attrs(prefix + n))]

@@ -25,9 +25,13 @@ from graphxform.errors import GraphxformError
 from graphxform.ir import tensor_name
 from graphxform.nodes import replica_prefix
 from graphxform.pipeline import Pass, PassResult
-from graphxform.training import PLACEHOLDER_OPS, VARIABLE_DEF_COLLECTIONS
+from graphxform.training import (PLACEHOLDER_OPS, RANDOM_OPS, VARIABLE_DEF_COLLECTIONS,
+                                 VARIABLE_OPS)
 
 CONTEXT_COLLECTIONS = ("while_context", "cond_context")
+GLOBAL_DEFAULT = "global_default/"
+_FRAME_OPS = frozenset({"Enter", "RefEnter", "Exit", "RefExit", "Switch", "RefSwitch", "Merge",
+                        "RefMerge", "NextIteration", "RefNextIteration", "LoopCond"})
 
 
 def shared_nodes(ir, tg, with_global_step: bool = True) -> set:
@@ -75,7 +79,8 @@ class Replicate(Pass):
                                   "replica_0/); start from the single-device graph")
         if tg.pipeline:
             tg.pipeline.require_single()
-        shared = kept_single(ir, ctx, self.mirror_global_step)
+        defaults = _global_defaults(ir, tg, self.name)
+        shared = kept_single(ir, ctx, self.mirror_global_step) | defaults
         sync = ctx.state.get("sync-init", {"first_only": set(), "redirect": [],
                                            "initial_values": set()})
         copied = [n for n in ir.nodes() if n not in shared]
@@ -106,6 +111,51 @@ class Replicate(Pass):
         ctx.state[self.name] = {"shared": shared, "cross_edges": cross_edges}
         return PassResult(modified=True, summary={"replicas": len(ctx.devices),
                                                   "nodes_per_replica": len(copied)})
+
+
+def _global_defaults(ir, tg, created_by: str) -> set:
+    """A PlaceholderWithDefault stays single like every placeholder, so its default must be
+    what one device computes: from the whole batch. Where the default is computed from the
+    batch (WGAN-GP's ``placeholder_with_default(tf.fill([tf.shape(x)[0], 1], 0.5), ...)``),
+    its computation is copied as ``global_default/<name>``, reading the placeholders
+    themselves, and the placeholder reads that copy; the replicas' copies would give one
+    replica's slice (which split-inputs would then split again). A default that reads no batch
+    is equal on every replica and stays as it is (replica 0's copy). Returns the copies."""
+    sources = set(tg.batch_sources)
+    defaults = ir.nodes_of(("PlaceholderWithDefault",))
+    if not sources or not defaults:
+        return set()
+    single = set(ir.nodes_of(PLACEHOLDER_OPS)) | (tg.pipeline.nodes if tg.pipeline else set())
+    from graphxform import opdefs
+    made = set()
+    for name in sorted(defaults):
+        region, reaches, stack = set(), False, [src for src, _ in ir.inputs(name)]
+        while stack:
+            node = stack.pop()
+            if node in region:
+                continue
+            if node in single:
+                reaches = reaches or node in sources
+                continue
+            op = ir.op(node)
+            if op in VARIABLE_OPS or (opdefs.is_stateful(ir, op) and op not in RANDOM_OPS):
+                continue  # equal on every replica, or not ours to copy: replica 0's is read
+            if op in _FRAME_OPS:
+                raise GraphxformError(
+                    f"'{name}': its default is computed from the batch inside a while loop or "
+                    f"cond ('{node}'), which cannot be recomputed from the whole batch; feed it, "
+                    "or compute the default outside the loop")
+            region.add(node)
+            stack.extend(src for src, _ in ir.inputs(node))
+        if not reaches:
+            continue
+        prefix = GLOBAL_DEFAULT if not ir.has_scope(GLOBAL_DEFAULT) else (
+            ir.unique_name(GLOBAL_DEFAULT.rstrip("/")) + "/")
+        mapping = ir.copy_nodes(sorted(region), prefix, created_by=created_by)
+        src, port = ir.inputs(name)[0]
+        ir.set_input(name, 0, tensor_name(mapping[src], port))
+        made.update(mapping.values())
+    return made
 
 
 def _rename_frames(ir, enters, prefix) -> None:

@@ -313,6 +313,54 @@ def gan_mlp(rng):
                  [d_train, g_train], [d_loss, g_loss])
 
 
+@recipe(note="WGAN-GP as its authors' TF1 code (improved_wgan_training) writes it: critic cost "
+             "with a gradient penalty at interpolates between real and generated points "
+             "(tf.gradients of the critic w.r.t. its input, then the norm per example), "
+             "Adam(1e-4, beta1=0.5, beta2=0.9) on the critic, then on the generator; the "
+             "interpolation weight is a placeholder_with_default whose default draws "
+             "[tf.shape(real)[0], 1] uniforms (left unfed, so every step draws from the batch's "
+             "shape)",
+        has=["two_train_ops", "var_list", "gradient_penalty", "placeholder_with_default"])
+def wgan_gp(rng):
+    real = v1.placeholder(tf.float32, [None, 2], name="real")
+    z = v1.placeholder(tf.float32, [None, 4], name="z")
+
+    def generator(noise):
+        with v1.variable_scope("generator", reuse=v1.AUTO_REUSE):
+            h = v1.layers.dense(noise, 16, activation=tf.nn.relu, name="h0")
+            return v1.layers.dense(h, 2, name="out")
+
+    def critic(points):
+        with v1.variable_scope("critic", reuse=v1.AUTO_REUSE):
+            h = v1.layers.dense(points, 16, activation=tf.nn.relu, name="h0")
+            return v1.layers.dense(h, 1, name="out")
+
+    fake = generator(z)
+    alpha = v1.placeholder_with_default(
+        v1.random_uniform([tf.shape(real)[0], 1], 0.0, 1.0, seed=7), [None, 1], name="alpha")
+    interpolates = real + alpha * (fake - real)
+    gradients = tf.gradients(critic(interpolates), [interpolates])[0]
+    slopes = tf.sqrt(tf.reduce_sum(tf.square(gradients), axis=[1]))
+    penalty = tf.reduce_mean((slopes - 1.0) ** 2)
+    critic_cost = tf.add(tf.reduce_mean(critic(fake)) - tf.reduce_mean(critic(real)),
+                         10.0 * penalty, name="critic_cost")
+    generator_cost = tf.negative(tf.reduce_mean(critic(fake)), name="generator_cost")
+    trainable = v1.trainable_variables()
+    critic_vars = [v for v in trainable if v.name.startswith("critic/")]
+    generator_vars = [v for v in trainable if v.name.startswith("generator/")]
+    global_step = v1.train.get_or_create_global_step()
+    critic_train = v1.train.AdamOptimizer(1e-4, beta1=0.5, beta2=0.9).minimize(
+        critic_cost, var_list=critic_vars, name="critic_train")
+    generator_train = v1.train.AdamOptimizer(1e-4, beta1=0.5, beta2=0.9).minimize(
+        generator_cost, var_list=generator_vars, global_step=global_step,
+        name="generator_train")
+    angles = rng.uniform(0, 2 * np.pi, size=POOL)
+    points = np.stack([np.cos(angles), np.sin(angles)], axis=1) * 2.0
+    noise = rng.standard_normal([POOL, 4])
+    return Built({"real": points.astype(np.float32), "z": noise.astype(np.float32)},
+                 [critic_train, generator_train], [critic_cost, generator_cost])
+
+
 @recipe(note="'Keras as a simplified interface to TensorFlow' (keras.io blog) with tf_keras "
              "2.21 layers called on tf.compat.v1 placeholders in graph mode: Embedding -> "
              "SimpleRNN(return_sequences=True) -> GlobalAveragePooling1D -> Dense, loss "
@@ -689,12 +737,13 @@ def _describe_inputs(graph_def, built, train_ops):
             "feeds_optional": optional}
 
 
-def _step_closure(nodes, fetches, data_only=False):
+def _step_closure(nodes, fetches, data_only=False, through_defaults=True):
     """Names of the nodes running ``fetches`` executes (data and control inputs).
 
     data_only: follow data inputs only, i.e. the nodes whose values the
     fetches depend on (add_check_numerics_ops makes every step run the
     initializers' random ops, but nothing depends on their values).
+    through_defaults=False: stop at a PlaceholderWithDefault.
     """
     stack = [name.split(":")[0] for name in fetches]
     seen = set()
@@ -703,6 +752,8 @@ def _step_closure(nodes, fetches, data_only=False):
         if name in seen:
             continue
         seen.add(name)
+        if not through_defaults and nodes[name].op == "PlaceholderWithDefault":
+            continue
         for inp in nodes[name].input:
             if not (data_only and inp.startswith("^")):
                 stack.append(inp.lstrip("^").split(":")[0])
@@ -716,7 +767,10 @@ def _manifest_problems(entry, graph_def, feeds):
     step_ops = {nodes[n].op for n in step}
     problems = []
     writes = [n for n in step if any(word in nodes[n].op for word in STATE_WRITE_WORDS)]
-    results = _step_closure(nodes, writes + entry["losses"], data_only=True)
+    # a PlaceholderWithDefault is an input like any other: what computes its default is drawn
+    # for the whole batch, once, in the transformed graph too (replicate's global_default)
+    results = _step_closure(nodes, writes + entry["losses"], data_only=True,
+                            through_defaults=False)
     random_in_step = sorted({nodes[n].op for n in results} & RANDOM_OPS)
     has_bn = bool(step_ops & BATCH_NORM_OPS) or "bn" in entry["has"]
     if entry["exact"] and (random_in_step or has_bn):

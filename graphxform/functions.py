@@ -1,0 +1,98 @@
+"""What runs inside the functions a training step calls.
+
+Control flow v2 (``tf.while_loop``, ``tf.cond``) and a ``tf.function`` called from the graph
+keep their bodies in the function library, out of reach of the passes, which rewrite graph
+nodes only. Two things there break the contract silently, so the contract and `verify` look:
+
+- a variable update inside a body (an optimizer applied in a loop): each replica would apply
+  its own slice's gradient to its own copy, and the replicas would train apart
+  (``written_in_function``; the contract refuses);
+- a random op inside a body (dropout under ``tf.cond(is_training, ...)``): each replica draws
+  for its own slice and ``--consistent-random`` cannot reach it (``random_in_function``;
+  verify names it, the consistent-random pass refuses).
+
+A call's inputs are its function's arguments in order (``If``, ``Case``: after the branch
+selector), so a write to an argument is a write to the graph node that feeds it; nested calls
+map their arguments the same way.
+"""
+
+from __future__ import annotations
+
+from graphxform.training import RANDOM_OPS, is_apply_op, is_mutating_op
+
+CALL_OPS = {"While": ("cond", "body"), "StatelessWhile": ("cond", "body"),
+            "If": ("then_branch", "else_branch"), "StatelessIf": ("then_branch", "else_branch"),
+            "Case": ("branches",), "StatelessCase": ("branches",),
+            "PartitionedCall": ("f",), "StatefulPartitionedCall": ("f",)}
+_SELECTOR_FIRST = {"If", "StatelessIf", "Case", "StatelessCase"}
+_MAX_DEPTH = 20  # a recursive library: nothing real nests this deep
+
+
+def written_in_function(ir, closure: set, trains) -> tuple | None:
+    """(call node, function, writing op type, written graph node) for the first call in
+    ``closure`` whose functions apply an optimizer update, or write a node for which
+    ``trains(node)`` is true (a trainable variable); None when there is none."""
+    for call, function, node, source in called_nodes(ir, closure):
+        if is_mutating_op(node.op) and node.input:
+            target = source(node.input[0])
+            if is_apply_op(node.op) or (target is not None and trains(target)):
+                return call, function, node.op, target or node.input[0]
+    return None
+
+
+def random_in_function(ir, closure: set) -> list[tuple[str, str]]:
+    """(call, op type) for each random op inside the functions the calls in ``closure`` run."""
+    return sorted({(call, node.op) for call, _, node, _ in called_nodes(ir, closure)
+                   if node.op in RANDOM_OPS})
+
+
+def called_nodes(ir, closure: set):
+    """(call node, function name, NodeDef, source) for each node of each function a call in
+    ``closure`` runs, nested calls' too; ``source(input text)`` is the graph node that feeds
+    the argument an input names (None: not an argument, or not known)."""
+    library = {f.signature.name: f for f in ir.meta.graph_def.library.function}
+    if not library:
+        return
+    calls = [n for n in ir.nodes_of(set(CALL_OPS) | set(library)) if n in closure]
+    for call in sorted(calls):
+        op = ir.op(call)
+        sources = [src for src, _ in ir.inputs(call)]
+        if op in _SELECTOR_FIRST:
+            sources = sources[1:]
+        for function in _called(ir.attrs(call), op, library):
+            for function_name, node, source in _nodes(library, function, sources, 0):
+                yield call, function_name, node, source
+
+
+def _called(attrs, op: str, library: dict) -> list[str]:
+    """The functions a call op runs."""
+    if op in library:
+        return [op]
+    names = []
+    for key in CALL_OPS.get(op, ()):
+        if key not in attrs:
+            continue
+        value = attrs[key]
+        names += [f.name for f in value.list.func] if key == "branches" else [value.func.name]
+    return [name for name in names if name in library]
+
+
+def _nodes(library: dict, name: str, sources: list, depth: int):
+    """(function, NodeDef, source) for the nodes of function ``name`` and of the calls inside
+    it, its arguments fed by ``sources``."""
+    if depth > _MAX_DEPTH:
+        return
+    function = library[name]
+    args = {arg.name: k for k, arg in enumerate(function.signature.input_arg)}
+
+    def source(text):
+        k = args.get(text.lstrip("^").split(":", 1)[0])
+        return sources[k] if k is not None and k < len(sources) else None
+
+    for node in function.node_def:
+        yield name, node, source
+        inner = [source(text) for text in node.input if not text.startswith("^")]
+        if node.op in _SELECTOR_FIRST:
+            inner = inner[1:]
+        for called in _called(node.attr, node.op, library):
+            yield from _nodes(library, called, inner, depth + 1)

@@ -1,0 +1,203 @@
+"""Training code the passes cannot see into, as public recipes write it: a custom gradient
+(``tf.custom_gradient``, ``gradient_override_map``) and an optimizer applied inside a
+``tf.while_loop`` body (control flow v2 keeps it in the function library). What can be
+proven is transformed and trains like one device; the rest is refused in one line naming the
+op, with no output written."""
+
+import numpy as np
+import pytest
+
+
+def dense(x, units, name, activation=None):
+    """A dense layer from tf.compat.v1 variables (tf.compat.v1.layers needs legacy Keras)."""
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+    with tf1.variable_scope(name):
+        w = tf1.get_variable("kernel", [x.shape[-1], units])
+        b = tf1.get_variable("bias", [units], initializer=tf1.zeros_initializer())
+        out = tf.matmul(x, w) + b
+        return activation(out) if activation else out
+
+
+def _export(path, build):
+    """Build a two-layer classifier around ``build(x, y) -> train op`` and write the .meta
+    and a feed pool beside it."""
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+    graph = tf.Graph()
+    with graph.as_default():
+        tf1.set_random_seed(1)
+        x = tf1.placeholder(tf.float32, [None, 8], name="x")
+        y = tf1.placeholder(tf.int64, [None], name="y")
+        tf1.add_to_collection("train_op", build(x, y))
+        tf1.train.export_meta_graph(str(path), graph=graph)
+    rng = np.random.RandomState(0)
+    xs = rng.randn(64, 8).astype(np.float32)
+    np.savez(str(path) + ".npz", x=xs, y=(xs[:, 0] > 0).astype(np.int64))
+    return str(path)
+
+
+def custom_gradient_model(gradient):
+    """A hidden layer whose gradient ``gradient(dy)`` replaces the identity's."""
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+
+    def build(x, y):
+        @tf.custom_gradient
+        def through(t):
+            return tf.identity(t), gradient
+        h = through(dense(x, 16, "hidden", tf.nn.relu))
+        loss = tf1.losses.sparse_softmax_cross_entropy(y, dense(h, 2, "logits"))
+        step = tf1.train.get_or_create_global_step()
+        return tf1.train.MomentumOptimizer(0.1, 0.9).minimize(loss, global_step=step)
+    return build
+
+
+def test_a_linear_custom_gradient_trains_like_one_device(run_cli, tmp_path):
+    import tensorflow as tf
+    # gradient reversal, as domain-adversarial training writes it, at half strength
+    model = _export(tmp_path / "m.meta", custom_gradient_model(lambda dy: tf.negative(dy) * 0.5))
+    code, out, err = run_cli("verify", "--replicas", 2, model, "--feeds", model + ".npz",
+                             "--batch-size", 16)
+    assert code == 0, err
+    assert "PASS" in out
+
+
+def test_a_custom_gradient_that_clips_its_input_is_refused(run_cli, tmp_path):
+    import tensorflow as tf
+    model = _export(tmp_path / "m.meta",
+                    custom_gradient_model(lambda dy: tf.clip_by_value(dy, -0.01, 0.01)))
+    out = tmp_path / "out.meta"
+    code, _, err = run_cli("apply", "--replicas", 2, model, "-o", out)
+    assert code == 1
+    assert len(err.strip().splitlines()) == 1
+    assert "'IdentityN' has a custom gradient" in err and "not linear" in err
+    assert not out.exists()
+
+
+def test_a_nonlinear_gradient_override_is_refused(run_cli, tmp_path):
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+
+    @tf.RegisterGradient("GraphxformTestSignGradient")
+    def _sign(op, dy):  # signSGD-style: only the gradient's sign goes back
+        return tf.sign(dy)
+
+    def build(x, y):
+        with tf1.get_default_graph().gradient_override_map({"Identity": "GraphxformTestSignGradient"}):
+            h = tf.identity(dense(x, 16, "hidden", tf.nn.relu), name="signed")
+        loss = tf1.losses.sparse_softmax_cross_entropy(y, dense(h, 2, "logits"))
+        return tf1.train.GradientDescentOptimizer(0.1).minimize(loss)
+
+    model = _export(tmp_path / "m.meta", build)
+    code, _, err = run_cli("apply", "--replicas", 2, model, "-o", tmp_path / "out.meta")
+    assert code == 1
+    assert "'signed' has a custom gradient whose 'gradients/signed_grad/Sign' (Sign)" in err
+
+
+def loop_model(collection_too):
+    """Two SGD steps per run inside a tf.while_loop body (control flow v2); the optimizer adds
+    its op, made inside the body, to the 'train_op' collection unless removed."""
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+
+    def build(x, y):
+        w = tf1.get_variable("w", [8, 2])
+        optimizer = tf1.train.GradientDescentOptimizer(0.1)
+
+        def body(i):
+            logits = tf.matmul(x, w)
+            loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+                labels=y, logits=logits))
+            with tf.control_dependencies([optimizer.minimize(loss)]):
+                return i + 1
+
+        loop = tf1.while_loop(lambda i: i < 2, body, [tf.constant(0)])
+        if not collection_too:
+            tf1.get_collection_ref("train_op").clear()
+        return loop
+    return build
+
+
+def test_training_inside_a_while_loop_is_refused(run_cli, tmp_path):
+    model = _export(tmp_path / "m.meta", loop_model(collection_too=False))
+    code, _, err = run_cli("apply", "--replicas", 2, model, "-o", tmp_path / "out.meta")
+    assert code == 1
+    assert len(err.strip().splitlines()) == 1
+    assert "'while' (While) runs function" in err and "updates 'w' (ResourceApply" in err
+    assert not (tmp_path / "out.meta").exists()
+
+
+def test_a_train_op_collection_naming_an_op_inside_the_loop_is_a_clear_error(run_cli,
+                                                                              tmp_path):
+    model = _export(tmp_path / "m.meta", loop_model(collection_too=True))
+    code, _, err = run_cli("apply", "--replicas", 2, model, "-o", tmp_path / "out.meta")
+    assert code == 1
+    assert "collection 'train_op' names 'GradientDescent', which is not a node" in err
+
+
+@pytest.mark.parametrize("strategy", ["ps", "model-average"])
+def test_other_strategies_keep_the_same_guard(run_cli, tmp_path, strategy):
+    """ps averages gradients like allreduce; model-average trains each replica on its own and
+    averages the variables, which a loop body does not defeat."""
+    import tensorflow as tf
+    model = _export(tmp_path / "m.meta",
+                    custom_gradient_model(lambda dy: tf.clip_by_value(dy, -0.01, 0.01)))
+    args = ["apply", "--strategy", strategy, model, "-o", tmp_path / "out.meta"]
+    if strategy == "ps":
+        cluster = tmp_path / "cluster.json"
+        cluster.write_text('{"ps": ["127.0.0.1:1"], "worker": ["127.0.0.1:2", "127.0.0.1:3"]}')
+        args += ["--cluster", cluster]
+    else:
+        args += ["--replicas", 2]
+    code, _, err = run_cli(*args)
+    if strategy == "ps":
+        assert code == 1 and "not linear" in err
+    else:
+        assert code == 0, err
+
+
+def dropout_under_cond(legacy_control_flow):
+    """Dropout only while training, as ``tf.compat.v1.layers.dropout(training=is_training)``
+    writes it: a tf.cond on a placeholder_with_default (control flow v2 keeps the random op
+    in the cond's branch function; v1 keeps it in the graph)."""
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+
+    def build(x, y):
+        if legacy_control_flow:
+            tf1.disable_control_flow_v2()
+        try:
+            training = tf1.placeholder_with_default(True, [], name="is_training")
+            h = dense(x, 32, "hidden", tf.nn.relu)
+            h = tf.cond(training, lambda: tf.nn.dropout(h, rate=0.5, seed=3), lambda: h,
+                        name="dropout")
+            loss = tf1.losses.sparse_softmax_cross_entropy(y, dense(h, 2, "logits"))
+        finally:
+            if legacy_control_flow:
+                tf1.enable_control_flow_v2()
+        return tf1.train.GradientDescentOptimizer(0.1).minimize(loss)
+    return build
+
+
+def test_dropout_inside_a_cond_function_is_named_and_consistent_random_refused(run_cli,
+                                                                               tmp_path):
+    model = _export(tmp_path / "m.meta", dropout_under_cond(legacy_control_flow=False))
+    code, out, _ = run_cli("verify", "--replicas", 2, model, "--feeds", model + ".npz",
+                           "--batch-size", 16)
+    assert code == 1 and "FAIL" in out
+    assert "random ops inside the functions the step calls" in out
+    assert "dropout (RandomUniform)" in out and "amplifies rounding" not in out
+    code, _, err = run_cli("apply", "--replicas", 2, "--consistent-random", model,
+                           "-o", tmp_path / "out.meta")
+    assert code == 1 and len(err.strip().splitlines()) == 1
+    assert "'dropout' (If) draws random numbers (RandomUniform) inside its function" in err
+    assert not (tmp_path / "out.meta").exists()
+
+
+def test_dropout_inside_a_legacy_cond_is_made_consistent(run_cli, tmp_path):
+    model = _export(tmp_path / "m.meta", dropout_under_cond(legacy_control_flow=True))
+    code, out, err = run_cli("verify", "--replicas", 2, "--consistent-random", model,
+                             "--feeds", model + ".npz", "--batch-size", 16)
+    assert code == 0, err
+    assert "PASS" in out
