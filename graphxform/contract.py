@@ -145,10 +145,14 @@ def _check_losses_are_means(ir: GraphIR, tg: TrainingGraph) -> None:
         copies = [n for n in ir.ancestors(copy) if n.startswith(prefix)]
         values = replica_values.classify(ir, prefix, copies=copies)
         if values.of(copy, port) == replica_values.SUM:
+            constant = _constant_denominator(ir, copy)
+            what = ("a sum over the batch" if constant is None else
+                    f"a sum over the batch divided by a constant ({constant}, as "
+                    "tf.nn.compute_average_loss divides by global_batch_size)")
             raise ContractError(
-                f"step '{step.name}' minimises '{step.loss}', a sum over the batch; gradients "
-                "are averaged across replicas (right for a mean loss), so this step would train "
-                "with 1/N of its gradient: divide the loss by the batch size (reduce_mean)")
+                f"step '{step.name}' minimises '{step.loss}', {what}; gradients are averaged "
+                "across replicas (right for a mean over the batch), so this step would train "
+                "with 1/N of its gradient: use tf.reduce_mean over the batch instead")
         ratio = _ratio_of_sums(ir, values, copy)
         if ratio is not None:
             raise ContractError(
@@ -158,6 +162,20 @@ def _check_losses_are_means(ir: GraphIR, tg: TrainingGraph) -> None:
                 "replica would divide by its own slice's, so the averaged gradients are not "
                 "one device's (allreduce and replicated divide by the replicas' mean total "
                 "instead, when it reads no variable); divide by the batch size instead")
+
+
+def _constant_denominator(ir: GraphIR, node: str):
+    """The constant ``node`` divides by (a division whose divisor is a Const), or None."""
+    from graphxform.nodes import const_value
+    from graphxform.replica_values import DIVIDE_OPS
+    inputs = ir.inputs(node)
+    if ir.op(node) not in DIVIDE_OPS or len(inputs) != 2:
+        return None
+    divisor = inputs[1][0]
+    while ir.op(divisor) in ("Cast", "Identity") and ir.inputs(divisor):
+        divisor = ir.inputs(divisor)[0][0]
+    value = const_value(ir, divisor)
+    return None if value is None or value.size != 1 else value.reshape(-1)[0].item()
 
 
 def _check_custom_gradients(ir: GraphIR, tg: TrainingGraph) -> None:

@@ -39,8 +39,10 @@ def nonlinear_custom_gradient(ir, closure, name_of=lambda name: name) -> tuple |
     """(forward op, gradient op) for the first op of a custom gradient in ``closure`` (the
     step's nodes, input names) that applies an op not in LINEAR_OPS to the incoming gradient,
     or None. ``name_of`` maps an input name to its node in ``ir`` (replica 0's copy)."""
-    custom = sorted(name for name in closure if gradient_scope(name) is None
-                    and name_of(name) in ir and OVERRIDE_ATTR in ir.attrs(name_of(name)))
+    node_table, attrs = ir.g._node, ir.attrs
+    custom = sorted(name for name, node in zip(closure, map(name_of, closure))
+                    if node in node_table and OVERRIDE_ATTR in attrs(node)
+                    and gradient_scope(name) is None)
     if not custom:
         return None
     groups = _gradient_groups(closure)

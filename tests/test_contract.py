@@ -176,3 +176,20 @@ def test_refuses_a_loss_that_is_a_sum_over_the_batch():
         meta = v1.train.export_meta_graph(graph=g)
     with pytest.raises(ContractError, match="'loss:0', a sum over the batch"):
         strategies.transform(metagraph.from_metagraph(meta), "allreduce", devices=DEVICES)
+
+
+def test_refuses_compute_average_loss_naming_its_constant():
+    """TF's guide for custom training loops divides the sum by the global batch size; under
+    averaged gradients that is a sum: refused, saying so."""
+    g = tf.Graph()
+    with g.as_default():
+        x = v1.placeholder(tf.float32, [None, 3], name="x")
+        w = v1.get_variable("w", [3, 1])
+        per_example = tf.reduce_sum(tf.square(tf.matmul(x, w)), axis=1)
+        loss = tf.nn.compute_average_loss(per_example, global_batch_size=64)
+        v1.train.GradientDescentOptimizer(0.1).minimize(
+            loss, global_step=v1.train.get_or_create_global_step())
+        meta = v1.train.export_meta_graph(graph=g)
+    with pytest.raises(ContractError, match=r"a sum over the batch divided by a constant \(64, "
+                                            "as tf.nn.compute_average_loss"):
+        strategies.transform(metagraph.from_metagraph(meta), "allreduce", devices=DEVICES)
