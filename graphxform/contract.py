@@ -22,9 +22,8 @@ from graphxform.errors import GraphxformError
 from graphxform.ir import GraphIR, parse_tensor
 from graphxform.nodes import replica_prefix
 from graphxform.replica_spread import ReplicaSpread
-from graphxform.training import REPLICA_SCOPE as REPLICA_HEAD
-from graphxform.training import (VARIABLE_OPS, TrainingGraph, consumers_through_switches,
-                                 is_mutating_op, tape_gradients)
+from graphxform.training import (REPLICA_SCOPE, VARIABLE_OPS, TrainingGraph,
+                                 consumers_through_switches, is_mutating_op, tape_gradients)
 
 
 
@@ -204,16 +203,19 @@ def _check_function_writes(ir: GraphIR, tg: TrainingGraph, closure: set) -> None
     """No step trains inside a function (graphxform/functions.py says why)."""
     from graphxform.functions import written_in_function
 
+    def original(node):
+        return REPLICA_SCOPE.sub("", node, count=1)
+
     def trains(node):
-        var = tg.variables.get(REPLICA_HEAD.sub("", node, count=1))
+        var = tg.variables.get(original(node))
         return var is not None and var.trainable
 
     found = written_in_function(ir, closure, trains)
     if found is not None:
         call, function, op, target = found
         raise ContractError(
-            f"'{REPLICA_HEAD.sub('', call, count=1)}' ({ir.op(call)}) runs function '{function}', which updates "
-            f"'{REPLICA_HEAD.sub('', target, count=1)}' ({op}) inside it: updates inside a "
+            f"'{original(call)}' ({ir.op(call)}) runs function '{function}', which updates "
+            f"'{original(target)}' ({op}) inside it: updates inside a "
             "function (a while loop or cond body with control flow v2, a tf.function) are not "
             "distributed, so each replica would apply its own slice's gradient and the "
             "replicas would train apart; apply the optimizer outside the loop or function")

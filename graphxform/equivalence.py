@@ -24,7 +24,7 @@ import numpy as np
 
 from graphxform import functions, training
 from graphxform.plan import ClusterPlan
-from graphxform.ir import GraphIR
+from graphxform.ir import GraphIR, parse_tensor
 from graphxform.nodes import const_value, replica_prefix
 from graphxform.runtime import servers
 from graphxform.runtime.local import Feeds, Runner, cpus_by_job, needed_inputs
@@ -301,7 +301,7 @@ def _ahead_of_defaults(ir: GraphIR, tg) -> set | None:
     transformed graph too (replicate's ``global_default``), so what it draws matches."""
     if not ir.nodes_of(("PlaceholderWithDefault",)):
         return None
-    seen, stack = set(), [step.name.split(":")[0] for step in tg.steps]
+    seen, stack = set(), [parse_tensor(step.name)[0] for step in tg.steps]
     while stack:
         name = stack.pop()
         if name in seen or name not in ir:

@@ -15,7 +15,7 @@ linear in it; the contract refuses such a step.
 
 from __future__ import annotations
 
-from graphxform.training import gradient_scope
+from graphxform.training import REPLICA_SCOPE, gradient_scope
 
 # ops whose output is linear in any one input the incoming gradient reaches (or, for shapes
 # and fills, does not depend on its values)
@@ -47,15 +47,15 @@ def nonlinear_custom_gradient(ir, closure, name_of=lambda name: name) -> tuple |
         return None
     groups = _gradient_groups(closure)
     for forward in custom:
-        for group in groups.get(forward, []):
-            found = _first_nonlinear(ir, group, name_of)
+        for scope in sorted(groups.get(forward, {})):
+            found = _first_nonlinear(ir, groups[forward][scope], name_of)
             if found is not None:
                 return forward, found
     return None
 
 
 def _gradient_groups(closure) -> dict:
-    """forward op name -> [set of the nodes of its gradient function, per gradients scope]:
+    """forward op name -> {gradients scope: the nodes of its gradient function there}:
     tf.gradients names them ``<scope><forward op>_grad/...``."""
     groups = {}
     for name in closure:
@@ -65,11 +65,8 @@ def _gradient_groups(closure) -> dict:
         rest = name[len(scope):]
         cut = rest.rfind("_grad/")
         if cut > 0:
-            groups.setdefault((scope, rest[:cut]), set()).add(name)
-    found = {}
-    for (_, forward), nodes in groups.items():
-        found.setdefault(forward, []).append(nodes)
-    return found
+            groups.setdefault(rest[:cut], {}).setdefault(scope, set()).add(name)
+    return groups
 
 
 def _first_nonlinear(ir, group: set, name_of) -> str | None:
@@ -84,15 +81,11 @@ def _first_nonlinear(ir, group: set, name_of) -> str | None:
             reached[name] = any(
                 (src in group and reaches(src)) or
                 (src not in group and gradient_scope(src) is not None)
-                for src in (_input_name(s) for s, _ in ir.inputs(name_of(name))))
+                for src in (REPLICA_SCOPE.sub("", s, count=1)
+                            for s, _ in ir.inputs(name_of(name))))
         return reached[name]
 
     for name in sorted(group):
         if name_of(name) in ir and reaches(name) and ir.op(name_of(name)) not in LINEAR_OPS:
             return name
     return None
-
-
-def _input_name(node: str) -> str:
-    """An input node's input-graph name (replica 0's copies carry the prefix)."""
-    return node.split("/", 1)[1] if node.startswith("replica_") else node

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from graphxform import opdefs
 from graphxform.errors import GraphxformError
 from graphxform.ir import tensor_name
 from graphxform.nodes import replica_prefix
@@ -126,7 +127,6 @@ def _global_defaults(ir, tg, created_by: str) -> set:
     if not sources or not defaults:
         return set()
     single = set(ir.nodes_of(PLACEHOLDER_OPS)) | (tg.pipeline.nodes if tg.pipeline else set())
-    from graphxform import opdefs
     made = set()
     for name in sorted(defaults):
         region, reaches, stack = set(), False, [src for src, _ in ir.inputs(name)]

@@ -28,6 +28,26 @@ def mlp_single_device(steps: int, directory, batch: int):
         return start, losses, run.variable_values()
 
 
+def export_classifier(path, build) -> str:
+    """Write ``path`` (.meta) and ``path``.npz for a step ``build(x, y)`` returns, where x is a
+    [None, 8] float placeholder and y an int64 label placeholder; the pool's labels follow a
+    fixed rule of x (learnable). Returns the .meta path."""
+    import numpy as np
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+    graph = tf.Graph()
+    with graph.as_default():
+        tf1.set_random_seed(1)
+        x = tf1.placeholder(tf.float32, [None, 8], name="x")
+        y = tf1.placeholder(tf.int64, [None], name="y")
+        tf1.add_to_collection("train_op", build(x, y))
+        tf1.train.export_meta_graph(str(path), graph=graph)
+    rng = np.random.RandomState(0)
+    xs = rng.randn(64, 8).astype(np.float32)
+    np.savez(str(path) + ".npz", x=xs, y=(xs[:, 0] > 0).astype(np.int64))
+    return str(path)
+
+
 def pytest_addoption(parser):
     parser.addoption("--update-goldens", action="store_true",
                      help="Rewrite tests/golden/*.txt from the current printer output.")

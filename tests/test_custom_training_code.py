@@ -4,8 +4,8 @@
 proven is transformed and trains like one device; the rest is refused in one line naming the
 op, with no output written."""
 
-import numpy as np
 import pytest
+from conftest import export_classifier as _export
 
 
 def dense(x, units, name, activation=None):
@@ -17,24 +17,6 @@ def dense(x, units, name, activation=None):
         b = tf1.get_variable("bias", [units], initializer=tf1.zeros_initializer())
         out = tf.matmul(x, w) + b
         return activation(out) if activation else out
-
-
-def _export(path, build):
-    """Build a two-layer classifier around ``build(x, y) -> train op`` and write the .meta
-    and a feed pool beside it."""
-    import tensorflow as tf
-    tf1 = tf.compat.v1
-    graph = tf.Graph()
-    with graph.as_default():
-        tf1.set_random_seed(1)
-        x = tf1.placeholder(tf.float32, [None, 8], name="x")
-        y = tf1.placeholder(tf.int64, [None], name="y")
-        tf1.add_to_collection("train_op", build(x, y))
-        tf1.train.export_meta_graph(str(path), graph=graph)
-    rng = np.random.RandomState(0)
-    xs = rng.randn(64, 8).astype(np.float32)
-    np.savez(str(path) + ".npz", x=xs, y=(xs[:, 0] > 0).astype(np.int64))
-    return str(path)
 
 
 def custom_gradient_model(gradient):
@@ -84,7 +66,8 @@ def test_a_nonlinear_gradient_override_is_refused(run_cli, tmp_path):
         return tf.sign(dy)
 
     def build(x, y):
-        with tf1.get_default_graph().gradient_override_map({"Identity": "GraphxformTestSignGradient"}):
+        graph = tf1.get_default_graph()
+        with graph.gradient_override_map({"Identity": "GraphxformTestSignGradient"}):
             h = tf.identity(dense(x, 16, "hidden", tf.nn.relu), name="signed")
         loss = tf1.losses.sparse_softmax_cross_entropy(y, dense(h, 2, "logits"))
         return tf1.train.GradientDescentOptimizer(0.1).minimize(loss)

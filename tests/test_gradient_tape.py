@@ -3,8 +3,8 @@ optimizer's `apply_gradients`): TF names them under `gradient_tape/` after no fo
 they must be found by that scope, and the loss they differentiate (which must be a mean for
 averaging to be right) is the one the graph lists in its 'losses' collection."""
 
-import numpy as np
 import pytest
+from conftest import export_classifier
 
 
 def tape_graph(path, loss_kind):
@@ -12,11 +12,8 @@ def tape_graph(path, loss_kind):
     (reduce_sum, listed by hand) or 'mean_unlisted' (reduce_mean, not listed)."""
     import tensorflow as tf
     tf1 = tf.compat.v1
-    graph = tf.Graph()
-    with graph.as_default():
-        tf1.set_random_seed(1)
-        x = tf1.placeholder(tf.float32, [None, 8], name="x")
-        y = tf1.placeholder(tf.int64, [None], name="y")
+
+    def build(x, y):
         w = tf1.get_variable("w", [8, 2])
         b = tf1.get_variable("b", [2], initializer=tf1.zeros_initializer())
         with tf.GradientTape() as tape:
@@ -32,14 +29,10 @@ def tape_graph(path, loss_kind):
         step = tf1.train.get_or_create_global_step()
         train = tf1.train.AdamOptimizer(0.01).apply_gradients(zip(grads, [w, b]),
                                                               global_step=step)
-        tf1.add_to_collection("train_op", train)
         if loss_kind == "sum_listed":
             tf1.add_to_collection("losses", loss)
-        tf1.train.export_meta_graph(str(path), graph=graph)
-    rng = np.random.RandomState(0)
-    xs = rng.randn(64, 8).astype(np.float32)
-    np.savez(str(path) + ".npz", x=xs, y=(xs[:, 0] > 0).astype(np.int64))
-    return str(path)
+        return train
+    return export_classifier(path, build)
 
 
 def test_tape_gradients_are_reduced_and_train_like_one_device(run_cli, tmp_path):
