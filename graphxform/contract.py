@@ -31,6 +31,22 @@ class ContractError(GraphxformError):
     """The transformed graph would not train like the single-device one."""
 
 
+def check_input(ir: GraphIR, tg: TrainingGraph) -> None:
+    """What is refused on the input graph, before any pass, when the batch will be split: a
+    step whose loss mixes the examples of its batch (graphxform/batch_mixing.py says why)."""
+    from graphxform.batch_mixing import mixing_in
+    sources = tg.batch_sources
+    for step in tg.steps:
+        found = mixing_in(ir, step.loss, sources) if step.loss and sources else None
+        if found is not None:
+            raise ContractError(
+                f"step '{step.name}' minimises '{step.loss}', which mixes the examples of its "
+                f"batch: '{found.node}' ({found.op}) {found.reason}; each replica would compute "
+                "it on its own slice alone, which is not the loss one device computes (batch "
+                "norm is the one exception this tool makes, see --sync-batch-norm): make the "
+                "loss a mean of per-example terms, or train on one device")
+
+
 def check(ir: GraphIR, tg: TrainingGraph, replicas: int, asynchronous: bool = False,
           closures: list | None = None) -> dict:
     """Raise ContractError naming the first variable that breaks the contract; return a

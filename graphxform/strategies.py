@@ -216,11 +216,21 @@ def transform(ir, strategy: str = "allreduce", devices=None, train_op: str | Non
     devices = list(devices or ["/device:CPU:0"])
     ctx = PassContext(training=training.analyze(ir, train_op=train_op), devices=devices,
                       cluster=cluster, strategy=strategy)
+    if len(devices) > 1 and not _asynchronous(strategy, options):
+        from graphxform import contract
+        contract.check_input(ir, ctx.training)
     pipeline = STRATEGIES[strategy](**options)
     pipeline.run(ir, ctx)
     with ir.indexed_by_op():  # the graph changes no more
         _prove(ir, ctx, pipeline, strategy, options)
     return pipeline
+
+
+def _asynchronous(strategy: str, options: dict) -> bool:
+    """Whether the replicas train apart (ps --async, independent, model-average), so the
+    per-step contract does not hold and is not checked."""
+    return (options.get("asynchronous", False) or strategy in NOT_DROP_IN
+            or strategy == "model-average")
 
 
 def _prove(ir, ctx, pipeline, strategy: str, options: dict) -> None:
@@ -229,10 +239,9 @@ def _prove(ir, ctx, pipeline, strategy: str, options: dict) -> None:
     from graphxform import contract
     devices = ctx.devices
     closures = contract.step_closures(ir, ctx.training)
-    pipeline.contract = contract.check(
-        ir, ctx.training, len(devices),
-        asynchronous=(options.get("asynchronous", False) or strategy in NOT_DROP_IN
-                      or strategy == "model-average"), closures=closures)
+    pipeline.contract = contract.check(ir, ctx.training, len(devices),
+                                       asynchronous=_asynchronous(strategy, options),
+                                       closures=closures)
     if strategy == "model-average":  # its own invariant in place of the per-step one
         pipeline.contract = contract.check_model_average(ir, ctx.training, len(devices),
                                                          closures)

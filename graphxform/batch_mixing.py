@@ -1,0 +1,810 @@
+"""Where a step's loss mixes the examples of its batch, which splitting the batch would change.
+
+Each replica computes the loss on its own slice of the global batch, and the averaged gradients
+are one device's only when the loss is a mean (or sum) of per-example terms: every example's
+term computed from that example alone. A loss that pairs examples (in-batch negatives, a
+batch-hard triplet loss), ranks them (hard-example mining, a sort), reorders or picks them
+(mixup's shuffled partner, ``x[0]``), or normalises them by a statistic of the batch computes
+something else on a slice, and nothing in the averaged gradients says so. Batch norm is the one
+documented exception (``--sync-batch-norm``; `verify` names it): a FusedBatchNorm, and
+``tf.nn.moments``' Means (``moments/mean``, ``moments/variance``), which sync-batch-norm knows.
+
+This follows the single-device graph forward from its batch (the batched placeholders and
+input-pipeline reads) to each step's loss, along data edges, giving every tensor a state:
+
+- ``None``: holds nothing from the batch (constants, variables, what is computed from them);
+- ``SIZE``: depends on the batch's size only (``tf.shape(x)[0]``, ``tf.size(x)``); a
+  ``Shape`` (k) is a shape vector whose entry k is the batch's size (``tf.shape(x)``);
+- an int k: per-example, the batch on axis k;
+- ``AGGREGATE``: a sum or mean over the batch (batch-norm statistics are ``NORM``);
+- ``UNKNOWN``: no rule here says (loops, function calls, ops without a rule): not followed;
+- a ``Mixed``: examples met here, first at ``node``, for ``reason``; whatever reads it is
+  mixed too.
+
+Only definite mixing is reported: an op the rules do not know leaves its output unknown, not
+mixed. Ranks come from the ``_output_shapes`` that `export_meta_graph` records."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from graphxform.training import RANDOM_OPS
+
+SIZE, AGGREGATE, NORM, UNKNOWN = "size", "aggregate", "norm", "unknown"
+_STATS = (AGGREGATE, NORM)
+_MOMENTS = ("moments/mean", "moments/variance")  # tf.nn.moments: sync-batch-norm's
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    batch_at: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Mixed:
+    node: str
+    op: str
+    reason: str
+
+
+PASS_OPS = frozenset({
+    "Identity", "Snapshot", "StopGradient", "PreventGradient", "CheckNumerics", "Neg",
+    "EnsureShape", "RefIdentity", "Cast", "Abs", "Relu", "Relu6", "Elu", "Selu", "Sigmoid",
+    "Tanh", "Exp", "Expm1", "Log", "Log1p", "Sqrt", "Rsqrt", "Square", "Reciprocal", "Inv",
+    "Floor", "Ceil", "Round", "Rint", "Sign", "Softplus", "Softsign", "LeakyRelu", "IsFinite",
+    "IsNan", "IsInf", "LogicalNot", "Erf", "Erfc", "Sin", "Cos", "Tan", "Asin", "Acos", "Atan",
+    "Sinh", "Cosh", "Lgamma", "Digamma", "Invert", "Gelu", "ZerosLike", "OnesLike", "Print",
+    "PrintV2", "DebugIdentity"})
+ELEMENTWISE_OPS = frozenset({
+    "Add", "AddV2", "Sub", "Mul", "MulNoNan", "RealDiv", "Div", "DivNoNan", "TruncateDiv",
+    "FloorDiv", "FloorMod", "Mod", "TruncateMod", "Maximum", "Minimum", "Pow",
+    "SquaredDifference", "Equal", "NotEqual", "Less", "LessEqual", "Greater", "GreaterEqual",
+    "LogicalAnd", "LogicalOr", "Atan2", "BiasAdd", "BiasAddV1", "Xdivy", "Xlogy", "Xlog1py",
+    "ApproximateEqual", "BitwiseAnd", "BitwiseOr", "BitwiseXor", "AddN", "SelectV2",
+    "ClipByValue", "Select", "ReluGrad", "Relu6Grad", "EluGrad", "SeluGrad", "SoftplusGrad",
+    "SoftsignGrad", "SigmoidGrad", "TanhGrad", "SqrtGrad", "RsqrtGrad", "ReciprocalGrad",
+    "LeakyReluGrad"})
+PER_EXAMPLE_OPS = frozenset({
+    "Conv2D", "Conv3D", "DepthwiseConv2dNative", "MaxPool", "AvgPool", "MaxPool3D", "AvgPool3D",
+    "MaxPoolV2", "LRN", "Conv1D", "FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3",
+    "SparseSoftmaxCrossEntropyWithLogits", "SoftmaxCrossEntropyWithLogits", "InTopK",
+    "InTopKV2"})
+REDUCE_OPS = frozenset({"Sum", "Mean", "Max", "Min", "Prod", "All", "Any", "EuclideanNorm"})
+
+
+def mixing_in(ir, loss: str, sources) -> Mixed | None:
+    """The first place the examples meet on the way to ``loss`` (a tensor name) from the batch
+    ``sources`` (nodes every output of which holds the batch on axis 0), or None."""
+    from graphxform.ir import parse_tensor
+    node, port = parse_tensor(loss)
+    states = _Flow(ir, set(sources)).run(node)
+    found = _port(states[node], port)
+    return found if isinstance(found, Mixed) else None
+
+
+def _port(state, port: int):
+    return state[port] if isinstance(state, list) else state
+
+
+class _Flow:
+    def __init__(self, ir, sources: set):
+        self.ir, self.sources = ir, sources
+        self.states = {}
+
+    def run(self, target: str) -> dict:
+        """States of ``target`` and its data ancestors, each worked out after its inputs."""
+        ir, states = self.ir, self.states
+        stack, expanded = [target], set()
+        while stack:
+            name = stack[-1]
+            if name in states:
+                stack.pop()
+            elif name in expanded or name in self.sources:
+                stack.pop()
+                states[name] = self._state(name)
+            else:
+                expanded.add(name)
+                stack.extend(src for src, _ in ir.inputs(name)
+                             if src not in states and src not in expanded)
+        return states
+
+    def _state(self, name: str):
+        if name in self.sources:
+            return 0
+        ir = self.ir
+        op = ir.op(name)
+        inputs = ir.inputs(name)
+        found = [_port(self.states.get(src, UNKNOWN), port) for src, port in inputs]
+        if op in _SHAPE_RULES:
+            return _SHAPE_RULES[op](self, name, found)
+        mixed = next((s for s in found if isinstance(s, Mixed)), None)
+        if mixed is not None:
+            return mixed
+        if op in ("Switch", "RefSwitch") and len(found) == 2 and found[1] is None:
+            return found[0]  # a legacy cond's branch, on an unchanging predicate
+        if op in ("Merge", "RefMerge") and len(set(found)) == 1 and found[0] != UNKNOWN:
+            return [found[0], None]  # both branches of a legacy cond agree
+        if op == "IdentityN":
+            return found
+        if op in ("NextIteration", "Enter", "Exit", "Merge", "Switch", "While", "If",
+                  "StatelessWhile", "StatelessIf", "PartitionedCall",
+                  "StatefulPartitionedCall"):
+            return UNKNOWN if any(s is not None for s in found) else None
+        if all(s is None for s in found):
+            return None
+        if op in _SIZE_RULES and all(s is None or s == SIZE or isinstance(s, Shape)
+                                     for s in found):
+            return _SIZE_RULES[op](_Node(self, name, op, inputs, found))
+        rule = _RULES.get(op)
+        if rule is None:
+            rule = (_pass if op in PASS_OPS else _elementwise if op in ELEMENTWISE_OPS else
+                    _per_example if op in PER_EXAMPLE_OPS else _reduce if op in REDUCE_OPS else
+                    None)
+        if rule is None:
+            return UNKNOWN
+        return rule(_Node(self, name, op, inputs, found))
+
+    def rank(self, src: str, port: int):
+        """The rank of output ``port`` of ``src`` that the graph records, or None."""
+        attrs = self.ir.attrs(src)
+        shapes = attrs.get("_output_shapes")
+        if shapes is not None and port < len(shapes.list.shape):
+            shape = shapes.list.shape[port]
+            return None if shape.unknown_rank else len(shape.dim)
+        shape = attrs.get("shape")
+        if shape is not None and self.ir.op(src) in ("Placeholder", "PlaceholderWithDefault"):
+            return None if shape.shape.unknown_rank else len(shape.shape.dim)
+        return None
+
+    def ints(self, src: str, depth: int = 0):
+        """The integer values of a Const, or of an Identity, Pack or ConcatV2 of Consts (as
+        tf.tensordot builds its permutations), as a list, or None."""
+        op = self.ir.op(src)
+        parts = [part for part, _ in self.ir.inputs(src)]
+        if op in ("Identity", "Pack", "ConcatV2") and parts and depth < 8:
+            values = [self.ints(part, depth + 1) for part in
+                      (parts[:-1] if op == "ConcatV2" else parts)]
+            if None in values or (op == "Identity" and len(values) != 1):
+                return None
+            return [v for part in values for v in part]
+        if op != "Const":
+            return None
+        from graphxform.nodes import const_value
+        value = const_value(self.ir, src)
+        if value is None or value.dtype.kind not in "iub":
+            return None
+        return [int(v) for v in value.reshape(-1)]
+
+
+class _Node:
+    """What a rule sees: the node's inputs' states, their ranks, attrs and Const inputs."""
+
+    def __init__(self, flow: _Flow, name: str, op: str, inputs: list, states: list):
+        self.flow, self.name, self.op, self.inputs, self.states = flow, name, op, inputs, states
+
+    def rank(self, k: int):
+        return self.flow.rank(*self.inputs[k]) if k < len(self.inputs) else None
+
+    def out_rank(self, port: int = 0):
+        return self.flow.rank(self.name, port)
+
+    def ints(self, k: int):
+        return self.flow.ints(self.inputs[k][0]) if k < len(self.inputs) else None
+
+    def attr(self, key: str):
+        return self.flow.ir.attrs(self.name).get(key)
+
+    def flag(self, key: str) -> bool:
+        value = self.attr(key)
+        return bool(value.b) if value is not None else False
+
+    def mixed(self, reason: str) -> Mixed:
+        return Mixed(self.name, self.op, reason)
+
+    def axis(self, value: int, rank):
+        return value if value >= 0 else None if rank is None else value + rank
+
+
+def _rows(states) -> list:
+    return [s for s in states if type(s) is int]
+
+
+def _statistic(states):
+    """The first batch statistic among ``states`` that is not batch norm's, else NORM if one
+    is, else None."""
+    if AGGREGATE in states:
+        return AGGREGATE
+    return NORM if NORM in states else None
+
+
+# --------------------------------------------------------------------- rules
+# Each takes a _Node whose inputs are neither mixed nor all free of the batch.
+
+def _pass(n: _Node):
+    return n.states[0]
+
+
+def _elementwise(n: _Node):
+    """Broadcasting ops: rows meet rows only on one axis, and never a batch statistic."""
+    out = n.out_rank()
+    axes = set()
+    for k, state in enumerate(n.states):
+        if type(state) is int:
+            rank = n.rank(k)
+            if out is None or rank is None:
+                return UNKNOWN
+            row_condition = n.op == "Select" and k == 0 and rank == 1  # v1: picks whole rows
+            axes.add(state if row_condition else state + out - rank)
+    if len(axes) > 1:
+        return n.mixed("pairs examples with each other: its operands hold the batch on "
+                       "different axes (as x[:, None] - x[None, :] does)")
+    if UNKNOWN in n.states:
+        return UNKNOWN
+    stat = _statistic(n.states)
+    if axes:
+        if stat == AGGREGATE:
+            return n.mixed("combines each example with a sum or mean over the batch (a "
+                           "statistic of the batch that is not batch norm's)")
+        return axes.pop()
+    return stat or SIZE
+
+
+def _per_example(n: _Node):
+    """Convolutions, pools, batch norm, per-example losses: axis 0 of the data input."""
+    if n.states[0] != 0 or any(s not in (None, SIZE, 0) for s in n.states[1:]):
+        return UNKNOWN
+    if n.op.startswith("FusedBatchNorm"):
+        return [0, NORM, NORM, NORM, NORM, NORM]
+    return 0
+
+
+def _reduce(n: _Node):
+    state, rank = n.states[0], n.rank(0)
+    if n.states[1] not in (None,):
+        return UNKNOWN
+    if type(state) is not int:
+        return state
+    axes = _reduction_axes(n, rank)
+    if axes is None:
+        return UNKNOWN
+    if axes == "all" or state in axes:
+        if n.op in ("Sum", "Mean"):
+            return NORM if n.name.endswith(_MOMENTS) else AGGREGATE
+        return n.mixed(f"takes the {n.op} over the batch: each replica would take its own "
+                       "slice's")
+    return state if n.flag("keep_dims") else state - sum(a < state for a in axes)
+
+
+def _reduction_axes(n: _Node, rank):
+    """The reduced axes (a list), "all", or None when unknown."""
+    values = n.ints(1)
+    ir = n.flow.ir
+    if values is None:
+        src = n.inputs[1][0]
+        if ir.op(src) == "Range" and len(ir.inputs(src)) == 3:
+            limit = ir.inputs(src)[1][0]
+            if ir.op(limit) == "Rank" and ir.inputs(limit)[0] == n.inputs[0]:
+                return "all"
+        return None
+    axes = [n.axis(v, rank) for v in values]
+    return None if None in axes else axes
+
+
+def _arg_reduce(n: _Node):
+    state, rank = n.states[0], n.rank(0)
+    if type(state) is not int:
+        return UNKNOWN if state == UNKNOWN else state
+    values = n.ints(1)
+    axis = n.axis(values[0], rank) if values and len(values) == 1 else None
+    if axis is None:
+        return UNKNOWN
+    if axis == state:
+        return n.mixed(f"takes the {n.op} over the batch axis")
+    return state - (axis < state)
+
+
+def _matmul(n: _Node):
+    """Rows of a (or columns of b) stay rows; the batch on both sides either sums over it
+    (contracted) or pairs every example with every other (an outer product)."""
+    a, b = n.states[0], n.states[1]
+    if UNKNOWN in (a, b):
+        return UNKNOWN
+    free_a, free_b = (1 if n.flag("transpose_a") else 0), (0 if n.flag("transpose_b") else 1)
+    stat = _statistic([a, b])
+    if type(a) is int and type(b) is int:
+        if a == free_a and b == free_b:
+            return n.mixed("pairs every example with every other (a product of two batch "
+                           "tensors over a feature axis, as in-batch negatives compute)")
+        if a != free_a and b != free_b:
+            return AGGREGATE  # a sum over the batch
+        return UNKNOWN
+    rows = a if type(a) is int else b
+    if type(rows) is not int:
+        return stat or SIZE
+    if stat == AGGREGATE:
+        return n.mixed("multiplies examples by a sum or mean over the batch")
+    if type(a) is int:
+        return 0 if a == free_a else UNKNOWN
+    return 1 if b == free_b else UNKNOWN
+
+
+def _batch_matmul(n: _Node):
+    """BatchMatMul: the batch on the same leading axis of both (or one) operands stays there;
+    on the matrix axes it behaves as in MatMul."""
+    a, b = n.states[0], n.states[1]
+    ra, rb, out = n.rank(0), n.rank(1), n.out_rank()
+    if UNKNOWN in (a, b) or None in (ra, rb, out) or _statistic([a, b]) == AGGREGATE:
+        return UNKNOWN
+    aligned = [s + out - r for s, r in ((a, ra), (b, rb)) if type(s) is int]
+    if any(x >= out - 2 for x in aligned):
+        adj_a = n.flag("adj_x") or n.flag("adj_a")
+        adj_b = n.flag("adj_y") or n.flag("adj_b")
+        if all(type(s) is int for s in (a, b)):
+            free_a = out - 1 if adj_a else out - 2
+            free_b = out - 2 if adj_b else out - 1
+            if a + out - ra == free_a and b + out - rb == free_b:
+                return n.mixed("pairs every example with every other (a product of two batch "
+                               "tensors over a feature axis)")
+        return UNKNOWN
+    if len(set(aligned)) != 1:
+        return n.mixed("pairs examples with each other: its operands hold the batch on "
+                       "different axes")
+    return aligned[0]
+
+
+def _einsum(n: _Node):
+    """Einsum: the batch's letter in each operand's subscripts; two letters both left in the
+    output pair examples ("ik,jk->ij"), one summed away adds them up."""
+    equation = n.attr("equation")
+    text = equation.s.decode() if equation is not None else ""
+    if "->" not in text or "." in text or UNKNOWN in n.states:
+        return UNKNOWN
+    terms, out = text.replace(" ", "").split("->")
+    terms = terms.split(",")
+    letters = set()
+    for k, state in enumerate(n.states):
+        if type(state) is int:
+            if k >= len(terms) or state >= len(terms[k]):
+                return UNKNOWN
+            letters.add(terms[k][state])
+    if not letters:
+        return _statistic(n.states) or SIZE
+    if _statistic(n.states) == AGGREGATE:
+        return n.mixed("multiplies examples by a sum or mean over the batch")
+    if len(letters) > 1:
+        return n.mixed("pairs examples with each other (the batch under different subscripts: "
+                       f"'{text}')")
+    (letter,) = letters
+    return out.index(letter) if letter in out else AGGREGATE
+
+
+def _roll(n: _Node):
+    """Roll(input, shift, axis): rolling along the batch moves examples into others' places."""
+    state, rank = n.states[0], n.rank(0)
+    if type(state) is not int or any(s is not None for s in n.states[1:]):
+        return UNKNOWN
+    values = n.ints(2)
+    axes = [n.axis(v, rank) for v in values] if values is not None else [None]
+    if None in axes:
+        return UNKNOWN
+    return n.mixed("rolls the examples of the batch into each other's places") \
+        if state in axes else state
+
+
+def _last_axis(n: _Node):
+    """Softmax, TopK, sort: over the last axis; over the batch when that is its axis."""
+    state, rank = n.states[0], n.rank(0)
+    if type(state) is not int:
+        return state
+    if rank is None:
+        return UNKNOWN
+    if state == rank - 1:
+        what = ("ranks the examples of the batch (tf.nn.top_k or tf.sort over the batch axis)"
+                if n.op.startswith("TopK") else f"normalises over the batch axis ({n.op})")
+        return n.mixed(what)
+    return state
+
+
+def _along_axis(what: str):
+    """Ops that work along one Const axis (input 1): over the batch, they mix it."""
+    def rule(n: _Node):
+        state, rank = n.states[0], n.rank(0)
+        if type(state) is not int:
+            return state if state != UNKNOWN else UNKNOWN
+        values = n.ints(1)
+        if values is None:
+            return UNKNOWN
+        if n.op == "Reverse":  # a bool per axis
+            values = [k for k, flag in enumerate(values) if flag]
+        axes = [n.axis(v, rank) for v in values]
+        if None in axes:
+            return UNKNOWN
+        return n.mixed(what) if state in axes else state
+    return rule
+
+
+def _shuffle(n: _Node):
+    if type(n.states[0]) is int and n.states[0] == 0:
+        return n.mixed("shuffles the examples of the batch")
+    return UNKNOWN
+
+
+def _broadcast_to(n: _Node):
+    value, out, rank = n.states[0], n.out_rank(), n.rank(0)
+    if type(value) is int:
+        return UNKNOWN if out is None or rank is None else value + out - rank
+    return UNKNOWN
+
+
+def _tile(n: _Node):
+    state = n.states[0]
+    if type(state) is not int:
+        return UNKNOWN
+    multiples = n.ints(1)
+    return state if multiples and state < len(multiples) and multiples[state] == 1 else UNKNOWN
+
+
+def _reshape(n: _Node):
+    """Keeps the batch on axis 0 when both shapes lead with the same dimension (unknown, -1,
+    or the batch's fixed size), or the new one merges the leading dimensions into axis 0
+    (each example's rows stay together, in order)."""
+    state = n.states[0]
+    if type(state) is not int:
+        return state if n.states[1] in (None, SIZE) or isinstance(n.states[1], Shape) \
+            else UNKNOWN
+    if state != 0:
+        return UNKNOWN
+    before, after = _dims(n.flow.ir, *n.inputs[0]), _dims(n.flow.ir, n.name, 0)
+    if not before or not after:
+        return UNKNOWN
+    if before[0] == after[0]:
+        return 0
+    merged = 1
+    for dim in before:
+        merged *= dim
+        if merged == after[0] and dim > 0:
+            return 0
+        if merged <= 0:
+            break
+    return UNKNOWN
+
+
+def _dims(ir, node: str, port: int):
+    shapes = ir.attrs(node).get("_output_shapes")
+    if shapes is None or port >= len(shapes.list.shape):
+        return None
+    shape = shapes.list.shape[port]
+    return None if shape.unknown_rank else [d.size for d in shape.dim]
+
+
+def _expand_dims(n: _Node):
+    state = n.states[0]
+    if type(state) is not int:
+        return state
+    values, rank = n.ints(1), n.rank(0)
+    if not values or rank is None:
+        return UNKNOWN
+    axis = n.axis(values[0], rank + 1)
+    return state + 1 if axis <= state else state
+
+
+def _squeeze(n: _Node):
+    state = n.states[0]
+    if type(state) is not int:
+        return state
+    dims = list(n.attr("squeeze_dims").list.i) if n.attr("squeeze_dims") is not None else []
+    rank = n.rank(0)
+    axes = [n.axis(d, rank) for d in dims]
+    if not dims or None in axes or state in axes:
+        return UNKNOWN
+    return state - sum(a < state for a in axes)
+
+
+def _transpose(n: _Node):
+    state = n.states[0]
+    if type(state) is not int:
+        return state
+    perm = n.ints(1)
+    return perm.index(state) if perm and state in perm else UNKNOWN
+
+
+def _concat(n: _Node):
+    rows = set(n.states[:-1])
+    if len(rows) == 1 and type(next(iter(rows))) is int:
+        return rows.pop()  # along the batch (batches joined) or beside it
+    return UNKNOWN
+
+
+def _pack(n: _Node):
+    rows = set(n.states)
+    if len(rows) != 1 or type(next(iter(rows))) is not int:
+        return UNKNOWN
+    state = rows.pop()
+    rank = n.rank(0)
+    value = n.attr("axis")
+    axis = n.axis(value.i if value is not None else 0, None if rank is None else rank + 1)
+    if axis is None:
+        return UNKNOWN
+    return state + 1 if axis <= state else state
+
+
+def _unpack_or_split(value_at: int, axis_from: str):
+    def rule(n: _Node):
+        state, rank = n.states[value_at], n.rank(value_at)
+        if type(state) is not int or any(s is not None for k, s in enumerate(n.states)
+                                         if k != value_at):
+            return UNKNOWN
+        if axis_from == "attr":
+            value = n.attr("axis")
+            axis = n.axis(value.i if value is not None else 0, rank)
+            if axis is None or axis == state:
+                return UNKNOWN
+            return state - (axis < state)
+        values = n.ints(0 if n.op == "Split" else 2)
+        axis = n.axis(values[0], rank) if values else None
+        return state if axis is not None and axis != state else UNKNOWN
+    return rule
+
+
+def _slice(n: _Node):
+    state = n.states[0]
+    if type(state) is not int or any(s is not None for s in n.states[1:]):
+        return UNKNOWN
+    begin, size = n.ints(1), n.ints(2)
+    if begin is None or size is None or state >= len(begin):
+        return UNKNOWN
+    if begin[state] == 0 and size[state] == -1:
+        return state
+    return n.mixed("picks examples of the batch by their position (a slice along the batch "
+                   "axis)")
+
+
+def _strided_slice(n: _Node):
+    """Walks the slice spec: a new axis adds an output axis, a shrunk one removes an input
+    axis, an ellipsis stands for the axes the spec leaves out."""
+    state = n.states[0]
+    if type(state) is not int or any(s is not None for s in n.states[1:]):
+        return UNKNOWN
+    begin, end, strides = n.ints(1), n.ints(2), n.ints(3)
+    if begin is None or end is None or strides is None:
+        return UNKNOWN
+    masks = {key: (n.attr(key).i if n.attr(key) is not None else 0) for key in (
+        "begin_mask", "end_mask", "ellipsis_mask", "new_axis_mask", "shrink_axis_mask")}
+    rank = n.rank(0)
+    in_axis = out_axis = 0
+    for k in range(len(begin)):
+        bit = 1 << k
+        if masks["ellipsis_mask"] & bit:
+            if rank is None:
+                return UNKNOWN
+            covered = rank - sum(1 for j in range(k + 1, len(begin))
+                                 if not masks["new_axis_mask"] & (1 << j))
+            if in_axis <= state < in_axis + covered:
+                return out_axis + state - in_axis
+            in_axis += covered
+            out_axis += covered
+        elif masks["new_axis_mask"] & bit:
+            out_axis += 1
+        else:
+            if in_axis == state:
+                whole = ((masks["begin_mask"] & bit or begin[k] == 0)
+                         and masks["end_mask"] & bit and strides[k] == 1
+                         and not masks["shrink_axis_mask"] & bit)
+                if whole:
+                    return out_axis
+                return n.mixed("picks examples of the batch by their position (x[0], x[:n] "
+                               "or a stride along the batch axis)")
+            in_axis += 1
+            out_axis += 0 if masks["shrink_axis_mask"] & bit else 1
+    return out_axis + state - in_axis  # past the spec: kept whole
+
+
+def _gather(n: _Node):
+    params, indices = n.states[0], n.states[1]
+    batch_dims = n.attr("batch_dims")
+    if batch_dims is not None and batch_dims.i:
+        return UNKNOWN
+    rp, ri = n.rank(0), n.rank(1)
+    if n.op == "GatherV2":
+        values = n.ints(2)
+        axis = n.axis(values[0], rp) if values else None
+    else:
+        axis = 0
+    if axis is None:
+        return UNKNOWN
+    if params is None and type(indices) is int:
+        return axis + indices
+    if type(params) is int:
+        if params == axis:
+            return n.mixed("picks or reorders the examples of the batch by index (a gather "
+                           "along the batch axis)")
+        if indices is None and ri is not None:
+            return params if params < axis else params + ri - 1
+    return UNKNOWN
+
+
+def _one_hot(n: _Node):
+    state = n.states[0]
+    if type(state) is not int or any(s is not None for s in n.states[1:]):
+        return UNKNOWN
+    value = n.attr("axis")
+    axis = value.i if value is not None else -1
+    return state if axis == -1 or axis > state else state + 1
+
+
+def _l2_loss(n: _Node):
+    return AGGREGATE if type(n.states[0]) is int else n.states[0]
+
+
+def _segment_sum(n: _Node):
+    data, ids = n.states[0], n.states[1]
+    if data == 0 and ids == 0:
+        return AGGREGATE  # sums of the batch's examples per segment
+    return UNKNOWN
+
+
+def _pad(n: _Node):
+    state = n.states[0]
+    if type(state) is not int or any(s is not None for s in n.states[1:]):
+        return UNKNOWN
+    paddings = n.ints(1)
+    if paddings and len(paddings) > 2 * state + 1 and paddings[2 * state:2 * state + 2] == [0, 0]:
+        return state
+    return UNKNOWN
+
+
+_RULES = {
+    "MatMul": _matmul, "BatchMatMul": _batch_matmul, "BatchMatMulV2": _batch_matmul,
+    "BatchMatMulV3": _batch_matmul, "Softmax": _last_axis, "LogSoftmax": _last_axis,
+    "TopKV2": _last_axis, "TopK": _last_axis, "ArgMax": _arg_reduce, "ArgMin": _arg_reduce,
+    "ReverseV2": _along_axis("reverses the order of the examples of the batch"),
+    "Reverse": _along_axis("reverses the order of the examples of the batch"),
+    "Cumsum": _along_axis("accumulates over the examples of the batch (a cumulative sum)"),
+    "Cumprod": _along_axis("accumulates over the examples of the batch (a cumulative "
+                           "product)"),
+    "CumulativeLogsumexp": _along_axis("accumulates over the examples of the batch"),
+    "Einsum": _einsum, "Roll": _roll, "RandomShuffle": _shuffle, "BroadcastTo": _broadcast_to, "Tile": _tile,
+    "Reshape": _reshape, "ExpandDims": _expand_dims, "Squeeze": _squeeze,
+    "Transpose": _transpose, "ConcatV2": _concat, "Pack": _pack,
+    "Unpack": _unpack_or_split(0, "attr"), "Split": _unpack_or_split(1, "input"),
+    "SplitV": _unpack_or_split(0, "input"), "Slice": _slice, "StridedSlice": _strided_slice,
+    "Gather": _gather, "GatherV2": _gather, "ResourceGather": _gather, "OneHot": _one_hot,
+    "L2Loss": _l2_loss, "UnsortedSegmentSum": _segment_sum, "SegmentSum": _segment_sum,
+    "Pad": _pad, "PadV2": _pad, "MirrorPad": _pad,
+}
+
+
+# ------------------------------------------------------- shapes and sizes
+# What is computed from the batch's size alone. Entry k of a shape vector is the batch's size
+# only where the batch is on axis k, so tf.shape(x)[1] (a sequence length) is not.
+
+def _shape_of(state):
+    """What Shape of a tensor in ``state`` says of the batch."""
+    if type(state) is int:
+        return Shape(state)
+    return None if state in (None, AGGREGATE, NORM, SIZE) else UNKNOWN
+
+
+def _shape_rule(flow, name: str, found: list):
+    op = flow.ir.op(name)
+    if op == "Rank":
+        return None
+    if op == "Size":
+        shape = _shape_of(found[0])
+        return SIZE if isinstance(shape, Shape) else shape
+    if op == "ShapeN":
+        return [_shape_of(s) for s in found]
+    return _shape_of(found[0]) if found else None
+
+
+_SHAPE_RULES = dict.fromkeys(("Shape", "ShapeN", "Size", "Rank", "VariableShape"),
+                             _shape_rule)
+
+
+def _picked(n: _Node, picked: list | None, scalar: bool):
+    """Entries ``picked`` of a shape vector whose batch entry is n.states[0].batch_at."""
+    at = n.states[0].batch_at
+    if picked is None:
+        return SIZE
+    if at not in picked:
+        return None
+    return SIZE if scalar else Shape(picked.index(at))
+
+
+def _size_strided_slice(n: _Node):
+    state = n.states[0]
+    if not isinstance(state, Shape):
+        return SIZE if state == SIZE else None
+    begin, end, strides = n.ints(1), n.ints(2), n.ints(3)
+    value = n.attr("shrink_axis_mask")
+    shrink = value.i & 1 if value is not None else 0
+    if not begin or not end or not strides or len(begin) != 1 or strides[0] != 1:
+        return SIZE
+    if shrink:
+        return _picked(n, [begin[0]], True)
+    start = 0 if n.attr("begin_mask") is not None and n.attr("begin_mask").i & 1 else begin[0]
+    stop = None if n.attr("end_mask") is not None and n.attr("end_mask").i & 1 else end[0]
+    if start < 0 or (stop is not None and stop < 0):
+        return SIZE
+    at = state.batch_at
+    if at < start or (stop is not None and at >= stop):
+        return None
+    return Shape(at - start)
+
+
+def _size_gather(n: _Node):
+    state = n.states[0]
+    if not isinstance(state, Shape):
+        return SIZE if state == SIZE else None
+    picked = n.ints(1)
+    return _picked(n, picked, n.rank(1) == 0)
+
+
+def _size_slice(n: _Node):
+    state = n.states[0]
+    if not isinstance(state, Shape):
+        return SIZE if state == SIZE else None
+    begin, size = n.ints(1), n.ints(2)
+    if not begin or not size or len(begin) != 1:
+        return SIZE
+    stop = None if size[0] == -1 else begin[0] + size[0]
+    at = state.batch_at
+    if at < begin[0] or (stop is not None and at >= stop):
+        return None
+    return Shape(at - begin[0])
+
+
+def _size_pack(n: _Node):
+    """[tf.shape(x)[0], d]: a shape vector with the batch's size at its position."""
+    at = [k for k, s in enumerate(n.states) if s == SIZE]
+    if any(isinstance(s, Shape) for s in n.states):
+        return SIZE
+    return Shape(at[0]) if len(at) == 1 else SIZE
+
+
+def _size_concat(n: _Node):
+    first = n.states[0]
+    if isinstance(first, Shape) and all(s is None for s in n.states[1:]):
+        return first
+    return SIZE
+
+
+def _size_filled(n: _Node):
+    """Fill, zeros and random draws of a shape holding the batch's size: a row per example;
+    Range up to it: one position per example."""
+    shape = n.states[1] if n.op == "Range" else n.states[0]
+    if n.op == "Range":
+        done = shape == SIZE and n.states[0] is None and all(s is None for s in n.states[2:])
+        return 0 if done else UNKNOWN
+    if isinstance(shape, Shape):
+        return shape.batch_at
+    return 0 if shape == SIZE and n.rank(0) == 1 else UNKNOWN
+
+
+def _size_broadcast(n: _Node):
+    value, shape = n.states[0], n.states[1]
+    if value is None and isinstance(shape, Shape):
+        return shape.batch_at
+    return UNKNOWN
+
+
+def _size_tile(n: _Node):
+    value, multiples = n.states[0], n.states[1]
+    if value is None and isinstance(multiples, Shape):
+        return multiples.batch_at
+    return UNKNOWN
+
+
+def _size_value(n: _Node):
+    """Arithmetic, casts and reductions of sizes: still a size."""
+    return SIZE
+
+
+_SIZE_RULES = {
+    "StridedSlice": _size_strided_slice, "Slice": _size_slice, "Gather": _size_gather, "GatherV2": _size_gather,
+    "Pack": _size_pack, "ConcatV2": _size_concat, "Fill": _size_filled,
+    "Range": _size_filled, "BroadcastTo": _size_broadcast, "Tile": _size_tile,
+    **dict.fromkeys(RANDOM_OPS - {"RandomShuffle"}, _size_filled),
+    **dict.fromkeys(PASS_OPS | ELEMENTWISE_OPS | REDUCE_OPS | {"Maximum", "Minimum"},
+                    _size_value),
+}

@@ -1,0 +1,183 @@
+"""Losses that mix the examples of the batch, as public recipes write them: in-batch negatives
+(SimCLR, CLIP), a batch-hard triplet loss (FaceNet), hard-example mining, mixup, a sort, a
+softmax over the batch, centring by the batch's mean. Split across replicas, each computes
+something else on its slice; `apply` used to exit 0 and `verify` then failed. Each is refused
+in one line naming the op; the look-alikes that work inside each example are not."""
+
+import pytest
+from conftest import export_classifier as _export
+
+from test_custom_training_code import dense
+
+
+def _step(loss):
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+    return tf1.train.GradientDescentOptimizer(0.1).minimize(
+        loss, global_step=tf1.train.get_or_create_global_step())
+
+
+def _xent(y, logits):
+    import tensorflow as tf
+    return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y,
+                                                                         logits=logits))
+
+
+def infonce(x, y):
+    import tensorflow as tf
+    a = tf.nn.l2_normalize(dense(x, 8, "a"), axis=1)
+    b = tf.nn.l2_normalize(dense(x * 0.5, 8, "b"), axis=1)
+    logits = tf.matmul(a, b, transpose_b=True) / 0.1
+    return _step(_xent(tf.range(tf.shape(a)[0]), logits))
+
+
+def clip_einsum(x, y):
+    import tensorflow as tf
+    a = tf.nn.l2_normalize(dense(x, 8, "image"), axis=1)
+    b = tf.nn.l2_normalize(dense(x * 0.5, 8, "text"), axis=1)
+    logits = tf.einsum("ik,jk->ij", a, b) * 10.0
+    labels = tf.range(tf.shape(a)[0])
+    return _step(_xent(labels, logits) + _xent(labels, tf.transpose(logits)))
+
+
+def rolled_negatives(x, y):
+    import tensorflow as tf
+    emb = dense(x, 8, "emb")
+    negative = tf.roll(emb, shift=1, axis=0)
+    return _step(tf.reduce_mean(tf.nn.relu(1.0 - tf.reduce_sum(tf.square(emb - negative), 1))))
+
+
+def triplet_batch_hard(x, y):
+    import tensorflow as tf
+    emb = dense(x, 8, "emb")
+    distance = tf.reduce_sum(tf.square(emb[:, None, :] - emb[None, :, :]), -1)
+    same = tf.cast(tf.equal(y[:, None], y[None, :]), tf.float32)
+    hardest = tf.reduce_max(distance * same, 1) - tf.reduce_min(distance + 1e6 * same, 1)
+    return _step(tf.reduce_mean(tf.nn.relu(hardest + 1.0)))
+
+
+def hard_example_mining(x, y):
+    import tensorflow as tf
+    per = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=dense(x, 2, "out"))
+    hardest, _ = tf.nn.top_k(per, k=tf.shape(per)[0] // 2)
+    return _step(tf.reduce_mean(hardest))
+
+
+def mixup(x, y):
+    import tensorflow as tf
+    partner = tf.random.shuffle(tf.range(tf.shape(x)[0]), seed=3)
+    mixed = 0.7 * x + 0.3 * tf.gather(x, partner)
+    labels = 0.7 * tf.one_hot(y, 2) + 0.3 * tf.gather(tf.one_hot(y, 2), partner)
+    return _step(tf.reduce_mean(tf.nn.softmax_cross_entropy_with_logits(
+        labels=labels, logits=dense(mixed, 2, "out"))))
+
+
+def mixup_reversed(x, y):
+    import tensorflow as tf
+    mixed = 0.7 * x + 0.3 * tf.reverse(x, [0])
+    return _step(_xent(y, dense(mixed, 2, "out")))
+
+
+def sorted_predictions(x, y):
+    import tensorflow as tf
+    p = tf.sort(dense(x, 1, "out")[:, 0])
+    return _step(tf.reduce_mean(tf.square(p - tf.sort(tf.cast(y, tf.float32)))))
+
+
+def softmax_over_batch(x, y):
+    import tensorflow as tf
+    h = dense(x, 8, "h")
+    weight = tf.nn.softmax(dense(h, 1, "score")[:, 0], axis=0)
+    pooled = tf.reduce_sum(h * weight[:, None], axis=0, keepdims=True)
+    return _step(_xent(y, dense(h + pooled, 2, "out")))
+
+
+def centred_by_batch_mean(x, y):
+    import tensorflow as tf
+    h = dense(x, 16, "h")
+    h = h - tf.reduce_mean(h, axis=0, keepdims=True)
+    return _step(_xent(y, dense(tf.nn.relu(h), 2, "out")))
+
+
+MIXING = [(infonce, "MatMul", "pairs every example with every other"),
+          (clip_einsum, "Einsum", "different subscripts"),
+          (rolled_negatives, "Roll", "rolls the examples"),
+          (triplet_batch_hard, "Sub", "different axes"),
+          (hard_example_mining, "TopKV2", "ranks the examples"),
+          (mixup, "RandomShuffle", "shuffles the examples"),
+          (mixup_reversed, "ReverseV2", "reverses the order"),
+          (sorted_predictions, "TopKV2", "ranks the examples"),
+          (softmax_over_batch, "Softmax", "normalises over the batch axis"),
+          (centred_by_batch_mean, "Sub", "sum or mean over the batch")]
+
+
+@pytest.mark.parametrize("build,op,reason", MIXING, ids=[b.__name__ for b, _, _ in MIXING])
+def test_a_loss_that_mixes_the_batch_is_refused(run_cli, tmp_path, build, op, reason):
+    model = _export(tmp_path / "m.meta", build)
+    out = tmp_path / "out.meta"
+    code, _, err = run_cli("apply", "--replicas", 2, model, "-o", out)
+    assert code == 1, err
+    assert len(err.strip().splitlines()) == 1
+    assert f"({op})" in err and reason in err and "mixes the examples" in err
+    assert not out.exists()
+
+
+def test_strategies_that_train_replicas_apart_are_not_refused(run_cli, tmp_path):
+    """independent and model-average are documented as not drop-in: each replica trains on
+    its own slice, so a mixing loss is what they do anyway."""
+    model = _export(tmp_path / "m.meta", infonce)
+    for strategy in ("independent", "model-average"):
+        code, _, err = run_cli("apply", "--strategy", strategy, "--replicas", 2, model,
+                               "-o", tmp_path / f"{strategy}.meta")
+        assert code == 0, err
+
+
+def per_example_lookalikes(x, y):
+    """Each of the ops above, used inside each example: attention over a sequence, a sort
+    and a top_k over features, a softmax over classes, layer norm, a column, a reversal of
+    features, a reshape round trip, a gather of embedding rows by labels."""
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+    seq = tf.reshape(dense(x, 16, "seq"), [-1, 4, 4])  # [batch, time, features]
+    scores = tf.nn.softmax(tf.matmul(seq, seq, transpose_b=True) / 2.0)
+    attended = tf.reshape(tf.matmul(scores, seq), [-1, 16])
+    mean, variance = tf.nn.moments(attended, axes=[1], keepdims=True)
+    normed = (attended - mean) * tf.math.rsqrt(variance + 1e-3)
+    top, _ = tf.nn.top_k(normed, k=4)
+    ordered = tf.sort(normed, axis=1)
+    table = tf1.get_variable("table", [2, 4])
+    mixed_features = tf.einsum("bij,bjk->bik", scores, seq)[:, 0, :]  # per example
+    features = tf.concat([top, ordered[:, :4], tf.reverse(normed, [1])[:, 2:6],
+                          tf.gather(table, y), normed[:, 0:1], mixed_features,
+                          tf.roll(normed, shift=1, axis=1)[:, :2]], axis=1)
+    return _step(_xent(y, dense(features, 2, "out")))
+
+
+def test_per_example_lookalikes_are_not_mixing(tmp_path):
+    from graphxform import batch_mixing, metagraph, training
+    ir = metagraph.load(_export(tmp_path / "m.meta", per_example_lookalikes))
+    tg = training.analyze(ir)
+    (step,) = tg.steps
+    assert batch_mixing.mixing_in(ir, step.loss, tg.batch_sources) is None
+
+
+def test_per_example_lookalikes_train_like_one_device(run_cli, tmp_path):
+    model = _export(tmp_path / "m.meta", per_example_lookalikes)
+    code, out, err = run_cli("verify", "--replicas", 2, model, "--feeds", model + ".npz",
+                             "--batch-size", 16)
+    assert code == 0, err
+    assert "PASS" in out
+
+
+@pytest.mark.parametrize("build", [b for b, _, _ in MIXING], ids=[b.__name__ for b, _, _ in
+                                                                 MIXING])
+def test_the_mixing_ops_are_found_where_they_are(tmp_path, build):
+    """The analysis names the first op where examples meet, not one after it."""
+    from graphxform import batch_mixing, metagraph, training
+    ir = metagraph.load(_export(tmp_path / "m.meta", build))
+    tg = training.analyze(ir)
+    (step,) = tg.steps
+    found = batch_mixing.mixing_in(ir, step.loss, tg.batch_sources)
+    assert found is not None
+    for src, port in ir.inputs(found.node):
+        assert batch_mixing.mixing_in(ir, f"{src}:{port}", tg.batch_sources) is None
