@@ -28,10 +28,12 @@ from __future__ import annotations
 
 import dataclasses
 
+from graphxform import replica_values
+from graphxform.replica_values import (BATCH_NORM_OPS, CROSS_ENTROPY_OPS, ELEMENTWISE_UNARY_OPS,
+                                       LIKE_OPS, LINEAR_UNARY_OPS)
 from graphxform.training import RANDOM_OPS
 
 SIZE, AGGREGATE, NORM, UNKNOWN = "size", "aggregate", "norm", "unknown"
-_STATS = (AGGREGATE, NORM)
 _MOMENTS = ("moments/mean", "moments/variance")  # tf.nn.moments: sync-batch-norm's
 
 
@@ -47,29 +49,17 @@ class Mixed:
     reason: str
 
 
-PASS_OPS = frozenset({
-    "Identity", "Snapshot", "StopGradient", "PreventGradient", "CheckNumerics", "Neg",
-    "EnsureShape", "RefIdentity", "Cast", "Abs", "Relu", "Relu6", "Elu", "Selu", "Sigmoid",
-    "Tanh", "Exp", "Expm1", "Log", "Log1p", "Sqrt", "Rsqrt", "Square", "Reciprocal", "Inv",
-    "Floor", "Ceil", "Round", "Rint", "Sign", "Softplus", "Softsign", "LeakyRelu", "IsFinite",
-    "IsNan", "IsInf", "LogicalNot", "Erf", "Erfc", "Sin", "Cos", "Tan", "Asin", "Acos", "Atan",
-    "Sinh", "Cosh", "Lgamma", "Digamma", "Invert", "Gelu", "ZerosLike", "OnesLike", "Print",
-    "PrintV2", "DebugIdentity"})
+PASS_OPS = frozenset({*LINEAR_UNARY_OPS, "Cast", *ELEMENTWISE_UNARY_OPS, *LIKE_OPS, "Print",
+                      "PrintV2", "DebugIdentity"})
+# the broadcasting ops, v1 Select (whose rank-1 condition picks rows) and the activations'
+# gradients, which broadcast as their forward ops do
 ELEMENTWISE_OPS = frozenset({
-    "Add", "AddV2", "Sub", "Mul", "MulNoNan", "RealDiv", "Div", "DivNoNan", "TruncateDiv",
-    "FloorDiv", "FloorMod", "Mod", "TruncateMod", "Maximum", "Minimum", "Pow",
-    "SquaredDifference", "Equal", "NotEqual", "Less", "LessEqual", "Greater", "GreaterEqual",
-    "LogicalAnd", "LogicalOr", "Atan2", "BiasAdd", "BiasAddV1", "Xdivy", "Xlogy", "Xlog1py",
-    "ApproximateEqual", "BitwiseAnd", "BitwiseOr", "BitwiseXor", "AddN", "SelectV2",
-    "ClipByValue", "Select", "ReluGrad", "Relu6Grad", "EluGrad", "SeluGrad", "SoftplusGrad",
-    "SoftsignGrad", "SigmoidGrad", "TanhGrad", "SqrtGrad", "RsqrtGrad", "ReciprocalGrad",
-    "LeakyReluGrad"})
-PER_EXAMPLE_OPS = frozenset({
-    "Conv2D", "Conv3D", "DepthwiseConv2dNative", "MaxPool", "AvgPool", "MaxPool3D", "AvgPool3D",
-    "MaxPoolV2", "LRN", "Conv1D", "FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3",
-    "SparseSoftmaxCrossEntropyWithLogits", "SoftmaxCrossEntropyWithLogits", "InTopK",
-    "InTopKV2"})
-REDUCE_OPS = frozenset({"Sum", "Mean", "Max", "Min", "Prod", "All", "Any", "EuclideanNorm"})
+    *replica_values.ELEMENTWISE_OPS, "Select", "ReluGrad", "Relu6Grad", "EluGrad", "SeluGrad",
+    "SoftplusGrad", "SoftsignGrad", "SigmoidGrad", "TanhGrad", "SqrtGrad", "RsqrtGrad",
+    "ReciprocalGrad", "LeakyReluGrad"})
+PER_EXAMPLE_OPS = frozenset({*replica_values.PER_EXAMPLE_OPS, *BATCH_NORM_OPS,
+                             *CROSS_ENTROPY_OPS, "InTopK", "InTopKV2"})
+REDUCE_OPS = frozenset(replica_values.REDUCE_OPS)
 
 
 def mixing_in(ir, loss: str, sources) -> Mixed | None:
@@ -90,6 +80,7 @@ class _Flow:
     def __init__(self, ir, sources: set):
         self.ir, self.sources = ir, sources
         self.states = {}
+        self.consts = {}  # node -> its integer values (replica_values.const_ints)
 
     def run(self, target: str) -> dict:
         """States of ``target`` and its data ancestors, each worked out after its inputs."""
@@ -144,36 +135,25 @@ class _Flow:
             return UNKNOWN
         return rule(_Node(self, name, op, inputs, found))
 
-    def rank(self, src: str, port: int):
-        """The rank of output ``port`` of ``src`` that the graph records, or None."""
+    def dims(self, src: str, port: int):
+        """The dimensions (-1: unknown) of output ``port`` of ``src`` that the graph records
+        (``_output_shapes``, or a placeholder's shape), or None."""
         attrs = self.ir.attrs(src)
         shapes = attrs.get("_output_shapes")
         if shapes is not None and port < len(shapes.list.shape):
             shape = shapes.list.shape[port]
-            return None if shape.unknown_rank else len(shape.dim)
-        shape = attrs.get("shape")
-        if shape is not None and self.ir.op(src) in ("Placeholder", "PlaceholderWithDefault"):
-            return None if shape.shape.unknown_rank else len(shape.shape.dim)
-        return None
+        elif "shape" in attrs and self.ir.op(src) in ("Placeholder", "PlaceholderWithDefault"):
+            shape = attrs["shape"].shape
+        else:
+            return None
+        return None if shape.unknown_rank else [d.size for d in shape.dim]
 
-    def ints(self, src: str, depth: int = 0):
-        """The integer values of a Const, or of an Identity, Pack or ConcatV2 of Consts (as
-        tf.tensordot builds its permutations), as a list, or None."""
-        op = self.ir.op(src)
-        parts = [part for part, _ in self.ir.inputs(src)]
-        if op in ("Identity", "Pack", "ConcatV2") and parts and depth < 8:
-            values = [self.ints(part, depth + 1) for part in
-                      (parts[:-1] if op == "ConcatV2" else parts)]
-            if None in values or (op == "Identity" and len(values) != 1):
-                return None
-            return [v for part in values for v in part]
-        if op != "Const":
-            return None
-        from graphxform.nodes import const_value
-        value = const_value(self.ir, src)
-        if value is None or value.dtype.kind not in "iub":
-            return None
-        return [int(v) for v in value.reshape(-1)]
+    def rank(self, src: str, port: int):
+        dims = self.dims(src, port)
+        return None if dims is None else len(dims)
+
+    def ints(self, src: str):
+        return replica_values.const_ints(self.ir, src, self.consts)
 
 
 class _Node:
@@ -454,7 +434,7 @@ def _reshape(n: _Node):
             else UNKNOWN
     if state != 0:
         return UNKNOWN
-    before, after = _dims(n.flow.ir, *n.inputs[0]), _dims(n.flow.ir, n.name, 0)
+    before, after = n.flow.dims(*n.inputs[0]), n.flow.dims(n.name, 0)
     if not before or not after:
         return UNKNOWN
     if before[0] == after[0]:
@@ -467,14 +447,6 @@ def _reshape(n: _Node):
         if merged <= 0:
             break
     return UNKNOWN
-
-
-def _dims(ir, node: str, port: int):
-    shapes = ir.attrs(node).get("_output_shapes")
-    if shapes is None or port >= len(shapes.list.shape):
-        return None
-    shape = shapes.list.shape[port]
-    return None if shape.unknown_rank else [d.size for d in shape.dim]
 
 
 def _expand_dims(n: _Node):

@@ -389,24 +389,27 @@ class _Sweep:
             return None if not lengths or None in lengths else sum(lengths)
         return None
 
-    def const_ints(self, src: str, depth: int = 0):
-        """The integer values of ``src`` as a list when they follow from Consts alone (a
-        Const, and Identity, Pack, ConcatV2, Range, Add, Sub and Mul of such, as TF builds
-        ``rank - 1`` or ``[-1, d]``); else None."""
-        if src in self._consts:
-            return self._consts[src]
-        value = None
-        op = self.nodes[src]["op"]
-        if op == "Const":
-            tensor = self.ir.attrs(src)["value"].tensor
-            if tensor.dtype in (3, 9):  # int32, int64
-                from tensorflow.python.framework import tensor_util
-                value = [int(v) for v in tensor_util.MakeNdarray(tensor).reshape(-1)]
-        elif op in _FOLDED and depth < 16:
-            value = _fold(op, [self.const_ints(part, depth + 1)
-                               for part, _ in self.ir.inputs(src)])
-        self._consts[src] = value
-        return value
+    def const_ints(self, src: str):
+        return const_ints(self.ir, src, self._consts)
+
+
+def const_ints(ir, src: str, cache: dict, depth: int = 0):
+    """The integer values of ``src`` as a list when they follow from Consts alone (a Const, and
+    Identity, Pack, ConcatV2, Range, Add, Sub and Mul of such, as TF builds ``rank - 1``,
+    ``[-1, d]`` or tf.tensordot's permutations); else None. ``cache``: node -> values."""
+    if src in cache:
+        return cache[src]
+    value = None
+    op = ir.g._node[src]["op"]
+    if op == "Const":
+        tensor = ir.attrs(src)["value"].tensor
+        if tensor.dtype in (3, 9):  # int32, int64
+            from tensorflow.python.framework import tensor_util
+            value = [int(v) for v in tensor_util.MakeNdarray(tensor).reshape(-1)]
+    elif op in _FOLDED and depth < 16:
+        value = _fold(op, [const_ints(ir, part, cache, depth + 1) for part, _ in ir.inputs(src)])
+    cache[src] = value
+    return value
 
 
 _FOLDED = frozenset({"Identity", "Pack", "ConcatV2", "Range", "Add", "AddV2", "Sub", "Mul"})
@@ -1067,6 +1070,30 @@ def _exit(n: _Node):
     return (n.cls[0],), (n.rank[0],)
 
 
+# op groups that graphxform/batch_mixing.py also reads
+LINEAR_UNARY_OPS = ("Identity", "Snapshot", "StopGradient", "PreventGradient", "CheckNumerics",
+                    "Neg", "EnsureShape", "RefIdentity")
+ELEMENTWISE_UNARY_OPS = (
+    "Abs", "Relu", "Relu6", "Elu", "Selu", "Sigmoid", "Tanh", "Exp", "Expm1", "Log", "Log1p",
+    "Sqrt", "Rsqrt", "Square", "Reciprocal", "Inv", "Floor", "Ceil", "Round", "Rint",
+    "Sign", "Softplus", "Softsign", "LeakyRelu", "IsFinite", "IsNan", "IsInf", "LogicalNot",
+    "Erf", "Erfc", "Sin", "Cos", "Tan", "Asin", "Acos", "Atan", "Sinh", "Cosh", "Lgamma",
+    "Digamma", "Invert", "Gelu")
+LIKE_OPS = ("ZerosLike", "OnesLike")
+ELEMENTWISE_OPS = (
+    "Add", "AddV2", "Sub", "Mul", "MulNoNan", "RealDiv", "Div", "DivNoNan", "TruncateDiv",
+    "FloorDiv", "FloorMod", "Mod", "TruncateMod", "Maximum", "Minimum", "Pow",
+    "SquaredDifference", "Equal", "NotEqual", "Less", "LessEqual", "Greater", "GreaterEqual",
+    "LogicalAnd", "LogicalOr", "Atan2", "BiasAdd", "BiasAddV1", "Xdivy", "Xlogy", "Xlog1py",
+    "ApproximateEqual", "BitwiseAnd", "BitwiseOr", "BitwiseXor", "AddN", "SelectV2",
+    "ClipByValue")
+REDUCE_OPS = ("Sum", "Mean", "Max", "Min", "Prod", "All", "Any", "EuclideanNorm")
+PER_EXAMPLE_OPS = ("Conv2D", "Conv3D", "DepthwiseConv2dNative", "MaxPool", "AvgPool",
+                   "MaxPool3D", "AvgPool3D", "MaxPoolV2", "LRN", "Conv1D")
+BATCH_NORM_OPS = ("FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3")
+CROSS_ENTROPY_OPS = ("SparseSoftmaxCrossEntropyWithLogits", "SoftmaxCrossEntropyWithLogits")
+
+
 def _table(groups: dict) -> dict:
     return {op: rule for rule, ops in groups.items() for op in ops}
 
@@ -1075,32 +1102,19 @@ RULES = _table({
     _source: ("Const", "HostConst", "Placeholder", "PlaceholderWithDefault", "VarHandleOp",
               "VariableV2", "Variable"),
     _read: ("ReadVariableOp",),
-    _linear_unary: ("Identity", "Snapshot", "StopGradient", "PreventGradient", "CheckNumerics",
-                    "Neg", "EnsureShape", "RefIdentity"),
+    _linear_unary: LINEAR_UNARY_OPS,
     _cast: ("Cast",),
-    _elementwise_unary: (
-        "Abs", "Relu", "Relu6", "Elu", "Selu", "Sigmoid", "Tanh", "Exp", "Expm1", "Log", "Log1p",
-        "Sqrt", "Rsqrt", "Square", "Reciprocal", "Inv", "Floor", "Ceil", "Round", "Rint",
-        "Sign", "Softplus", "Softsign", "LeakyRelu", "IsFinite", "IsNan", "IsInf", "LogicalNot",
-        "Erf", "Erfc", "Sin", "Cos", "Tan", "Asin", "Acos", "Atan", "Sinh", "Cosh", "Lgamma",
-        "Digamma", "Invert", "Gelu"),
-    _like: ("ZerosLike", "OnesLike"),
+    _elementwise_unary: ELEMENTWISE_UNARY_OPS,
+    _like: LIKE_OPS,
     _last_axis: ("Softmax", "LogSoftmax"),
-    _elementwise: (
-        "Add", "AddV2", "Sub", "Mul", "MulNoNan", "RealDiv", "Div", "DivNoNan", "TruncateDiv",
-        "FloorDiv", "FloorMod", "Mod", "TruncateMod", "Maximum", "Minimum", "Pow",
-        "SquaredDifference", "Equal", "NotEqual", "Less", "LessEqual", "Greater", "GreaterEqual",
-        "LogicalAnd", "LogicalOr", "Atan2", "BiasAdd", "BiasAddV1", "Xdivy", "Xlogy", "Xlog1py",
-        "ApproximateEqual", "BitwiseAnd", "BitwiseOr", "BitwiseXor", "AddN", "SelectV2",
-        "ClipByValue"),
+    _elementwise: ELEMENTWISE_OPS,
     _select: ("Select",),
-    _reduce: ("Sum", "Mean", "Max", "Min", "Prod", "All", "Any", "EuclideanNorm"),
+    _reduce: REDUCE_OPS,
     _matmul: ("MatMul",),
     _batch_matmul: ("BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"),
-    _per_example: ("Conv2D", "Conv3D", "DepthwiseConv2dNative", "MaxPool", "AvgPool",
-                   "MaxPool3D", "AvgPool3D", "MaxPoolV2", "LRN", "Conv1D"),
-    _batch_norm: ("FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3"),
-    _cross_entropy: ("SparseSoftmaxCrossEntropyWithLogits", "SoftmaxCrossEntropyWithLogits"),
+    _per_example: PER_EXAMPLE_OPS,
+    _batch_norm: BATCH_NORM_OPS,
+    _cross_entropy: CROSS_ENTROPY_OPS,
     _shape: ("Shape", "ShapeN"),
     _size: ("Size",),
     _rank: ("Rank",),
