@@ -80,6 +80,8 @@ class _Flow:
     def __init__(self, ir, sources: set):
         self.ir, self.sources = ir, sources
         self.states = {}
+        self.degrees = {}  # node -> its degree in the batch's size (or a list, one per port)
+        self.filled = set()  # per-example nodes whose rows hold no example's values (ones)
         self.consts = {}  # node -> its integer values (replica_values.const_ints)
 
     def run(self, target: str) -> dict:
@@ -92,7 +94,7 @@ class _Flow:
                 stack.pop()
             elif name in expanded or name in self.sources:
                 stack.pop()
-                states[name] = self._state(name)
+                states[name] = self._scaled(name, self._state(name))
             else:
                 expanded.add(name)
                 stack.extend(src for src, _ in ir.inputs(name)
@@ -134,6 +136,35 @@ class _Flow:
         if rule is None:
             return UNKNOWN
         return rule(_Node(self, name, op, inputs, found))
+
+    def _scaled(self, name: str, state):
+        """``state``, or a Mixed where the batch's size enters per-example values in a way no
+        slice reproduces; records the node's degree in the batch's size (section below)."""
+        if state is None or name in self.sources:
+            self.degrees[name] = 0
+            return state
+        if state == UNKNOWN or isinstance(state, Mixed):
+            return state
+        inputs = self.ir.inputs(name)
+        n = _Node(self, name, self.ir.op(name), inputs,
+                  [_port(self.states.get(src, UNKNOWN), port) for src, port in inputs])
+        degree = _degree(n, state, [self.degree(src, port) for src, port in inputs])
+        if isinstance(degree, Mixed):
+            return degree
+        self.degrees[name] = degree
+        filled = [src in self.filled for (src, _), s in zip(inputs, n.states) if type(s) is int]
+        if type(state) is int and (n.op in LIKE_OPS or (all(filled) if filled else
+                                                         n.op in _FILLS)):
+            self.filled.add(name)
+        elif state == AGGREGATE and n.op in ("Sum", "Mean") and inputs[0][0] in self.filled:
+            return SIZE  # the count of rows of a constant (tf.compat.v1.losses' num_present)
+        return state
+
+    def degree(self, src: str, port: int):
+        """The degree of output ``port`` of ``src`` in the batch's size, or None (unknown)."""
+        if _port(self.states.get(src, UNKNOWN), port) is None:
+            return 0
+        return _port(self.degrees.get(src), port)
 
     def dims(self, src: str, port: int):
         """The dimensions (-1: unknown) of output ``port`` of ``src`` that the graph records
@@ -250,6 +281,8 @@ def _reduce(n: _Node):
     if axes == "all" or state in axes:
         if n.op in ("Sum", "Mean"):
             return NORM if n.name.endswith(_MOMENTS) else AGGREGATE
+        if n.op in ("Max", "Min") and n.attr("T") is not None and n.attr("T").type in (3, 9):
+            return UNKNOWN  # the batch's longest sequence: a loop bound, padding (dynamic_rnn)
         return n.mixed(f"takes the {n.op} over the batch: each replica would take its own "
                        "slice's")
     return state if n.flag("keep_dims") else state - sum(a < state for a in axes)
@@ -754,17 +787,19 @@ def _size_filled(n: _Node):
 
 
 def _size_broadcast(n: _Node):
+    """A scalar broadcast to a shape holding the batch's size: a row per example (tf.gradients
+    seeds a mean's gradient so, with 1/size in every row)."""
     value, shape = n.states[0], n.states[1]
-    if value is None and isinstance(shape, Shape):
+    if value in (None, SIZE) and isinstance(shape, Shape):
         return shape.batch_at
     return UNKNOWN
 
 
 def _size_tile(n: _Node):
     value, multiples = n.states[0], n.states[1]
-    if value is None and isinstance(multiples, Shape):
+    if value in (None, SIZE) and isinstance(multiples, Shape):
         return multiples.batch_at
-    return UNKNOWN
+    return SIZE if multiples is None else UNKNOWN
 
 
 def _size_value(n: _Node):
@@ -780,3 +815,161 @@ _SIZE_RULES = {
     **dict.fromkeys(PASS_OPS | ELEMENTWISE_OPS | REDUCE_OPS | {"Maximum", "Minimum"},
                     _size_value),
 }
+
+
+# ------------------------------------------------------- degrees in the batch's size
+# A replica's slice has 1/N of the batch, so a per-example value that scales with the batch's
+# size is another value there: the gradient of a mean loss is every example's gradient over
+# the size (degree -1), and FGSM's x + eps * dL/dx adds it to the examples themselves. Each
+# batch-derived tensor gets its degree d (it scales as size**d; a shape vector holding the size
+# has 1), or None when no rule here knows. Sums over the batch add one, a mean none, so a loss
+# that is a mean of per-example terms has degree 0 (a sum: 1). Examples stay apart only while
+# per-example values of degree d != 0 flow through ops that scale along (products, quotients,
+# sign, l2 normalisation); where one meets a value of another degree (a sum) or an op that
+# does not scale (tanh, a softmax, a cross entropy), every slice computes something else.
+
+_FILLS = frozenset({"Fill", "BroadcastTo", "Tile"})  # rows of one value, in a shape of the batch's
+_UNARY_DEGREE = {  # op -> the multiple of its input's degree that its output has
+    **dict.fromkeys(LINEAR_UNARY_OPS, 1), **dict.fromkeys(
+        ("Cast", "Print", "DebugIdentity", "Abs", "Relu", "LeakyRelu", "ZerosLike"), 1),
+    "Square": 2, "Sqrt": 0.5, "Rsqrt": -0.5, "Reciprocal": -1, "Inv": -1,
+    **dict.fromkeys(("Sign", "OnesLike", "IsFinite", "IsNan", "IsInf", "LogicalNot", "ArgMax",
+                     "ArgMin", "Equal", "NotEqual", "Less", "LessEqual", "Greater",
+                     "GreaterEqual", "InTopK", "InTopKV2"), 0),
+}
+_PRODUCTS = frozenset({"Mul", "MulNoNan", "MatMul", "BatchMatMul", "BatchMatMulV2",
+                       "BatchMatMulV3", "Einsum", "Conv2D", "Conv3D", "DepthwiseConv2dNative"})
+_QUOTIENTS = frozenset({"RealDiv", "Div", "DivNoNan", "FloorDiv", "TruncateDiv"})
+_CLAMPS = frozenset({"Maximum", "Minimum", "ClipByValue"})  # a constant bound: an eps guard
+_SUMS = frozenset({"Add", "AddV2", "Sub", "AddN", "BiasAdd", "BiasAddV1", "Merge", "RefMerge",
+                   "SquaredDifference"})
+# ops whose output is its input's values moved about (or reduced along a feature axis), and
+# which of their inputs hold those values; the rest are shapes, axes and indices
+_VALUES_AT = {
+    **dict.fromkeys(("Reshape", "Transpose", "ExpandDims", "Squeeze", "Tile", "BroadcastTo",
+                     "Pad", "PadV2", "MirrorPad", "Reverse", "ReverseV2", "Roll", "Slice",
+                     "StridedSlice", "Gather", "GatherV2", "ResourceGather", "Switch",
+                     "RefSwitch", "Unpack", "SplitV", "MaxPool", "AvgPool", "MaxPool3D",
+                     "AvgPool3D", "MaxPoolV2", "TopK", "TopKV2", "Sum", "Mean", "Max", "Min",
+                     "EuclideanNorm", "Cumsum"), (0,)),
+    "Split": (1,), "Select": (1, 2), "SelectV2": (1, 2),
+}
+_SUMS_OVER_BATCH = {"Sum": 1, "Mean": 0, "SegmentSum": 1, "UnsortedSegmentSum": 1}
+# activation gradients: linear in the incoming gradient (this input), the other one fixed
+_GRADIENT_AT = {**dict.fromkeys(("ReluGrad", "Relu6Grad", "LeakyReluGrad", "EluGrad", "SeluGrad",
+                                 "SoftplusGrad", "SoftsignGrad"), 0),
+                **dict.fromkeys(("TanhGrad", "SigmoidGrad", "SqrtGrad", "RsqrtGrad",
+                                 "ReciprocalGrad"), 1)}
+
+
+def _degree(n: _Node, state, degrees: list):
+    """The degree of ``n``'s output in the batch's size (None: unknown), or a Mixed."""
+    op = n.op
+    if op in ("Shape", "ShapeN", "Size"):
+        return 1
+    if op == "IdentityN":
+        return degrees
+    if op == "Range":
+        return None  # positions in the batch, not values of its examples
+    if isinstance(state, Shape):  # [size, d], or a shape's entries from the batch's on
+        return degrees[n.states.index(SIZE)] if op == "Pack" else \
+            degrees[0] if op == "ConcatV2" else 1
+    if isinstance(n.states[0] if n.states else None, Shape):
+        return _shape_degree(n, state, degrees)
+    if op in _UNARY_DEGREE:
+        return _times(degrees[0], _UNARY_DEGREE[op])
+    if op in _GRADIENT_AT:
+        at = _GRADIENT_AT[op]
+        return degrees[at] if degrees[1 - at] == 0 else None
+    if op in _PRODUCTS:
+        total = _total(degrees)
+        batch_summed = state in (AGGREGATE, NORM) and op != "Mul" and \
+            all(type(s) is int for s in n.states[:2])  # a contraction over the batch
+        return total + 1 if total is not None and batch_summed else total
+    if op in _QUOTIENTS:
+        a, b = degrees[0], degrees[1]
+        return None if a is None or b is None else a - b
+    if op == "L2Loss":
+        return None if degrees[0] is None else 2 * degrees[0] + 1
+    if op in _CLAMPS:
+        kept = [d for d, s in zip(degrees, n.states) if s is not None]
+        return _same(n, kept, [s for s in n.states if s is not None])
+    if op in _SUMS or op in ("ConcatV2", "Concat", "Pack"):
+        at = range(len(degrees) - 1) if op == "ConcatV2" else \
+            range(1, len(degrees)) if op == "Concat" else range(len(degrees))
+        degree = _same(n, [degrees[k] for k in at], [n.states[k] for k in at])
+        if op == "SquaredDifference" and type(degree) is not Mixed:
+            return _times(degree, 2)
+        return degree
+    if op in _VALUES_AT or op in _SUMS_OVER_BATCH:
+        at = _VALUES_AT.get(op, (0,))
+        degree = _same(n, [degrees[k] for k in at], [n.states[k] for k in at])
+        if op in _SUMS_OVER_BATCH and state in (AGGREGATE, NORM) and type(n.states[0]) is int:
+            return None if degree is None else degree + _SUMS_OVER_BATCH[op]
+        return degree
+    if all(d == 0 for d in degrees):
+        return 0
+    if op == "Prod" and n.flow.dims(*n.inputs[0]) in ([], [1]):
+        return degrees[0]  # of one entry (tf.gradients' count of the examples a mean took)
+    if op in ("Prod", "Cumprod", "Pow"):
+        return None  # they scale, by a power this does not work out
+    scaled = next((s for s, d in zip(n.states, degrees) if type(s) is int and d), None)
+    if scaled is not None and op not in RANDOM_OPS and op != "Fill":
+        return n.mixed("applies an op that does not scale to per-example values that do: "
+                       "they scale with the batch's size (as the gradient of a mean loss "
+                       "does, each example's over the size)")
+    return degrees[1] if op == "Fill" else None
+
+
+def _shape_degree(n: _Node, state, degrees):
+    """What is computed from a shape vector holding the size (degree 1): a pick of the size,
+    its product, rows of a value in that shape."""
+    if type(state) is int:  # rows of a shape's size: Fill, a random draw, BroadcastTo
+        value = {"Fill": 1, "BroadcastTo": 0, "Tile": 0}.get(n.op)
+        return 0 if value is None else degrees[value]
+    if n.op == "Prod":
+        return 1
+    if n.op in ("Gather", "GatherV2", "StridedSlice", "Slice"):
+        if _picks_the_batch(n):
+            return 1
+    if n.op in ("Cast", "Identity", "Reshape", "Squeeze"):
+        return degrees[0]
+    return None
+
+
+def _picks_the_batch(n: _Node) -> bool:
+    """A pick of one entry from a shape vector that has only the batch's size (a rank-1
+    tensor's, as tf.gradients' mean picks with indices it computes), or a known pick of it."""
+    vector = n.flow.dims(*n.inputs[0])
+    out = n.flow.dims(n.name, 0)
+    if vector == [1] and out in ([], [1]):
+        return True
+    if n.op in ("Gather", "GatherV2"):
+        picked = n.ints(1)
+        return picked is not None and len(picked) == 1 and picked[0] == n.states[0].batch_at
+    begin = n.ints(1)
+    return (n.op == "StridedSlice" and begin is not None and len(begin) == 1
+            and begin[0] == n.states[0].batch_at and out == [])
+
+
+def _times(degree, factor):
+    return None if degree is None else degree * factor
+
+
+def _total(degrees):
+    return None if None in degrees else sum(degrees)
+
+
+def _same(n: _Node, degrees: list, states: list):
+    """The one degree of values that are added, joined or moved together; a Mixed where a
+    per-example value meets one of another degree."""
+    if not degrees or None in degrees:
+        return None
+    if len(set(degrees)) == 1:
+        return degrees[0]
+    if any(type(s) is int for s in states):
+        return n.mixed("adds per-example values that scale with the batch's size to values "
+                       "that do not, or scale otherwise (as FGSM's x + eps * dL/dx adds the "
+                       "gradient of a mean loss, each example's over the size, to the "
+                       "examples)")
+    return None

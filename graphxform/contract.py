@@ -142,6 +142,7 @@ def _check_losses_are_means(ir: GraphIR, tg: TrainingGraph) -> None:
     (A loss whose kind the rules cannot show is taken to be a mean, as losses almost always
     are; graphxform.replica_values has the rules.)"""
     from graphxform import replica_values
+    from graphxform.passes.global_denominators import denominators
     prefix = replica_prefix(0)
     for step in tg.steps:
         if not step.loss:
@@ -168,15 +169,17 @@ def _check_losses_are_means(ir: GraphIR, tg: TrainingGraph) -> None:
                 f"step '{step.name}' minimises '{step.loss}', {what}; gradients are averaged "
                 "across replicas (right for a mean over the batch), so this step would train "
                 "with 1/N of its gradient: use tf.reduce_mean over the batch instead")
-        ratio = _ratio_of_sums(ir, values, copy)
+        ratio = _ratio_of_sums(ir, values, copy) or next(iter(denominators(ir, (copy, port))),
+                                                          None)
         if ratio is not None:
+            ratio = parse_tensor(ratio)[0]
             raise ContractError(
                 f"step '{step.name}' minimises '{step.loss}', which divides by "
                 f"'{ratio[len(prefix):]}', a sum over the batch (of weights or a mask: "
                 "tf.compat.v1.losses with weights divides by their nonzero count): each "
                 "replica would divide by its own slice's, so the averaged gradients are not "
-                "one device's (allreduce and replicated divide by the replicas' mean total "
-                "instead, when it reads no variable); divide by the batch size instead")
+                "one device's (allreduce, replicated and hybrid divide by the replicas' mean "
+                "total instead, when it reads no variable); divide by the batch size instead")
 
 
 def _constant_denominator(ir: GraphIR, node: str):
@@ -248,9 +251,9 @@ def _ratio_of_sums(ir: GraphIR, values, loss: str) -> str | None:
     while stack:
         node = stack.pop()
         inputs = ir.inputs(node)
-        if ir.op(node) in DIVIDE_OPS and len(inputs) == 2 and all(
-                values.of(src, port) == SUM for src, port in inputs):
-            return inputs[1][0]
+        if ir.op(node) in DIVIDE_OPS and len(inputs) == 2 and \
+                values.of(*inputs[1]) == SUM and values.of(*inputs[0]) in (SUM, UNKNOWN):
+            return inputs[1][0]  # a numerator not shown to be a sum (read from a loop) is one
         for src, port in inputs:
             if src not in seen and values.of(src, port) == UNKNOWN:
                 seen.add(src)

@@ -82,8 +82,8 @@ def independent(fetch_mean=(), fetch_concat=(), verify: bool = True,
     measurements, not a drop-in replacement (replicas drift apart; the saver keeps replica 0)."""
     pipeline = allreduce(fetch_mean=fetch_mean, fetch_concat=fetch_concat, verify=verify,
                          dump_dir=dump_dir)
-    pipeline.passes = [p for p in pipeline.passes
-                       if not isinstance(p, (AllReduce, RewireConsumers))]
+    pipeline.passes = [p for p in pipeline.passes  # each replica's own mean is its own
+                       if not isinstance(p, (AllReduce, RewireConsumers, GlobalDenominators))]
     return pipeline
 
 
@@ -156,6 +156,7 @@ def hybrid(ps_tasks: int = 1, sparse_as_dense_below: int = 0, placement=None,
         SyncInit(),
         Replicate(),
         SplitInputs(),
+        GlobalDenominators(),
         OnSide(AllReduce(bucket_bytes=bucket_bytes, sparse_as_dense=True), side="allreduce"),
         RewireConsumers(),
         OnSide(InsertAccumulators(), side="ps"),

@@ -52,7 +52,7 @@ class GlobalDenominators(Pass):
         for step in tg.steps:
             node, port = parse_tensor(step.loss) if step.loss else (None, 0)
             if node and first + node in ir:
-                found += [d for d in _denominators(ir, (first + node, port)) if d not in found]
+                found += [d for d in denominators(ir, (first + node, port)) if d not in found]
         if not found:
             return PassResult(modified=False)
         build = Builder(ir, self.name)
@@ -76,9 +76,10 @@ class GlobalDenominators(Pass):
             "denominators": [d[len(first):] for d in found]})
 
 
-def _denominators(ir, loss: tuple) -> list[str]:
+def denominators(ir, loss: tuple) -> list[str]:
     """The denominators the value of ``loss`` (node, port) divides by that are totals of the
-    batch's values and depend on no variable (see the module docstring)."""
+    batch's values and depend on no variable (see the module docstring), and that this pass
+    has not replaced by the replicas' mean already. The contract refuses what is left."""
     found, seen, stack = [], set(), [loss]
     sources = None  # the batch's splits, found when a division asks
     while stack:
@@ -93,7 +94,7 @@ def _denominators(ir, loss: tuple) -> list[str]:
             if sources is None:
                 sources = {n for n in ir.nodes_of({"Split"}) if n.startswith(SPLIT_SCOPE)}
             reads = _value_sources(ir, bottom[0])
-            if (opdefs.output_dtype(ir, *bottom) in _FLOATS and not reads.isdisjoint(sources)
+            if (not bottom[0].startswith(SCOPE) and opdefs.output_dtype(ir, *bottom) in _FLOATS and not reads.isdisjoint(sources)
                     and not any(ir.op(n) in VARIABLE_OPS for n in reads)):
                 found.append(tensor_name(*bottom))
             stack.append(inputs[0])

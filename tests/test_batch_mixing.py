@@ -99,7 +99,26 @@ def centred_by_batch_mean(x, y):
     return _step(_xent(y, dense(tf.nn.relu(h), 2, "out")))
 
 
+def _fgsm(x, y, perturb):
+    """Adversarial training (Goodfellow et al.'s FGSM, as cleverhans writes it): the loss on
+    x + perturb(dL/dx), L the batch's mean loss, beside the clean loss."""
+    import tensorflow as tf
+
+    def net(inputs):
+        with tf.compat.v1.variable_scope("net", reuse=tf.compat.v1.AUTO_REUSE):
+            return dense(tf.nn.relu(dense(inputs, 16, "h")), 2, "out")
+
+    clean = _xent(y, net(x))
+    adversarial = tf.stop_gradient(x + perturb(tf.gradients(clean, x)[0]))
+    return _step(clean + _xent(y, net(adversarial)))
+
+
+def fgsm_raw_gradient(x, y):
+    return _fgsm(x, y, lambda g: 5.0 * g)
+
+
 MIXING = [(infonce, "MatMul", "pairs every example with every other"),
+          (fgsm_raw_gradient, "AddV2", "scale with the batch's size"),
           (clip_einsum, "Einsum", "different subscripts"),
           (rolled_negatives, "Roll", "rolls the examples"),
           (triplet_batch_hard, "Sub", "different axes"),
@@ -181,3 +200,25 @@ def test_the_mixing_ops_are_found_where_they_are(tmp_path, build):
     assert found is not None
     for src, port in ir.inputs(found.node):
         assert batch_mixing.mixing_in(ir, f"{src}:{port}", tg.batch_sources) is None
+
+
+def fgsm_sign(x, y):
+    import tensorflow as tf
+    return _fgsm(x, y, lambda g: 0.1 * tf.sign(g))
+
+
+def fgsm_l2_normalized(x, y):
+    import tensorflow as tf
+    return _fgsm(x, y, lambda g: 0.5 * tf.nn.l2_normalize(g, axis=1))
+
+
+@pytest.mark.parametrize("build", [fgsm_sign, fgsm_l2_normalized])
+def test_a_perturbation_that_does_not_scale_with_the_batch_trains_like_one_device(
+        run_cli, tmp_path, build):
+    """The gradient of a mean loss is each example's over the batch's size, so a slice's is
+    N times larger; its sign and its direction are the same, and those are not refused."""
+    model = _export(tmp_path / "m.meta", build)
+    code, out, err = run_cli("verify", "--replicas", 2, model, "--feeds", model + ".npz",
+                             "--batch-size", 16)
+    assert code == 0, err
+    assert "PASS" in out

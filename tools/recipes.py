@@ -388,6 +388,32 @@ def keras_rnn(rng):
     return Built({"tokens": ids.astype(np.int32), "labels": ys}, [train_op], [loss])
 
 
+@recipe(note="TF1 sequence tagging (the RNN guide's recipe): tf.nn.dynamic_rnn over an "
+             "LSTMCell with sequence_length (it runs to the batch's longest sequence), a "
+             "dense layer per step, tf.compat.v1.losses.sparse_softmax_cross_entropy with "
+             "weights=tf.sequence_mask, AdamOptimizer.minimize(global_step)",
+        has=["rnn", "sequence_length", "masked_loss", "tf_layers"],
+        legacy_control_flow=True)
+def dynamic_rnn_tagger(rng):
+    tokens = v1.placeholder(tf.int32, [None, 6], name="tokens")
+    lengths = v1.placeholder(tf.int32, [None], name="lengths")
+    tags = v1.placeholder(tf.int64, [None, 6], name="tags")
+    embedding = v1.get_variable("embedding", [20, 8])
+    cell = v1.nn.rnn_cell.LSTMCell(16)
+    outputs, _ = v1.nn.dynamic_rnn(cell, tf.nn.embedding_lookup(embedding, tokens),
+                                   sequence_length=lengths, dtype=tf.float32)
+    logits = v1.layers.dense(outputs, 3, name="tagger")
+    mask = tf.sequence_mask(lengths, 6, dtype=tf.float32)
+    loss = v1.losses.sparse_softmax_cross_entropy(tags, logits, weights=mask)
+    global_step = v1.train.get_or_create_global_step()
+    train_op = v1.train.AdamOptimizer(0.01).minimize(loss, global_step=global_step)
+    ids = rng.integers(0, 20, size=[POOL, 6])
+    token_tag = rng.integers(0, 3, size=20)
+    return Built({"tokens": ids.astype(np.int32),
+                  "lengths": rng.integers(2, 7, size=POOL).astype(np.int32),
+                  "tags": token_tag[ids].astype(np.int64)}, [train_op], [loss])
+
+
 @recipe(note="TF1 layers guide: tf.compat.v1.layers.dense with kernel_regularizer, "
              "tf.compat.v1.losses.sparse_softmax_cross_entropy, "
              "tf.compat.v1.losses.get_total_loss() (data + regularization losses), "
