@@ -33,9 +33,11 @@ class ContractError(GraphxformError):
 
 def check_input(ir: GraphIR, tg: TrainingGraph) -> None:
     """What is refused on the input graph, before any pass, when the batch will be split: a
-    step whose loss mixes the examples of its batch (graphxform/batch_mixing.py says why)."""
+    step whose loss mixes the examples of its batch (graphxform/batch_mixing.py says why), or
+    reads state the step updates from the batch."""
     from graphxform.batch_mixing import mixing_in
     sources = tg.batch_sources
+    _check_batch_state_feeds_losses(ir, tg)
     for step in tg.steps:
         found = mixing_in(ir, step.loss, sources) if step.loss and sources else None
         if found is not None:
@@ -45,6 +47,42 @@ def check_input(ir: GraphIR, tg: TrainingGraph) -> None:
                 "it on its own slice alone, which is not the loss one device computes (batch "
                 "norm is the one exception this tool makes, see --sync-batch-norm): make the "
                 "loss a mean of per-example terms, or train on one device")
+
+
+def _check_batch_state_feeds_losses(ir: GraphIR, tg: TrainingGraph) -> None:
+    """A non-trainable variable the step updates from the batch (not batch norm's moving
+    statistics nor a metric's totals) is kept per replica, each copy moved by its own slice.
+    Where a loss reads it (center loss's class centres, a memory bank), every later step's
+    averaged gradient is computed from state one device never had: refuse."""
+    from graphxform.equivalence import MOVING_STATISTIC, fed_from_inputs
+    kept = {v.name: v for v in tg.variables.values() if v.role == "statistic" and not v.local
+            and v.updates and not MOVING_STATISTIC.search(v.name)}
+    if not kept:
+        return
+    fed = fed_from_inputs(ir, tg)
+    kept = {name: v for name, v in kept.items() if any(u in fed for u in v.updates)}
+    for step in tg.steps if kept else ():
+        if not step.loss:
+            continue
+        read = kept.keys() & _data_ancestors(ir, parse_tensor(step.loss)[0])
+        if read:
+            name = min(read)
+            raise ContractError(
+                f"step '{step.name}' minimises '{step.loss}', which reads variable '{name}', "
+                f"and the step updates '{name}' from the batch ('{min(kept[name].updates)}'): "
+                "each replica would keep its own copy, moved by its own slice, so later steps' "
+                "losses read state one device never has; train on one device (or use "
+                "--strategy model-average, which trains replicas apart by design)")
+
+
+def _data_ancestors(ir: GraphIR, node: str) -> set:
+    seen, stack = {node}, [node]
+    while stack:
+        for src, _ in ir.inputs(stack.pop()):
+            if src not in seen:
+                seen.add(src)
+                stack.append(src)
+    return seen
 
 
 def check(ir: GraphIR, tg: TrainingGraph, replicas: int, asynchronous: bool = False,

@@ -138,7 +138,7 @@ def mismatch_reasons(ir: GraphIR, tg: training.TrainingGraph, synced_batch_norm=
     each naming what it found and the option that would make it match (none for what the
     transformed graph already synchronised)."""
     reasons = []
-    from_inputs = _fed_from_inputs(ir, tg)
+    from_inputs = fed_from_inputs(ir, tg)
     batch_norm = _batch_norm_evidence(ir, tg, from_inputs)
     others = [name for name in batch_norm if name in tg.variables
               and not MOVING_STATISTIC.search(name)]
@@ -223,7 +223,7 @@ def _batch_norm_evidence(ir: GraphIR, tg, from_inputs: set) -> list[str]:
     return found
 
 
-def _fed_from_inputs(ir: GraphIR, tg) -> set:
+def fed_from_inputs(ir: GraphIR, tg) -> set:
     """Every node of the forward pass that reads an input placeholder's data (or a batch of the
     input pipeline's), directly or not
     (not through gradients: loss-scale state updated from a finite check of the gradients is
@@ -384,7 +384,7 @@ def _reorderable(original: GraphIR, tg) -> bool:
     """Whether reversing each fed batch changes nothing but float rounding: no random ops in
     the step (a mask drawn per position would fall on other examples) and no input pipeline
     (its batches are not fed)."""
-    seeded, unseeded = _random_ops(original, tg, _fed_from_inputs(original, tg))
+    seeded, unseeded = _random_ops(original, tg, fed_from_inputs(original, tg))
     return not (seeded or unseeded or tg.pipeline
                 or functions.random_in_function(original, tg.train_closure))
 

@@ -222,3 +222,33 @@ def test_a_perturbation_that_does_not_scale_with_the_batch_trains_like_one_devic
                              "--batch-size", 16)
     assert code == 0, err
     assert "PASS" in out
+
+
+def center_loss(x, y):
+    """Center loss (Wen et al. 2016) as its TF1 implementations write it: class centres in a
+    non-trainable variable that the step moves towards the batch's features (scatter_sub),
+    and that the loss reads."""
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+    features = tf.nn.relu(dense(x, 4, "features"))
+    centers = tf1.get_variable("centers", [2, 4], initializer=tf1.zeros_initializer(),
+                               trainable=False)
+    batch_centers = tf.gather(centers, y)
+    pull = tf.reduce_mean(tf.reduce_sum(tf.square(features - batch_centers), 1))
+    update = tf1.scatter_sub(centers, y, 0.5 * (batch_centers - features))
+    with tf.control_dependencies([update]):
+        return _step(_xent(y, dense(features, 2, "out")) + 0.1 * pull)
+
+
+def test_a_loss_reading_state_the_step_moves_by_the_batch_is_refused(run_cli, tmp_path):
+    """Each replica would keep its own centres, moved by its own slice: apply used to exit 0
+    and verify then failed from the second step on."""
+    model = _export(tmp_path / "m.meta", center_loss)
+    out = tmp_path / "out.meta"
+    code, _, err = run_cli("apply", "--replicas", 2, model, "-o", out)
+    assert code == 1 and len(err.strip().splitlines()) == 1, err
+    assert "reads variable 'centers'" in err and "from the batch" in err
+    assert not out.exists()
+    code, _, err = run_cli("apply", "--strategy", "model-average", "--replicas", 2, model,
+                           "-o", out)
+    assert code == 0, err
