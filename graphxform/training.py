@@ -532,6 +532,8 @@ def _link_optimizer(ir, variables, writers) -> Optimizer | None:
         bare = REPLICA_SCOPE.sub("", name)  # a replica's copy is updated under its own name
         scoped = [(c, p) for c, p in found if f"/update_{bare}/" in c]
         if not applies and not scoped:
+            if var.trainable and found:
+                _link_own_optimizer(ir, var, found)
             continue
         var.trainable = True
         var.role = "trainable"
@@ -561,6 +563,16 @@ def _link_optimizer(ir, variables, writers) -> Optimizer | None:
         if fallback is None:
             fallback = Optimizer(_optimizer_kind(var), scope.split("/", 1)[0] + "/", {})
     return optimizer or fallback
+
+
+def _link_own_optimizer(ir, var, writes) -> None:
+    """A trainable variable its own code assigns (BERT's AdamWeightDecayOptimizer: ``param.
+    assign(param - lr * update)`` with slots from get_variable, no Apply op, no update scope):
+    its gradient is born where the assigned value enters tf.gradients' scope, as for Apply."""
+    gradient = _trace_gradient(ir, [(op, p) for op, _ in writes
+                                    for p in range(1, len(ir.inputs(op)))])
+    if gradient is not None:
+        var.role, var.gradient = "trainable", gradient
 
 
 def _children_by_name(variables) -> dict:

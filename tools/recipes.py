@@ -414,6 +414,48 @@ def dynamic_rnn_tagger(rng):
                   "tags": token_tag[ids].astype(np.int64)}, [train_op], [loss])
 
 
+@recipe(note="BERT's optimization.create_optimizer: tf.gradients + clip_by_global_norm(1.0), "
+             "polynomial_decay with linear warmup, AdamWeightDecayOptimizer (its own "
+             "apply_gradients: m and v from get_variable, decoupled weight decay, each "
+             "variable written by a plain assign, no Apply op), global_step advanced by a "
+             "separate assign grouped with the step (listed in the train_op collection, as no "
+             "minimize does it here)",
+        has=["custom_optimizer", "clip_by_global_norm", "lr_schedule", "tf_layers"])
+def bert_adamw(rng):
+    features = v1.placeholder(tf.float32, [None, 12], name="features")
+    labels = v1.placeholder(tf.int64, [None], name="labels")
+    hidden = v1.layers.dense(features, 16, activation=tf.nn.relu, name="dense")
+    logits = v1.layers.dense(hidden, 3, name="output")
+    loss = v1.losses.sparse_softmax_cross_entropy(labels, logits)
+    global_step = v1.train.get_or_create_global_step()
+    decayed = v1.train.polynomial_decay(tf.constant(1e-2), global_step, 100,
+                                        end_learning_rate=0.0, power=1.0)
+    step = tf.cast(tf.cast(global_step, tf.int32), tf.float32)
+    warming = tf.cast(step < 10.0, tf.float32)
+    learning_rate = (1.0 - warming) * decayed + warming * 1e-2 * step / 10.0
+    params = v1.trainable_variables()
+    grads, _ = tf.clip_by_global_norm(tf.gradients(loss, params), clip_norm=1.0)
+    writes = []
+    for grad, param in zip(grads, params):
+        name = param.op.name
+        m = v1.get_variable(name + "/adam_m", param.shape, tf.float32, trainable=False,
+                            initializer=v1.zeros_initializer())
+        v = v1.get_variable(name + "/adam_v", param.shape, tf.float32, trainable=False,
+                            initializer=v1.zeros_initializer())
+        next_m = 0.9 * m + 0.1 * grad
+        next_v = 0.999 * v + 0.001 * tf.square(grad)
+        update = next_m / (tf.sqrt(next_v) + 1e-6)
+        if "bias" not in name:
+            update += 0.01 * param  # decoupled weight decay
+        writes += [param.assign(param - learning_rate * update), m.assign(next_m),
+                   v.assign(next_v)]
+    train_op = tf.group(tf.group(*writes), global_step.assign(global_step + 1),
+                        name="train_op")
+    v1.add_to_collection(v1.GraphKeys.TRAIN_OP, train_op)  # Estimator's spec names it so
+    x = rng.standard_normal([POOL, 12]).astype(np.float32)
+    return Built({"features": x, "labels": _teacher_classes(rng, x, 3)}, [train_op], [loss])
+
+
 @recipe(note="TF1 layers guide: tf.compat.v1.layers.dense with kernel_regularizer, "
              "tf.compat.v1.losses.sparse_softmax_cross_entropy, "
              "tf.compat.v1.losses.get_total_loss() (data + regularization losses), "
