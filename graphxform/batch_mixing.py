@@ -21,6 +21,11 @@ input-pipeline reads) to each step's loss, along data edges, giving every tensor
 - a ``Mixed``: examples met here, first at ``node``, for ``reason``; whatever reads it is
   mixed too.
 
+Beside its state, a batch-derived tensor has a degree in the batch's size (the last section:
+the gradient of a mean loss is each example's over the size, so per-example values of degree
+-1 that meet the examples themselves, as FGSM's x + eps * dL/dx, mix), and rows that hold one
+value in every example (``ones_like``) are counted: their sum over the batch is a size.
+
 Only definite mixing is reported: an op the rules do not know leaves its output unknown, not
 mixed. Ranks come from the ``_output_shapes`` that `export_meta_graph` records."""
 
