@@ -40,6 +40,7 @@ from graphxform.training import RANDOM_OPS
 
 SIZE, AGGREGATE, NORM, UNKNOWN = "size", "aggregate", "norm", "unknown"
 _MOMENTS = ("moments/mean", "moments/variance")  # tf.nn.moments: sync-batch-norm's
+_INTEGER_DTYPES = (3, 9)  # int32, int64: lengths, counts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -286,7 +287,8 @@ def _reduce(n: _Node):
     if axes == "all" or state in axes:
         if n.op in ("Sum", "Mean"):
             return NORM if n.name.endswith(_MOMENTS) else AGGREGATE
-        if n.op in ("Max", "Min") and n.attr("T") is not None and n.attr("T").type in (3, 9):
+        if n.op in ("Max", "Min") and n.attr("T") is not None and \
+                n.attr("T").type in _INTEGER_DTYPES:
             return UNKNOWN  # the batch's longest sequence: a loop bound, padding (dynamic_rnn)
         return n.mixed(f"takes the {n.op} over the batch: each replica would take its own "
                        "slice's")
@@ -881,6 +883,8 @@ def _degree(n: _Node, state, degrees: list):
             degrees[0] if op == "ConcatV2" else 1
     if isinstance(n.states[0] if n.states else None, Shape):
         return _shape_degree(n, state, degrees)
+    if op == "Fill":  # rows of a value, in a shape held as a size
+        return degrees[1]
     if op in _UNARY_DEGREE:
         return _times(degrees[0], _UNARY_DEGREE[op])
     if op in _GRADIENT_AT:
@@ -919,11 +923,11 @@ def _degree(n: _Node, state, degrees: list):
     if op in ("Prod", "Cumprod", "Pow"):
         return None  # they scale, by a power this does not work out
     scaled = next((s for s, d in zip(n.states, degrees) if type(s) is int and d), None)
-    if scaled is not None and op not in RANDOM_OPS and op != "Fill":
+    if scaled is not None and op not in RANDOM_OPS:
         return n.mixed("applies an op that does not scale to per-example values that do: "
                        "they scale with the batch's size (as the gradient of a mean loss "
                        "does, each example's over the size)")
-    return degrees[1] if op == "Fill" else None
+    return None
 
 
 def _shape_degree(n: _Node, state, degrees):

@@ -18,10 +18,11 @@ replica that combine all replicas' values (tf_cnn_benchmarks' pscpu and xring).
 
 from __future__ import annotations
 
+from graphxform import opdefs
 from graphxform.errors import GraphxformError
-from graphxform.ir import GraphIR, parse_tensor
+from graphxform.ir import GraphIR, parse_tensor, tensor_name
 from graphxform.nodes import replica_prefix
-from graphxform.replica_spread import ReplicaSpread
+from graphxform.replica_spread import CROSS_REPLICA_OPS, SPLIT_SCOPE, ReplicaSpread
 from graphxform.training import (REPLICA_SCOPE, VARIABLE_OPS, TrainingGraph,
                                  consumers_through_switches, is_mutating_op, tape_gradients)
 
@@ -61,10 +62,12 @@ def _check_batch_state_feeds_losses(ir: GraphIR, tg: TrainingGraph) -> None:
         return
     fed = fed_from_inputs(ir, tg)
     kept = {name: v for name, v in kept.items() if any(u in fed for u in v.updates)}
-    for step in tg.steps if kept else ():
+    if not kept:
+        return
+    for step in tg.steps:
         if not step.loss:
             continue
-        read = kept.keys() & _data_ancestors(ir, parse_tensor(step.loss)[0])
+        read = kept.keys() & ir.value_sources(parse_tensor(step.loss)[0])
         if read:
             name = min(read)
             raise ContractError(
@@ -73,16 +76,6 @@ def _check_batch_state_feeds_losses(ir: GraphIR, tg: TrainingGraph) -> None:
                 "each replica would keep its own copy, moved by its own slice, so later steps' "
                 "losses read state one device never has; train on one device (or use "
                 "--strategy model-average, which trains replicas apart by design)")
-
-
-def _data_ancestors(ir: GraphIR, node: str) -> set:
-    seen, stack = {node}, [node]
-    while stack:
-        for src, _ in ir.inputs(stack.pop()):
-            if src not in seen:
-                seen.add(src)
-                stack.append(src)
-    return seen
 
 
 def check(ir: GraphIR, tg: TrainingGraph, replicas: int, asynchronous: bool = False,
@@ -180,7 +173,6 @@ def _check_losses_are_means(ir: GraphIR, tg: TrainingGraph) -> None:
     (A loss whose kind the rules cannot show is taken to be a mean, as losses almost always
     are; graphxform.replica_values has the rules.)"""
     from graphxform import replica_values
-    from graphxform.passes.global_denominators import denominators
     prefix = replica_prefix(0)
     for step in tg.steps:
         if not step.loss:
@@ -207,7 +199,7 @@ def _check_losses_are_means(ir: GraphIR, tg: TrainingGraph) -> None:
                 f"step '{step.name}' minimises '{step.loss}', {what}; gradients are averaged "
                 "across replicas (right for a mean over the batch), so this step would train "
                 "with 1/N of its gradient: use tf.reduce_mean over the batch instead")
-        ratio = _ratio_of_sums(ir, values, copy) or next(iter(denominators(ir, (copy, port))),
+        ratio = _ratio_of_sums(ir, values, copy) or next(iter(batch_denominators(ir, (copy, port))),
                                                           None)
         if ratio is not None:
             ratio = parse_tensor(ratio)[0]
@@ -218,6 +210,42 @@ def _check_losses_are_means(ir: GraphIR, tg: TrainingGraph) -> None:
                 "replica would divide by its own slice's, so the averaged gradients are not "
                 "one device's (allreduce, replicated and hybrid divide by the replicas' mean "
                 "total instead, when it reads no variable); divide by the batch size instead")
+
+
+_FLOATS = frozenset({1, 2, 14, 19})  # float double bfloat16 half: what a collective reduces
+# how a loss's value passes on to what the user minimises
+_THROUGH = frozenset({"Identity", "AddV2", "Add", "Sub", "Mul", "AddN", "Neg"})
+
+
+def batch_denominators(ir: GraphIR, loss: tuple) -> list[str]:
+    """The denominators the value of ``loss`` (node, port) divides by that are totals of the
+    batch's values (a weighted mean, a masked mean) and depend on no variable, and that are not
+    the replicas' mean already (a cross-replica op): each replica would divide by its own
+    slice's. passes/global_denominators.py replaces them by that mean; the rest is refused."""
+    from graphxform.replica_values import DIVIDE_OPS
+    found, seen, stack = [], set(), [loss]
+    sources = None  # the batch's splits, found when a division asks
+    while stack:
+        node, port = stack.pop()
+        if (node, port) in seen:
+            continue
+        seen.add((node, port))
+        op = ir.op(node)
+        inputs = ir.inputs(node)
+        if op in DIVIDE_OPS and len(inputs) == 2:
+            bottom = inputs[1]
+            if sources is None:
+                sources = {n for n in ir.nodes_of({"Split"}) if n.startswith(SPLIT_SCOPE)}
+            reads = ir.value_sources(bottom[0])
+            if (ir.op(bottom[0]) not in CROSS_REPLICA_OPS
+                    and opdefs.output_dtype(ir, *bottom) in _FLOATS
+                    and not reads.isdisjoint(sources)
+                    and not any(ir.op(n) in VARIABLE_OPS for n in reads)):
+                found.append(tensor_name(*bottom))
+            stack.append(inputs[0])
+        elif op in _THROUGH:
+            stack.extend(inputs)
+    return found
 
 
 def _constant_denominator(ir: GraphIR, node: str):

@@ -30,6 +30,7 @@ import networkx as nx
 from graphxform.errors import GraphxformError
 
 CONTROL_KEY = -1  # edge key of a control edge; data edges are keyed by their dst_port
+SHAPE_ONLY_OPS = frozenset({"Shape", "ShapeN", "Size", "Rank"})  # read a tensor's shape only
 _RUN = 16  # a new node waiting on at least this many others, and reading none, is linked in bulk
 
 
@@ -522,6 +523,21 @@ class GraphIR:
         """``name`` and every node it depends on, through data and control inputs (what
         networkx.ancestors finds, plus ``name``, without its generic BFS)."""
         return _reached(self.g._pred, [name])
+
+    def value_sources(self, name: str) -> set[str]:
+        """``name`` and every node its value depends on: through data inputs, not control
+        inputs, and not through ops that read only a tensor's shape (a count of examples is
+        the same on equal slices; a Shape of a variable does not read it)."""
+        seen, stack = {name}, [name]
+        while stack:
+            node = stack.pop()
+            if self.op(node) in SHAPE_ONLY_OPS:
+                continue
+            for src, _ in self.inputs(node):
+                if src not in seen:
+                    seen.add(src)
+                    stack.append(src)
+        return seen
 
     def proto(self, name: str):
         """The NodeDef that holds this node's attrs. Its name is the node's; its op and device
