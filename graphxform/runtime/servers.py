@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import socket
 import time
@@ -156,7 +157,6 @@ def fail_fast() -> None:
     its first RPC, so this runs before any server or session exists (a value the user set
     wins). Starting tasks in any order still works: sessions wait for their peers' ports
     first (wait_for_tasks)."""
-    import os
     os.environ.setdefault("GRPC_FAIL_FAST", "true")
 
 
@@ -220,6 +220,9 @@ def news_queue(tf, device: str):
                                   shared_name=NEWS_QUEUE, name=NEWS_QUEUE)
 
 
+IN_PROCESS_QUEUES = 4  # gRPC completion queues of each in-process server (see __enter__)
+
+
 class InProcessCluster(contextlib.AbstractContextManager):
     """A server for every task of ``cluster`` in this process (for verify and tests).
 
@@ -235,6 +238,9 @@ class InProcessCluster(contextlib.AbstractContextManager):
         self.servers = {}
 
     def __enter__(self):
+        # Each server's gRPC client starts one thread per completion queue, 64 by default: a
+        # process holding many servers (a test session) ran out of threads at ~30,000.
+        os.environ.setdefault("TF_GRPC_WORKER_CACHE_QUEUES", str(IN_PROCESS_QUEUES))
         for job, tasks in self.cluster.jobs.items():
             for task in range(len(tasks)):
                 self.servers[(job, task)] = start_server(self.cluster, job, task,
