@@ -38,6 +38,7 @@ def check_input(ir: GraphIR, tg: TrainingGraph) -> None:
     reads state the step updates from the batch."""
     from graphxform.batch_mixing import mixing_in
     sources = tg.batch_sources
+    _check_batch_axis(tg)
     _check_batch_state_feeds_losses(ir, tg)
     for step in tg.steps:
         found = mixing_in(ir, step.loss, sources) if step.loss and sources else None
@@ -48,6 +49,29 @@ def check_input(ir: GraphIR, tg: TrainingGraph) -> None:
                 "it on its own slice alone, which is not the loss one device computes (batch "
                 "norm is the one exception this tool makes, see --sync-batch-norm): make the "
                 "loss a mean of per-example terms, or train on one device")
+
+
+def _check_batch_axis(tg: TrainingGraph) -> None:
+    """The batch is split on axis 0 of inputs whose axis 0 is unknown. An input the step reads
+    whole whose unknown dimension is another axis most likely holds the batch there (a
+    time-major sequence [time, batch, ...] for dynamic_rnn(time_major=True) or ctc_loss's
+    default): every replica would read all of it beside its slice of the others, and train on
+    examples paired with other examples' labels, or fail at run time. Refuse."""
+    if not tg.batch_sources:
+        return
+    for inp in tg.inputs:
+        if (inp.batch_source or not inp.read_by_step or not inp.shape
+                or -1 not in inp.shape[1:]):
+            continue
+        axis = inp.shape.index(-1)
+        shape = "[" + ", ".join("?" if d < 0 else str(d) for d in inp.shape) + "]"
+        batched = next(i.name for i in tg.inputs if i.batch_source)
+        raise ContractError(
+            f"input '{inp.name}' has shape {shape}: its unknown dimension is axis {axis}, not "
+            f"axis 0, so it may hold the batch there (time-major data), but only axis 0 is "
+            f"split across replicas (as for '{batched}'): each replica would read all of "
+            f"'{inp.name}' beside its slice of the others; feed it batch-major (axis 0 the "
+            "batch, transposed in the graph)")
 
 
 def _check_batch_state_feeds_losses(ir: GraphIR, tg: TrainingGraph) -> None:

@@ -394,14 +394,29 @@ def _reordered_noise(original: GraphIR, tg, feeds, start: str, steps: int, compa
     from ``start`` and those of the same run with every batched input's rows reversed:
     the rounding this graph amplifies, below which no comparison can tell anything."""
     expected, initial, floor = compared
-    batched = {f"{i.name}:0" for i in feeds.inputs if i.batched}
     with Runner(original, steps=tg.steps) as run:
         run.restore(start)
         for k in range(steps):
-            run.step({name: value[::-1] if name in batched else value
-                      for name, value in feeds.batch(k).items()})
+            run.step(_reversed_rows(feeds.batch(k), feeds.inputs))
         again = run.variable_values()
     return max([d.scaled for d in compare_variables(expected, again, initial, floor)] + [0.0])
+
+
+def _reversed_rows(feed: dict, inputs) -> dict:
+    """``feed`` with the examples of every batched input, dense or sparse, in reverse order."""
+    from graphxform.runtime import sparse_batches
+    out = dict(feed)
+    for inp in inputs:
+        name = f"{inp.name}:0"
+        if inp.batched and name in feed:
+            out[name] = feed[name][::-1]
+    for sparse in {i.sparse for i in inputs if i.sparse}:
+        names = [f"{sparse}/{part}:0" for part in ("indices", "values", "shape")]
+        if all(n in feed for n in names):
+            pool = tuple(feed[n] for n in names)
+            rows = sparse_batches.rows(pool)
+            out.update(zip(names, sparse_batches.take(pool, np.arange(rows)[::-1])))
+    return out
 
 
 def _exchanges_nothing(transformed: GraphIR) -> bool:

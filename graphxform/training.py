@@ -118,13 +118,24 @@ class Input:
     from a non-batch size (class weights, a vocabulary table), so such inputs are fed whole.
 
     ``optional``: a PlaceholderWithDefault, or one that no step reads (nor its loss), need not
-    be fed."""
+    be fed.
+
+    ``sparse``: the three placeholders ``tf.compat.v1.sparse_placeholder(name=N)`` makes
+    (``N/indices`` [?, rank] int64, ``N/values`` [?], ``N/shape`` [rank] int64) hold one
+    SparseTensor whose axis 0 is the batch; each names N here. They are not ``batched`` (their
+    rows are entries, not examples): split-inputs cuts the SparseTensor by its rows."""
     name: str
     dtype: int
     shape: tuple | None  # None: unknown rank
     batched: bool
     has_default: bool = False
     read_by_step: bool = True
+    sparse: str | None = None
+
+    @property
+    def batch_source(self) -> bool:
+        """Each replica reads its own part of this input (its slice of the batch)."""
+        return self.batched or self.sparse is not None
 
     @property
     def optional(self) -> bool:
@@ -189,7 +200,18 @@ class TrainingGraph:
         """The nodes the global batch comes from: batched placeholders, and the input
         pipeline's reads that take a batch."""
         reads = self.pipeline.reads if self.pipeline else ()
-        return [i.name for i in self.inputs if i.batched] + [r.node for r in reads if r.batched]
+        return ([i.name for i in self.inputs if i.batch_source]
+                + [r.node for r in reads if r.batched])
+
+    @property
+    def sparse_inputs(self) -> dict:
+        """SparseTensor name -> its (indices, values, shape) placeholders (see Input.sparse)."""
+        found = {}
+        for inp in self.inputs:
+            if inp.sparse:
+                found.setdefault(inp.sparse, {})[inp.name.rsplit("/", 1)[1]] = inp.name
+        return {name: (parts["indices"], parts["values"], parts["shape"])
+                for name, parts in found.items()}
 
     @property
     def trainable(self) -> list:
@@ -662,13 +684,40 @@ def _inputs(ir, placeholders, saver_scope, steps=(), whole=frozenset()) -> list[
         found.append(Input(name, attr["dtype"].type, shape, batched=bool(shape) and shape[0] == -1,
                            has_default=ir.op(name) == "PlaceholderWithDefault",
                            read_by_step=read is None or name in read))
-    leading = {i.shape[0] for i in found if i.read_by_step and i.shape and i.name not in whole}
+    _mark_sparse(ir, found)
+    leading = {i.shape[0] for i in found
+               if i.read_by_step and i.shape and i.name not in whole and not i.sparse}
     if len(leading) == 1 and min(leading) > 0:  # one fixed size shared by all: the batch
         for inp in found:
             inp.batched = inp.read_by_step and bool(inp.shape) and inp.shape[0] in leading
     for inp in found:
-        inp.batched = inp.batched and inp.name not in whole
+        inp.batched = inp.batched and inp.name not in whole and not inp.sparse
     return found
+
+
+_SPARSE_PARTS = {"indices": (9, 2), "values": (None, 1), "shape": (9, 1)}  # (dtype, rank)
+
+
+def _mark_sparse(ir, inputs: list) -> None:
+    """Mark the placeholder triples tf.compat.v1.sparse_placeholder makes (see Input.sparse):
+    ``N/indices``, ``N/values`` and ``N/shape``, plain Placeholders of the dtypes and ranks it
+    gives them, with the number of indices columns (when known) the shape's length."""
+    groups = {}
+    for inp in inputs:
+        head, _, part = inp.name.rpartition("/")
+        if head and part in _SPARSE_PARTS and ir.op(inp.name) == "Placeholder":
+            groups.setdefault(head, {})[part] = inp
+    for name, parts in groups.items():
+        if len(parts) != 3:
+            continue
+        if not all(p.shape is not None and len(p.shape) == _SPARSE_PARTS[k][1]
+                   and _SPARSE_PARTS[k][0] in (None, p.dtype) for k, p in parts.items()):
+            continue
+        rank = {parts["indices"].shape[1], parts["shape"].shape[0]} - {-1}
+        if len(rank) > 1 or parts["indices"].shape[0] != -1 or parts["values"].shape[0] != -1:
+            continue
+        for inp in parts.values():
+            inp.sparse = name
 
 
 def _read_by_steps(ir, steps) -> set | None:

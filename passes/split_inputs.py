@@ -52,10 +52,13 @@ class SplitInputs(Pass):
             split.append(name)
             splits.append(node)
             fixed += [batch] if batch else []
+        sparse = _split_sparse(ir, build, ctx.training, replicas)
+        split += list(sparse)
         rebatched = []
         if fixed:
             rebatched = rebatch_constants(ir, build, splits, fixed[0], replicas)
-            _forget_recorded_shapes(ir, splits + rebatched)
+        if fixed or sparse:
+            _forget_recorded_shapes(ir, splits + rebatched + list(sparse.values()))
         return PassResult(modified=bool(split),
                           summary={"inputs": split, "rebatched_constants": len(rebatched)})
 
@@ -74,12 +77,55 @@ def _batches(ir, tg):
                        opdefs.output_dtype(ir, read.node, port), read.fixed_batch)
 
 
+def _split_sparse(ir, build, tg, replicas: int) -> dict:
+    """Cut each SparseTensor fed through placeholders (training.Input.sparse) by its rows with
+    one SparseSplit: replica i reads the entries of its slice of the batch, rows numbered from
+    0, and a dense shape whose axis 0 is the slice's size. SparseSplit would make uneven parts
+    of a batch that does not divide; an Assert it waits on refuses that batch at run time, as
+    the dense Split does. Returns {SparseTensor name: its SparseSplit}."""
+    made = {}
+    for name, (indices, values, shape) in sorted(tg.sparse_inputs.items()):
+        if not any(ir.consumers(part) for part in (indices, values, shape)):
+            continue
+        scope = f"{SCOPE}{name}/"
+        rows = build.op(scope + "rows", "StridedSlice",
+                        [shape, build.const(scope + "begin", [0], np.int64),
+                         build.const(scope + "end", [1], np.int64),
+                         build.const(scope + "strides", [1], np.int64)],
+                        T=9, Index=9, shrink_axis_mask=1)
+        left = build.op(scope + "left_over", "FloorMod",
+                        [rows, build.const(scope + "replicas", replicas, np.int64)], T=9)
+        even = build.op(scope + "even", "Equal",
+                        [left, build.const(scope + "zero", 0, np.int64)], T=9)
+        check = build.op(scope + "divides", "Assert",
+                         [even, build.const(scope + "message", (
+                             f"the batch for sparse input {name} does not divide evenly "
+                             f"across {replicas} replicas; rows:").encode()), rows],
+                         T=[7, 9], summarize=1)  # string, int64
+        node = build.op(scope + "split", "SparseSplit",
+                        [build.const(scope + "axis", 0, np.int64), indices, values, shape,
+                         "^" + check],
+                        num_split=replicas, T=ir.attrs(values)["dtype"].type)
+        for i in range(replicas):
+            prefix = replica_prefix(i)
+            for k, part in enumerate((indices, values, shape)):
+                ir.replace_all_uses_with(f"{part}:0", f"{node}:{k * replicas + i}",
+                                         where=lambda n, p=prefix: n.startswith(p))
+        made[name] = node
+    return made
+
+
 _SPLIT_NODE = re.compile(r"split_inputs/(.+?)(?:/output_(\d+))?/split\b")
+_SPARSE_CHECK = re.compile(r"split_inputs/(.+?)/divides\b")
 
 
 def uneven_batch(error_text: str) -> str | None:
     """One line for a run that failed in a split of this pass (a batch that does not divide
     across the replicas); None when it failed elsewhere."""
+    sparse = _SPARSE_CHECK.search(error_text)
+    if sparse:
+        return (f"the batch for sparse input '{sparse.group(1)}' does not divide evenly across "
+                "replicas")
     match = _SPLIT_NODE.search(error_text)
     if not match:
         return None

@@ -47,12 +47,44 @@ def load_feeds(name, directory=RECIPES_DIR):
         return {key: data[key] for key in data.files}
 
 
+SPARSE_PARTS = ("indices", "values", "shape")  # a sparse_placeholder's three feeds
+
+
+def sparse_names(feeds):
+    """The SparseTensors a pool holds as ``N/indices``, ``N/values`` and ``N/shape`` (one
+    SparseTensor whose axis 0 counts the pool's rows), as a sparse_placeholder named N is fed."""
+    heads = {key.rpartition("/")[0] for key in feeds if key.rpartition("/")[2] in SPARSE_PARTS}
+    return sorted(h for h in heads if h and all(f"{h}/{p}" in feeds for p in SPARSE_PARTS))
+
+
+def pool_rows(feeds, key):
+    """How many examples the pool of feed ``key`` holds."""
+    head, _, part = key.rpartition("/")
+    if part in SPARSE_PARTS and head in sparse_names(feeds):
+        return int(feeds[f"{head}/shape"][0])
+    return len(feeds[key])
+
+
 def batch(feeds, step, batch_size):
-    """The feed_dict of one step: rows [step*B, (step+1)*B) of each pool, wrapping."""
+    """The feed_dict of one step: rows [step*B, (step+1)*B) of each pool, wrapping; of a
+    SparseTensor's pool, the entries of those rows, renumbered from 0."""
+    sparse = sparse_names(feeds)
+    members = {f"{h}/{p}" for h in sparse for p in SPARSE_PARTS}
     feed_dict = {}
     for name, pool in feeds.items():
-        rows = (step * batch_size + np.arange(batch_size)) % len(pool)
-        feed_dict[name + ":0"] = pool[rows]
+        if name not in members:
+            rows = (step * batch_size + np.arange(batch_size)) % len(pool)
+            feed_dict[name + ":0"] = pool[rows]
+    for head in sparse:
+        indices, values, shape = (feeds[f"{head}/{p}"] for p in SPARSE_PARTS)
+        rows = (step * batch_size + np.arange(batch_size)) % int(shape[0])
+        picked = [np.flatnonzero(indices[:, 0] == row) for row in rows]
+        new_indices = np.concatenate([indices[p] for p in picked])
+        new_indices[:, 0] = np.concatenate([np.full(len(p), j) for j, p in enumerate(picked)])
+        feed_dict[f"{head}/indices:0"] = new_indices
+        feed_dict[f"{head}/values:0"] = values[np.concatenate(picked)]
+        feed_dict[f"{head}/shape:0"] = np.concatenate([[batch_size], shape[1:]]).astype(
+            shape.dtype)
     return feed_dict
 
 

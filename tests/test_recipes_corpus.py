@@ -12,8 +12,8 @@ import sys
 import numpy as np
 import pytest
 
-from recipe_loop import (POOL_ROWS, RECIPES_DIR, load_feeds, load_manifest, recipe_meta,
-                         run_user_loop)
+from recipe_loop import (POOL_ROWS, RECIPES_DIR, load_feeds, load_manifest, pool_rows,
+                         recipe_meta, run_user_loop)
 
 MANIFEST = load_manifest()
 REPO = RECIPES_DIR.parents[2]
@@ -39,7 +39,7 @@ def test_recipe_trains_as_its_user_runs_it(name):
     assert os.path.getsize(recipe_meta(name)) < 1 << 20
     feeds = load_feeds(name)
     assert sorted(feeds) == entry["feeds"]
-    assert all(len(pool) == POOL_ROWS for pool in feeds.values())
+    assert all(pool_rows(feeds, key) == POOL_ROWS for key in feeds)
     assert len(entry["train_ops"]) == len(entry["losses"]) >= 1
     assert entry["exact"] == (not entry["inexact_because"])
     assert set(entry["feeds_optional"]) | set(entry["feeds"]) == set(entry["placeholders"])

@@ -414,6 +414,62 @@ def dynamic_rnn_tagger(rng):
                   "tags": token_tag[ids].astype(np.int64)}, [train_op], [loss])
 
 
+def _sparse_pool(name, rows_of_values, width, dtype):
+    """A SparseTensor pool as the feeds of sparse_placeholder ``name``: one row per example,
+    its entries at columns 0.. of a dense shape [POOL, width] (recipe_loop cuts it by rows)."""
+    indices = [[row, col] for row, values in enumerate(rows_of_values)
+               for col in range(len(values))]
+    return {f"{name}/indices": np.asarray(indices, dtype=np.int64),
+            f"{name}/values": np.concatenate(rows_of_values).astype(dtype),
+            f"{name}/shape": np.asarray([len(rows_of_values), width], dtype=np.int64)}
+
+
+@recipe(note="TF1 speech/OCR recipe (the ctc_loss docs, as the DeepSpeech-era and CRNN code "
+             "calls it): label sequences fed through tf.compat.v1.sparse_placeholder as a "
+             "SparseTensorValue, a dense layer per frame, tf.compat.v1.nn.ctc_loss(labels, "
+             "logits, seq_len, time_major=False), tf.reduce_mean, MomentumOptimizer",
+        has=["sparse_placeholder", "ctc", "tf_layers"])
+def ctc_speech(rng):
+    frames = v1.placeholder(tf.float32, [None, 12, 6], name="frames")
+    seq_len = v1.placeholder(tf.int32, [None], name="seq_len")
+    labels = v1.sparse_placeholder(tf.int32, name="labels")
+    logits = v1.layers.dense(frames, 5, name="frame_logits")  # 4 symbols and the blank
+    loss = tf.reduce_mean(v1.nn.ctc_loss(labels, logits, seq_len, time_major=False))
+    global_step = v1.train.get_or_create_global_step()
+    train_op = v1.train.MomentumOptimizer(0.05, 0.9).minimize(loss, global_step=global_step)
+    sequences = [rng.integers(0, 4, size=rng.integers(1, 4)) for _ in range(POOL)]
+    feeds = {"frames": _images(rng, [12, 6]),
+             "seq_len": rng.integers(9, 13, size=POOL).astype(np.int32)}
+    feeds.update(_sparse_pool("labels", sequences, 3, np.int32))
+    return Built(feeds, [train_op], [loss])
+
+
+@recipe(note="CTR recipe with sparse ids: a tf.compat.v1.sparse_placeholder of feature ids "
+             "per example (1 to 4 each), tf.nn.embedding_lookup_sparse(combiner='mean') as "
+             "the embedding-column docs describe it, concatenated with dense features, a "
+             "dense tower, tf.compat.v1.losses.sigmoid_cross_entropy, AdagradOptimizer",
+        has=["sparse_placeholder", "embedding_lookup_sparse", "tf_layers"])
+def sparse_ids_ctr(rng):
+    ids = v1.sparse_placeholder(tf.int64, name="ids")
+    dense = v1.placeholder(tf.float32, [None, 3], name="dense")
+    clicked = v1.placeholder(tf.float32, [None, 1], name="clicked")
+    embeddings = v1.get_variable("id_embeddings", [30, 4])
+    pooled = tf.nn.embedding_lookup_sparse(embeddings, ids, None, combiner="mean")
+    net = v1.layers.dense(tf.concat([pooled, dense], axis=1), 8, activation=tf.nn.relu,
+                          name="tower")
+    logits = v1.layers.dense(net, 1, name="logit")
+    loss = v1.losses.sigmoid_cross_entropy(clicked, logits)
+    global_step = v1.train.get_or_create_global_step()
+    train_op = v1.train.AdagradOptimizer(0.1).minimize(loss, global_step=global_step)
+    rows = [rng.choice(30, size=rng.integers(1, 5), replace=False) for _ in range(POOL)]
+    id_score = rng.standard_normal(30)
+    features = rng.standard_normal([POOL, 3]).astype(np.float32)
+    score = np.array([id_score[r].mean() for r in rows]) + features[:, 0]
+    feeds = {"dense": features, "clicked": (score > 0).astype(np.float32).reshape(POOL, 1)}
+    feeds.update(_sparse_pool("ids", rows, 4, np.int64))
+    return Built(feeds, [train_op], [loss])
+
+
 @recipe(note="BERT's optimization.create_optimizer: tf.gradients + clip_by_global_norm(1.0), "
              "polynomial_decay with linear warmup, AdamWeightDecayOptimizer (its own "
              "apply_gradients: m and v from get_variable, decoupled weight decay, each "
@@ -846,11 +902,15 @@ def _manifest_problems(entry, graph_def, feeds):
     if not entry["exact"] and not (random_in_step or has_bn):
         problems.append("marked inexact but the step has no random op or batch norm")
     required = set(entry["placeholders"]) - set(entry["feeds_optional"])
+    for head in recipe_loop.sparse_names(feeds):  # a SparseTensorValue feeds all three
+        parts = {f"{head}/{part}" for part in recipe_loop.SPARSE_PARTS}
+        if parts & required:
+            required |= parts
     if required != set(entry["feeds"]):
         problems.append(f"feeds {entry['feeds']} but the step reads {sorted(required)}")
     for feed in entry["feeds"]:
-        if len(feeds[feed]) != POOL:
-            problems.append(f"{feed}: {len(feeds[feed])} rows, not {POOL}")
+        if recipe_loop.pool_rows(feeds, feed) != POOL:
+            problems.append(f"{feed}: {recipe_loop.pool_rows(feeds, feed)} rows, not {POOL}")
         fixed = entry["placeholders"][feed]["shape"]
         if fixed and fixed[0] is not None and fixed[0] != entry["batch_size"]:
             problems.append(f"{feed}: fixed batch {fixed[0]} != batch_size")

@@ -35,11 +35,20 @@ def const_value(ir: GraphIR, node: str):
     return None
 
 
+_SPLIT_SCOPE = "split_inputs/"
+_SLICE_PARTS = {"Split": ("",), "SplitV": ("",),
+                "SparseSplit": ("indices of the ", "values of the ", "shape of the ")}
+
+
 def describe(ir: GraphIR, node: str, port: int = 0, depth: int = 0) -> str:
     """A constant as its value ('3'); anything else as an expression over folded names."""
     value = const_value(ir, node)
     if value is not None:
         return str(value.tolist())
+    if node.startswith(_SPLIT_SCOPE) and ir.op(node) in _SLICE_PARTS:
+        # each replica reads its own output of split-inputs' split: its slice of the batch
+        parts = _SLICE_PARTS[ir.op(node)]
+        return f"{node}:{parts[port // max(ir.attrs(node)['num_split'].i, 1)]}slice"
     if depth >= _EXPRESSION_DEPTH or not ir.inputs(node):
         return fold_name(node)[0] + (f":{port}" if port else "")
     args = ", ".join(describe(ir, src, p, depth + 1) for src, p in ir.inputs(node))

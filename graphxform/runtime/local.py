@@ -11,6 +11,7 @@ from graphxform import cluster, metagraph, training
 from graphxform.errors import GraphxformError, tf_error_line
 from graphxform.ir import GraphIR
 from graphxform.passes.split_inputs import uneven_batch
+from graphxform.runtime import sparse_batches
 from graphxform.runtime.input_threads import InputThreads
 
 DEFAULT_BATCH = 32
@@ -25,6 +26,9 @@ class Feeds:
     default is used. Without a file, synthetic data of the placeholders' shapes (seeded, so runs
     repeat) for every input that must be fed.
 
+    A SparseTensor fed through sparse_placeholder's three placeholders is stored and cut by
+    rows as graphxform/runtime/sparse_batches.py says.
+
     B is ``batch_size``, else the graph's fixed batch dimension, else the smallest batched array
     (at most 32). Each array must have its placeholder's rank and static non-batch dimensions.
     Dtypes: any float feeds a float placeholder (cast, as TF's own feed does); integers feed a
@@ -35,13 +39,18 @@ class Feeds:
                  seed: int = 0):
         self.inputs = list(inputs)
         self.pool = _load_pool(path, self.inputs) if path else {}
-        self.batch_size = _batch_size(self.inputs, self.pool, batch_size)
+        self.sparse = _sparse_pools(path, self.inputs, self.pool)
+        self.batch_size = _batch_size(self.inputs, self.pool, batch_size, self.sparse)
         self.rng = np.random.default_rng(seed)
         self._synthetic = {}
 
     def batch(self, step: int) -> dict:
         feed = {}
+        for name, parts in self._sparse_batches(step):
+            feed.update(parts)
         for inp in self.inputs:
+            if inp.sparse:
+                continue
             if inp.name in self.pool:
                 data = self.pool[inp.name]
                 if inp.batched:
@@ -51,6 +60,34 @@ class Feeds:
             elif not inp.optional:
                 feed[f"{inp.name}:0"] = self._fake(inp)
         return feed
+
+    def _sparse_batches(self, step: int):
+        """(SparseTensor name, {placeholder tensor: array}) for each sparse input fed."""
+        by_name = {}
+        for inp in self.inputs:
+            if inp.sparse:
+                by_name.setdefault(inp.sparse, []).append(inp)
+        for name, parts in sorted(by_name.items()):
+            if name in self.sparse:
+                pool = self.sparse[name]
+                wanted = (np.arange(self.batch_size) + step * self.batch_size) % \
+                    sparse_batches.rows(pool)
+                batch = sparse_batches.take(pool, wanted)
+            elif all(p.optional for p in parts):
+                continue
+            else:
+                batch = self._fake_sparse(name, parts)
+            yield name, {f"{name}/{part}:0": value
+                         for part, value in zip(("indices", "values", "shape"), batch)}
+
+    def _fake_sparse(self, name: str, parts) -> tuple:
+        if name not in self._synthetic:
+            from tensorflow.python.framework import dtypes
+            by_part = {p.name.rsplit("/", 1)[1]: p for p in parts}
+            rank = max(by_part["indices"].shape[1], by_part["shape"].shape[0])
+            self._synthetic[name] = sparse_batches.synthetic(
+                self.rng, self.batch_size, rank, dtypes.as_dtype(by_part["values"].dtype))
+        return self._synthetic[name]
 
     def _fake(self, inp):
         if inp.name not in self._synthetic:
@@ -86,6 +123,19 @@ def _load_pool(path: str, inputs) -> dict:
             _check_shape(path, inp, arrays[inp.name])
             pool[inp.name] = _as_input_dtype(path, inp, arrays[inp.name])
     return pool
+
+
+def _sparse_pools(path: str | None, inputs, pool: dict) -> dict:
+    """SparseTensor name -> (indices, values, shape) of the .npz, checked (see Feeds)."""
+    names = sorted({i.sparse for i in inputs if i.sparse})
+    found = {}
+    for name in names:
+        arrays = [pool.get(f"{name}/{part}") for part in ("indices", "values", "shape")]
+        if any(a is None for a in arrays):
+            continue
+        sparse_batches.check_pool(path, name, *arrays)
+        found[name] = tuple(arrays)
+    return found
 
 
 def _read_npz(path: str) -> dict:
@@ -166,7 +216,7 @@ def _converts_exactly(array, target, dtype) -> bool:
     return bool(np.abs(values.astype(np.float64)).max() <= largest_exact)
 
 
-def _batch_size(inputs, pool: dict, given: int | None) -> int:
+def _batch_size(inputs, pool: dict, given: int | None, sparse: dict) -> int:
     """--batch-size, else the graph's fixed batch, else the smallest batched array (at most
     DEFAULT_BATCH); a fixed batch the flag contradicts is an error naming the input."""
     if given is not None and given < 1:
@@ -180,6 +230,7 @@ def _batch_size(inputs, pool: dict, given: int | None) -> int:
     if given is not None:
         return given
     rows = [len(pool[i.name]) for i in inputs if i.batched and i.name in pool]
+    rows += [sparse_batches.rows(p) for p in sparse.values()]
     return min(rows + [DEFAULT_BATCH])
 
 
@@ -205,7 +256,7 @@ def _require_names(ir: GraphIR, steps) -> None:
 def replicas_of(ir: GraphIR) -> int:
     """How many ways a transformed graph splits its batch (1 for a single-device graph)."""
     splits = [ir.node(n)["attr"]["num_split"].i for n in ir.nodes()
-              if n.startswith("split_inputs/") and ir.op(n) == "Split"]
+              if n.startswith("split_inputs/") and ir.op(n) in ("Split", "SparseSplit")]
     return max(splits, default=1)
 
 
@@ -359,6 +410,11 @@ class Runner:
             if inp.batched and value is not None and len(value) % self.replicas:
                 raise GraphxformError(f"batch of {len(value)} rows for input '{inp.name}' does "
                                       f"not divide evenly across {self.replicas} replicas")
+            if (inp.sparse and inp.name.endswith("/shape") and value is not None
+                    and len(value) and value[0] % self.replicas):
+                raise GraphxformError(f"batch of {value[0]} rows for sparse input "
+                                      f"'{inp.sparse}' does not divide evenly across "
+                                      f"{self.replicas} replicas")
 
     def variable_values(self) -> dict:
         """Every global variable's value by node name (replica copies under their own names)."""
