@@ -4,8 +4,9 @@ Each replica computes the loss on its own slice of the global batch, and the ave
 are one device's only when the loss is a mean (or sum) of per-example terms: every example's
 term computed from that example alone. A loss that pairs examples (in-batch negatives, a
 batch-hard triplet loss), ranks them (hard-example mining, a sort), reorders or picks them
-(mixup's shuffled partner, ``x[0]``), or normalises them by a statistic of the batch computes
-something else on a slice, and nothing in the averaged gradients says so. Batch norm is the one
+(mixup's shuffled partner, ``x[0]``), runs a recurrence over them (a legacy while loop that
+reads one example per iteration and carries a value to the next), or normalises them by a
+statistic of the batch computes something else on a slice, and nothing in the averaged gradients says so. Batch norm is the one
 documented exception (``--sync-batch-norm``; `verify` names it): a FusedBatchNorm, and
 ``tf.nn.moments``' Means (``moments/mean``, ``moments/variance``), which sync-batch-norm knows.
 
@@ -665,6 +666,57 @@ def _pad(n: _Node):
     return UNKNOWN
 
 
+# TensorArray ops that unstack a tensor along axis 0, one element per loop iteration: the
+# index of that value among their inputs
+_UNSTACK_INTO_LOOP = {"TensorArrayScatterV3": 2, "TensorArrayScatterV2": 2,
+                      "TensorArrayScatter": 2, "TensorArrayUnpack": 1}
+_ARRAY_WRITES = ("TensorArrayWrite", "TensorArrayScatter", "TensorArrayUnpack",
+                 "TensorArraySplit")
+
+
+def _unstack_into_loop(n: _Node):
+    """A legacy while loop reading the batch one example per iteration (dynamic_rnn with
+    time_major=True fed batch-major data, a tf.scan over the batch) mixes the examples when it
+    carries a value from one iteration to the next that the examples computed; one that only
+    writes each example's result (tf.map_fn) keeps them apart. Unknown otherwise."""
+    value_at = _UNSTACK_INTO_LOOP[n.op]
+    if n.states[value_at] != 0:
+        return UNKNOWN
+    carried = _carried_from_reads(n.flow.ir, n.inputs[0][0])
+    if carried is None:
+        return UNKNOWN
+    return n.mixed(f"unstacks the batch axis into a while loop that carries '{carried}' from "
+                   "one example to the next (a time-major RNN or a scan run over the "
+                   "examples)")
+
+
+def _carried_from_reads(ir, array: str) -> str | None:
+    """A loop variable (its NextIteration) computed from a read of the TensorArray ``array``
+    that is no TensorArray's flow, or None."""
+    handles, stack = set(), [array]
+    while stack:  # the array's handle, passed into loops by Enter and Identity
+        node = stack.pop()
+        if node in handles:
+            continue
+        handles.add(node)
+        stack.extend(dst for dst, port in ir.consumers(node, 0)
+                     if ir.op(dst) in ("Enter", "Identity", "RefEnter"))
+    reads = [dst for h in handles for dst, port in ir.consumers(h, 0)
+             if port == 0 and ir.op(dst).startswith("TensorArrayRead")]
+    seen, stack = set(reads), list(reads)
+    while stack:
+        node = stack.pop()
+        for dst, _ in ir.consumers(node):
+            if dst in seen or ir.op(dst) in ("Exit", "RefExit"):
+                continue
+            if ir.op(dst) in ("NextIteration", "RefNextIteration"):
+                if not ir.op(ir.input(dst, 0)[0]).startswith(_ARRAY_WRITES):
+                    return dst
+            seen.add(dst)
+            stack.append(dst)
+    return None
+
+
 _RULES = {
     "MatMul": _matmul, "BatchMatMul": _batch_matmul, "BatchMatMulV2": _batch_matmul,
     "BatchMatMulV3": _batch_matmul, "Softmax": _last_axis, "LogSoftmax": _last_axis,
@@ -683,6 +735,7 @@ _RULES = {
     "Gather": _gather, "GatherV2": _gather, "ResourceGather": _gather, "OneHot": _one_hot,
     "L2Loss": _l2_loss, "UnsortedSegmentSum": _segment_sum, "SegmentSum": _segment_sum,
     "Pad": _pad, "PadV2": _pad, "MirrorPad": _pad,
+    **dict.fromkeys(_UNSTACK_INTO_LOOP, _unstack_into_loop),
 }
 
 

@@ -4,6 +4,8 @@ softmax over the batch, centring by the batch's mean. Split across replicas, eac
 something else on its slice; `apply` used to exit 0 and `verify` then failed. Each is refused
 in one line naming the op; the look-alikes that work inside each example are not."""
 
+import contextlib
+
 import pytest
 from conftest import export_classifier as _export
 
@@ -117,6 +119,29 @@ def fgsm_raw_gradient(x, y):
     return _fgsm(x, y, lambda g: 5.0 * g)
 
 
+@contextlib.contextmanager
+def _legacy_control_flow():
+    """Loops as TF1 built them (Enter/Merge/NextIteration in the graph, not functions)."""
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+    was_v2 = tf1.control_flow_v2_enabled()
+    tf1.disable_control_flow_v2()
+    try:
+        yield
+    finally:
+        if was_v2:
+            tf1.enable_control_flow_v2()
+
+
+def scan_over_examples(x, y):
+    """A recurrence run over the batch axis: what dynamic_rnn(time_major=True) does to
+    batch-major data, or a running sum over the examples (tf.scan)."""
+    import tensorflow as tf
+    with _legacy_control_flow():  # the gradients too
+        running = tf.scan(lambda total, row: 0.5 * total + tf.tanh(row), dense(x, 8, "in"))
+        return _step(_xent(y, dense(running, 2, "out")))
+
+
 MIXING = [(infonce, "MatMul", "pairs every example with every other"),
           (fgsm_raw_gradient, "AddV2", "scale with the batch's size"),
           (clip_einsum, "Einsum", "different subscripts"),
@@ -127,7 +152,8 @@ MIXING = [(infonce, "MatMul", "pairs every example with every other"),
           (mixup_reversed, "ReverseV2", "reverses the order"),
           (sorted_predictions, "TopKV2", "ranks the examples"),
           (softmax_over_batch, "Softmax", "normalises over the batch axis"),
-          (centred_by_batch_mean, "Sub", "sum or mean over the batch")]
+          (centred_by_batch_mean, "Sub", "sum or mean over the batch"),
+          (scan_over_examples, "TensorArrayScatterV3", "carries")]
 
 
 @pytest.mark.parametrize("build,op,reason", MIXING, ids=[b.__name__ for b, _, _ in MIXING])
@@ -170,6 +196,29 @@ def per_example_lookalikes(x, y):
                           tf.gather(table, y), normed[:, 0:1], mixed_features,
                           tf.roll(normed, shift=1, axis=1)[:, :2]], axis=1)
     return _step(_xent(y, dense(features, 2, "out")))
+
+
+def loops_within_each_example(x, y):
+    """tf.map_fn over the examples (each one's result written alone), and a recurrence over
+    time of batch-major sequences transposed to time-major, as dynamic_rnn runs it."""
+    import tensorflow as tf
+    with _legacy_control_flow():
+        per_example = tf.map_fn(lambda row: tf.nn.relu(row) * 2.0, dense(x, 8, "in"))
+        sequence = tf.transpose(tf.reshape(dense(x, 12, "seq"), [-1, 4, 3]), [1, 0, 2])
+        states = tf.scan(lambda state, step: tf.tanh(state + step), sequence)
+        features = tf.concat([per_example, states[-1]], axis=1)
+        return _step(_xent(y, dense(features, 2, "out")))
+
+
+def test_loops_within_each_example_are_not_mixing(run_cli, tmp_path):
+    from graphxform import batch_mixing, metagraph, training
+    model = _export(tmp_path / "m.meta", loops_within_each_example)
+    ir = metagraph.load(model)
+    tg = training.analyze(ir)
+    assert batch_mixing.mixing_in(ir, tg.steps[0].loss, tg.batch_sources) is None
+    code, out, err = run_cli("verify", "--replicas", 2, model, "--feeds", model + ".npz",
+                             "--batch-size", 16)
+    assert code == 0 and "PASS" in out, err
 
 
 def test_per_example_lookalikes_are_not_mixing(tmp_path):
