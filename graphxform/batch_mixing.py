@@ -6,8 +6,8 @@ term computed from that example alone. A loss that pairs examples (in-batch nega
 batch-hard triplet loss), ranks them (hard-example mining, a sort), reorders or picks them
 (mixup's shuffled partner, ``x[0]``), runs a recurrence over them (a legacy while loop that
 reads one example per iteration and carries a value to the next), or normalises them by a
-statistic of the batch computes something else on a slice, and nothing in the averaged gradients says so. Batch norm is the one
-documented exception (``--sync-batch-norm``; `verify` names it): a FusedBatchNorm, and
+statistic of the batch computes something else on a slice, and nothing in the averaged
+gradients says so. Batch norm is the one documented exception (``--sync-batch-norm``; `verify` names it): a FusedBatchNorm, and
 ``tf.nn.moments``' Means (``moments/mean``, ``moments/variance``), which sync-batch-norm knows.
 
 This follows the single-device graph forward from its batch (the batched placeholders and

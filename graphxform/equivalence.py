@@ -410,8 +410,8 @@ def _reversed_rows(feed: dict, inputs) -> dict:
         name = f"{inp.name}:0"
         if inp.batched and name in feed:
             out[name] = feed[name][::-1]
-    for sparse in {i.sparse for i in inputs if i.sparse}:
-        names = [f"{sparse}/{part}:0" for part in ("indices", "values", "shape")]
+    for parts in training.sparse_groups(inputs).values():
+        names = [f"{p.name}:0" for p in parts]
         if all(n in feed for n in names):
             pool = tuple(feed[n] for n in names)
             rows = sparse_batches.rows(pool)

@@ -206,12 +206,8 @@ class TrainingGraph:
     @property
     def sparse_inputs(self) -> dict:
         """SparseTensor name -> its (indices, values, shape) placeholders (see Input.sparse)."""
-        found = {}
-        for inp in self.inputs:
-            if inp.sparse:
-                found.setdefault(inp.sparse, {})[inp.name.rsplit("/", 1)[1]] = inp.name
-        return {name: (parts["indices"], parts["values"], parts["shape"])
-                for name, parts in found.items()}
+        return {name: tuple(p.name for p in parts)
+                for name, parts in sparse_groups(self.inputs).items()}
 
     @property
     def trainable(self) -> list:
@@ -695,7 +691,19 @@ def _inputs(ir, placeholders, saver_scope, steps=(), whole=frozenset()) -> list[
     return found
 
 
-_SPARSE_PARTS = {"indices": (9, 2), "values": (None, 1), "shape": (9, 1)}  # (dtype, rank)
+SPARSE_PARTS = ("indices", "values", "shape")  # sparse_placeholder's, in SparseTensor order
+_SPARSE_KINDS = dict(zip(SPARSE_PARTS, ((9, 2), (None, 1), (9, 1))))  # (dtype, rank) of each
+
+
+def sparse_groups(inputs) -> dict:
+    """SparseTensor name -> its (indices, values, shape) Inputs, of the ``inputs`` that are
+    parts of one (Input.sparse)."""
+    found = {}
+    for inp in inputs:
+        if inp.sparse:
+            found.setdefault(inp.sparse, {})[inp.name.rpartition("/")[2]] = inp
+    return {name: tuple(parts[k] for k in SPARSE_PARTS) for name, parts in found.items()
+            if len(parts) == len(SPARSE_PARTS)}
 
 
 def _mark_sparse(ir, inputs: list) -> None:
@@ -705,13 +713,13 @@ def _mark_sparse(ir, inputs: list) -> None:
     groups = {}
     for inp in inputs:
         head, _, part = inp.name.rpartition("/")
-        if head and part in _SPARSE_PARTS and ir.op(inp.name) == "Placeholder":
+        if head and part in _SPARSE_KINDS and ir.op(inp.name) == "Placeholder":
             groups.setdefault(head, {})[part] = inp
     for name, parts in groups.items():
         if len(parts) != 3:
             continue
-        if not all(p.shape is not None and len(p.shape) == _SPARSE_PARTS[k][1]
-                   and _SPARSE_PARTS[k][0] in (None, p.dtype) for k, p in parts.items()):
+        if not all(p.shape is not None and len(p.shape) == _SPARSE_KINDS[k][1]
+                   and _SPARSE_KINDS[k][0] in (None, p.dtype) for k, p in parts.items()):
             continue
         rank = {parts["indices"].shape[1], parts["shape"].shape[0]} - {-1}
         if len(rank) > 1 or parts["indices"].shape[0] != -1 or parts["values"].shape[0] != -1:

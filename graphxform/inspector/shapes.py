@@ -14,6 +14,7 @@ import numpy as np
 
 from graphxform.inspector.scopes import fold_name
 from graphxform.ir import GraphIR
+from graphxform.replica_spread import SPLIT_SCOPE
 
 _PASS_THROUGH = {"Identity", "StopGradient", "Snapshot", "PreventGradient", "EnsureShape",
                  "CheckNumerics"}
@@ -35,7 +36,6 @@ def const_value(ir: GraphIR, node: str):
     return None
 
 
-_SPLIT_SCOPE = "split_inputs/"
 _SLICE_PARTS = {"Split": ("",), "SplitV": ("",),
                 "SparseSplit": ("indices of the ", "values of the ", "shape of the ")}
 
@@ -45,7 +45,7 @@ def describe(ir: GraphIR, node: str, port: int = 0, depth: int = 0) -> str:
     value = const_value(ir, node)
     if value is not None:
         return str(value.tolist())
-    if node.startswith(_SPLIT_SCOPE) and ir.op(node) in _SLICE_PARTS:
+    if node.startswith(SPLIT_SCOPE) and ir.op(node) in _SLICE_PARTS:
         # each replica reads its own output of split-inputs' split: its slice of the batch
         parts = _SLICE_PARTS[ir.op(node)]
         return f"{node}:{parts[port // max(ir.attrs(node)['num_split'].i, 1)]}slice"

@@ -63,11 +63,7 @@ class Feeds:
 
     def _sparse_batches(self, step: int):
         """(SparseTensor name, {placeholder tensor: array}) for each sparse input fed."""
-        by_name = {}
-        for inp in self.inputs:
-            if inp.sparse:
-                by_name.setdefault(inp.sparse, []).append(inp)
-        for name, parts in sorted(by_name.items()):
+        for name, parts in sorted(training.sparse_groups(self.inputs).items()):
             if name in self.sparse:
                 pool = self.sparse[name]
                 wanted = (np.arange(self.batch_size) + step * self.batch_size) % \
@@ -76,17 +72,15 @@ class Feeds:
             elif all(p.optional for p in parts):
                 continue
             else:
-                batch = self._fake_sparse(name, parts)
-            yield name, {f"{name}/{part}:0": value
-                         for part, value in zip(("indices", "values", "shape"), batch)}
+                batch = self._fake_sparse(name, *parts)
+            yield name, {f"{p.name}:0": value for p, value in zip(parts, batch)}
 
-    def _fake_sparse(self, name: str, parts) -> tuple:
+    def _fake_sparse(self, name: str, indices, values, shape) -> tuple:
         if name not in self._synthetic:
             from tensorflow.python.framework import dtypes
-            by_part = {p.name.rsplit("/", 1)[1]: p for p in parts}
-            rank = max(by_part["indices"].shape[1], by_part["shape"].shape[0])
             self._synthetic[name] = sparse_batches.synthetic(
-                self.rng, self.batch_size, rank, dtypes.as_dtype(by_part["values"].dtype))
+                self.rng, self.batch_size, max(indices.shape[1], shape.shape[0]),
+                dtypes.as_dtype(values.dtype))
         return self._synthetic[name]
 
     def _fake(self, inp):
@@ -127,10 +121,9 @@ def _load_pool(path: str, inputs) -> dict:
 
 def _sparse_pools(path: str | None, inputs, pool: dict) -> dict:
     """SparseTensor name -> (indices, values, shape) of the .npz, checked (see Feeds)."""
-    names = sorted({i.sparse for i in inputs if i.sparse})
     found = {}
-    for name in names:
-        arrays = [pool.get(f"{name}/{part}") for part in ("indices", "values", "shape")]
+    for name, parts in sorted(training.sparse_groups(inputs).items()):
+        arrays = [pool.get(p.name) for p in parts]
         if any(a is None for a in arrays):
             continue
         sparse_batches.check_pool(path, name, *arrays)
