@@ -4,8 +4,8 @@ Each replica computes the loss on its own slice of the global batch, and the ave
 are one device's only when the loss is a mean (or sum) of per-example terms: every example's
 term computed from that example alone. A loss that pairs examples (in-batch negatives, a
 batch-hard triplet loss), ranks them (hard-example mining, a sort), reorders or picks them
-(mixup's shuffled partner, ``x[0]``), runs a recurrence over them (a legacy while loop that
-reads one example per iteration and carries a value to the next), or normalises them by a
+(mixup's shuffled partner, ``x[0]``), runs a recurrence over them (a while loop, legacy or
+control flow v2, that reads one example per iteration and carries a value to the next), or normalises them by a
 statistic of the batch computes something else on a slice, and nothing in the averaged
 gradients says so. Batch norm is the one documented exception (``--sync-batch-norm``; `verify` names it): a FusedBatchNorm, and
 ``tf.nn.moments``' Means (``moments/mean``, ``moments/variance``), which sync-batch-norm knows.
@@ -34,7 +34,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from graphxform import replica_values
+from graphxform import functions, replica_values
+from graphxform.functions import WHILE_OPS
 from graphxform.replica_values import (BATCH_NORM_OPS, CROSS_ENTROPY_OPS, ELEMENTWISE_UNARY_OPS,
                                        LIKE_OPS, LINEAR_UNARY_OPS)
 from graphxform.training import RANDOM_OPS
@@ -126,6 +127,10 @@ class _Flow:
             return [found[0], None]  # both branches of a legacy cond agree
         if op == "IdentityN":
             return found
+        if op in WHILE_OPS:
+            carried = self._loop_over_batch(name, inputs)
+            if carried is not None:
+                return _Node(self, name, op, inputs, found).mixed(carried)
         if op in ("NextIteration", "Enter", "Exit", "Merge", "Switch", "While", "If",
                   "StatelessWhile", "StatelessIf", "PartitionedCall",
                   "StatefulPartitionedCall"):
@@ -143,6 +148,25 @@ class _Flow:
         if rule is None:
             return UNKNOWN
         return rule(_Node(self, name, op, inputs, found))
+
+    def _loop_over_batch(self, loop: str, inputs: list) -> str | None:
+        """Why the control-flow-v2 while loop ``loop`` mixes the examples: it reads the batch
+        one example per iteration from a TensorList of it (tf.scan over the batch,
+        dynamic_rnn(time_major=True) fed batch-major data) and carries a value computed from
+        them to the next; None when it does not (tf.map_fn writes each example's result
+        alone). The legacy loop's rule is ``_unstack_into_loop``."""
+        for k, (src, _) in enumerate(inputs):
+            if self.ir.op(src) != "TensorListFromTensor":
+                continue
+            tensor, port = self.ir.input(src, 0)
+            if _port(self.states.get(tensor), port) != 0:
+                continue
+            carried = functions.carried_from_list(self.ir, loop, k)
+            if carried is not None:
+                return (f"unstacks the batch axis into a while loop that carries '{carried}' "
+                        "from one example to the next (a time-major RNN or a scan run over "
+                        "the examples)")
+        return None
 
     def _scaled(self, name: str, state):
         """``state``, or a Mixed where the batch's size enters per-example values in a way no

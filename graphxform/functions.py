@@ -11,6 +11,10 @@ nodes only. Two things there break the contract silently, so the contract and `v
   for its own slice and ``--consistent-random`` cannot reach it (``random_in_function``;
   verify names it, the consistent-random pass refuses).
 
+A third, for graphxform.batch_mixing: a while loop that reads the batch one example per
+iteration from a TensorList and carries a value from one example to the next
+(``carried_from_list``).
+
 A call's inputs are its function's arguments in order (``If``, ``Case``: after the branch
 selector), so a write to an argument is a write to the graph node that feeds it; nested calls
 map their arguments the same way.
@@ -25,6 +29,9 @@ CALL_OPS = {"While": ("cond", "body"), "StatelessWhile": ("cond", "body"),
             "Case": ("branches",), "StatelessCase": ("branches",),
             "PartitionedCall": ("f",), "StatefulPartitionedCall": ("f",)}
 _SELECTOR_FIRST = {"If", "StatelessIf", "Case", "StatelessCase"}
+WHILE_OPS = frozenset({"While", "StatelessWhile"})
+# what reads an element of a TensorList (TensorListPopBack's second output is the element)
+_LIST_READS = frozenset({"TensorListGetItem", "TensorListGather", "TensorListPopBack"})
 _MAX_DEPTH = 20  # a recursive library: nothing real nests this deep
 
 
@@ -62,6 +69,44 @@ def called_nodes(ir, closure: set):
         for function in _called(ir.attrs(call), op, library):
             for function_name, node, source in _nodes(library, function, sources, 0):
                 yield call, function_name, node, source
+
+
+def carried_from_list(ir, loop: str, arg: int) -> str | None:
+    """The first loop variable of the while loop ``loop`` whose next value its body computes
+    from an element it reads out of its ``arg``-th loop variable, a TensorList, other than a
+    list its body writes (an accumulator of per-iteration results, as tf.map_fn and the
+    gradient's stacks keep), by name; None when there is none or the body is not in the
+    library. The loop variables are the body's arguments and results, in order."""
+    attrs = ir.attrs(loop)
+    library = {f.signature.name: f for f in ir.meta.graph_def.library.function}
+    body = library.get(attrs["body"].func.name) if "body" in attrs else None
+    if body is None or arg >= len(body.signature.input_arg):
+        return None
+    users, ops = {}, {}
+    for node in body.node_def:
+        ops[node.name] = node.op
+        for text in node.input:
+            if not text.startswith("^"):
+                users.setdefault(text.split(":", 1)[0], []).append(node)
+    handles, stack = set(), [body.signature.input_arg[arg].name]
+    while stack:  # the list, and Identities of it
+        name = stack.pop()
+        handles.add(name)
+        stack += [n.name for n in users.get(name, ()) if n.op == "Identity"
+                  and n.name not in handles]
+    reached = {n.name for h in handles for n in users.get(h, ())
+               if n.op in _LIST_READS and n.input[0].split(":", 1)[0] == h}
+    stack = list(reached)
+    while stack:
+        for node in users.get(stack.pop(), ()):
+            if node.name not in reached:
+                reached.add(node.name)
+                stack.append(node.name)
+    for result in body.signature.output_arg:
+        source = body.ret[result.name].split(":", 1)[0]
+        if source in reached and not ops[source].startswith("TensorList"):
+            return result.name
+    return None
 
 
 def _called(attrs, op: str, library: dict) -> list[str]:

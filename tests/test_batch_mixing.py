@@ -142,6 +142,14 @@ def scan_over_examples(x, y):
         return _step(_xent(y, dense(running, 2, "out")))
 
 
+def scan_over_examples_v2(x, y):
+    """The same with control flow v2, TF2's default: a While op whose body reads the batch
+    from a TensorList, one example per iteration."""
+    import tensorflow as tf
+    running = tf.scan(lambda total, row: 0.5 * total + tf.tanh(row), dense(x, 8, "in"))
+    return _step(_xent(y, dense(running, 2, "out")))
+
+
 MIXING = [(infonce, "MatMul", "pairs every example with every other"),
           (fgsm_raw_gradient, "AddV2", "scale with the batch's size"),
           (clip_einsum, "Einsum", "different subscripts"),
@@ -153,7 +161,8 @@ MIXING = [(infonce, "MatMul", "pairs every example with every other"),
           (sorted_predictions, "TopKV2", "ranks the examples"),
           (softmax_over_batch, "Softmax", "normalises over the batch axis"),
           (centred_by_batch_mean, "Sub", "sum or mean over the batch"),
-          (scan_over_examples, "TensorArrayScatterV3", "carries")]
+          (scan_over_examples, "TensorArrayScatterV3", "carries"),
+          (scan_over_examples_v2, "StatelessWhile", "carries")]
 
 
 @pytest.mark.parametrize("build,op,reason", MIXING, ids=[b.__name__ for b, _, _ in MIXING])
@@ -198,21 +207,31 @@ def per_example_lookalikes(x, y):
     return _step(_xent(y, dense(features, 2, "out")))
 
 
+def _loops_within_each_example(x, y):
+    import tensorflow as tf
+    per_example = tf.map_fn(lambda row: tf.nn.relu(row) * 2.0, dense(x, 8, "in"))
+    sequence = tf.transpose(tf.reshape(dense(x, 12, "seq"), [-1, 4, 3]), [1, 0, 2])
+    states = tf.scan(lambda state, step: tf.tanh(state + step), sequence)
+    features = tf.concat([per_example, states[-1]], axis=1)
+    return _step(_xent(y, dense(features, 2, "out")))
+
+
 def loops_within_each_example(x, y):
     """tf.map_fn over the examples (each one's result written alone), and a recurrence over
     time of batch-major sequences transposed to time-major, as dynamic_rnn runs it."""
-    import tensorflow as tf
     with _legacy_control_flow():
-        per_example = tf.map_fn(lambda row: tf.nn.relu(row) * 2.0, dense(x, 8, "in"))
-        sequence = tf.transpose(tf.reshape(dense(x, 12, "seq"), [-1, 4, 3]), [1, 0, 2])
-        states = tf.scan(lambda state, step: tf.tanh(state + step), sequence)
-        features = tf.concat([per_example, states[-1]], axis=1)
-        return _step(_xent(y, dense(features, 2, "out")))
+        return _loops_within_each_example(x, y)
 
 
-def test_loops_within_each_example_are_not_mixing(run_cli, tmp_path):
+def loops_within_each_example_v2(x, y):
+    """The same with control flow v2."""
+    return _loops_within_each_example(x, y)
+
+
+@pytest.mark.parametrize("build", [loops_within_each_example, loops_within_each_example_v2])
+def test_loops_within_each_example_are_not_mixing(run_cli, tmp_path, build):
     from graphxform import batch_mixing, metagraph, training
-    model = _export(tmp_path / "m.meta", loops_within_each_example)
+    model = _export(tmp_path / "m.meta", build)
     ir = metagraph.load(model)
     tg = training.analyze(ir)
     assert batch_mixing.mixing_in(ir, tg.steps[0].loss, tg.batch_sources) is None
