@@ -39,6 +39,7 @@ def check_input(ir: GraphIR, tg: TrainingGraph) -> None:
     from graphxform.batch_mixing import mixing_in
     sources = tg.batch_sources
     _check_batch_axis(tg)
+    _check_sparse_lookalikes(tg)
     _check_batch_state_feeds_losses(ir, tg)
     for step in tg.steps:
         found = mixing_in(ir, step.loss, sources) if step.loss and sources else None
@@ -72,6 +73,37 @@ def _check_batch_axis(tg: TrainingGraph) -> None:
             f"split across replicas (as for '{batched}'): each replica would read all of "
             f"'{inp.name}' beside its slice of the others; feed it batch-major (axis 0 the "
             "batch, transposed in the graph)")
+
+
+def _check_sparse_lookalikes(tg: TrainingGraph) -> None:
+    """A SparseTensor built from three plain placeholders (``tf.SparseTensor(indices, values,
+    dense_shape)``) rather than by ``tf.compat.v1.sparse_placeholder``: indices [?, rank] int64
+    and values [?] look batched, so their rows (the entries, not the examples) would be split
+    across replicas and the dense shape fed whole, pairing entries with other examples' labels.
+    Refuse when an int64 [?, rank] input, a [?] input and an int64 [rank] input that no step
+    splits are all there and are no sparse_placeholder's parts."""
+    if not tg.batch_sources:
+        return
+    plain = [i for i in tg.inputs if not i.sparse and i.shape is not None]
+    for indices in plain:
+        if not (indices.batched and indices.dtype == 9 and len(indices.shape) == 2
+                and indices.shape[1] != 1):
+            continue
+        rank = indices.shape[1]
+        shape = next((i for i in plain if i.dtype == 9 and not i.batch_source
+                      and len(i.shape) == 1 and i.shape[0] > 1
+                      and rank in (-1, i.shape[0])), None)
+        values = next((i for i in plain if i.batched and len(i.shape) == 1
+                       and i is not indices), None)
+        if shape is None or values is None:
+            continue
+        raise ContractError(
+            f"inputs '{indices.name}' (int64 [?, {'?' if rank < 0 else rank}]), "
+            f"'{values.name}' ([?]) and '{shape.name}' (int64 [{shape.shape[0]}]) look like a "
+            "SparseTensor's indices, values and dense shape fed by plain placeholders: their "
+            "rows are entries, not examples, and splitting them across replicas would pair "
+            "entries with other examples' labels; build it with "
+            "tf.compat.v1.sparse_placeholder, which graphxform splits by examples")
 
 
 def _check_batch_state_feeds_losses(ir: GraphIR, tg: TrainingGraph) -> None:

@@ -195,3 +195,44 @@ def test_an_input_with_its_batch_on_another_axis_is_refused(tmp_path, run_cli):
     assert err.strip().count("\n") == 0 and "Traceback" not in err
     assert "input 'x' has shape [7, ?, 4]" in err and "axis 1, not axis 0" in err
     assert not (tmp_path / "tm.allreduce.meta").exists()
+
+
+def _sparse_from_placeholders(path, with_shape=True):
+    """The SparseTensor of ids built by hand, as CTR code without sparse_placeholder does:
+    ``tf.SparseTensor(indices, values, dense_shape)`` of three plain placeholders, then
+    embedding_lookup_sparse (which never reads the shape). Without ``with_shape`` the dense
+    shape is a constant, and the int64 [?, 2] input is just pairs of ids per example."""
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+    graph = tf.Graph()
+    with graph.as_default():
+        idx = tf1.placeholder(tf.int64, [None, 2], name="feat_idx")
+        val = tf1.placeholder(tf.int64, [None], name="feat_val")
+        y = tf1.placeholder(tf.float32, [None], name="y")
+        table = tf1.get_variable("table", [50, 4])
+        if with_shape:
+            shape = tf1.placeholder(tf.int64, [2], name="feat_shape")
+            embedded = tf.nn.embedding_lookup_sparse(
+                table, tf.SparseTensor(idx, val, shape), None, combiner="mean")
+        else:
+            embedded = tf.nn.embedding_lookup(table, idx[:, 0] + val)
+        pred = tf.reduce_sum(embedded, axis=1)
+        loss = tf.reduce_mean(tf.square(pred - y))
+        tf1.add_to_collection("train_op", tf1.train.AdagradOptimizer(0.1).minimize(loss))
+        tf1.train.export_meta_graph(str(path), graph=graph)
+    return str(path)
+
+
+def test_a_sparse_tensor_of_plain_placeholders_is_refused(tmp_path, run_cli):
+    """Its indices and values looked batched: split by entries, the dense shape fed whole,
+    apply exited 0."""
+    meta = _sparse_from_placeholders(tmp_path / "ctr.meta")
+    code, out, err = run_cli("apply", "--replicas", "2", meta)
+    assert code == 1
+    assert err.strip().count("\n") == 0 and "Traceback" not in err
+    assert ("'feat_idx' (int64 [?, 2]), 'feat_val' ([?]) and 'feat_shape' (int64 [2]) look "
+            "like a SparseTensor's" in err and "sparse_placeholder" in err)
+    assert not (tmp_path / "ctr.allreduce.meta").exists()
+    pairs = _sparse_from_placeholders(tmp_path / "pairs.meta", with_shape=False)
+    code, out, err = run_cli("apply", "--replicas", "2", pairs)
+    assert code == 0, err
