@@ -89,6 +89,9 @@ class Variable:
     # in local_variables but not the global collection: a metric's total, a loop's counter.
     # TF's default Saver leaves it out and local_variables_initializer starts it
     local: bool = False
+    # a part of a variable the user partitioned (get_variable(partitioner=...)): (the whole
+    # variable's name, the slice spec) its checkpoint entry has, as TF's Saver writes it
+    saved_as: tuple | None = None
 
     @property
     def dtype_name(self) -> str:
@@ -426,9 +429,10 @@ def _climb_identities(ir: GraphIR, node: str) -> str:
 
 
 def _saved_by_saver(ir: GraphIR, scope: str | None) -> dict | None:
-    """{checkpoint key: (variable, slice spec)} the input's Saver writes: the tensor names of
+    """{checkpoint key: [(variable, slice spec)]} the input's Saver writes: the tensor names of
     its SaveV2 ops under ``scope``, each tensor read back through Identity and ReadVariableOp
-    to the variable whose value it is (None when it is not one). None without such a Saver."""
+    to the variable whose value it is (None when it is not one); a partitioned variable's key
+    has one entry per part. None without such a Saver."""
     if scope is None:
         return None
     found = {}
@@ -442,7 +446,8 @@ def _saved_by_saver(ir: GraphIR, scope: str | None) -> dict | None:
         for key, spec, (src, _) in zip(keys, specs, inputs[3:]):
             while ir.op(src) in ("Identity", "ReadVariableOp") and ir.inputs(src):
                 src = ir.inputs(src)[0][0]
-            found[key] = (src if ir.op(src) in VARIABLE_OPS else None, spec)
+            found.setdefault(key, []).append((src if ir.op(src) in VARIABLE_OPS else None,
+                                              spec))
     return found or None
 
 
@@ -492,6 +497,8 @@ def _variable(ir, name, data, var_defs, users) -> Variable:
         vd, var.trainable, var.local = var_defs[name]
         var.initializer = vd.initializer_name or None
         var.initial_value = vd.initial_value_name or None
+        if vd.HasField("save_slice_info_def"):
+            var.saved_as = _slice_key(vd.save_slice_info_def)
     read_op = "ReadVariableOp" if var.kind == "resource" else "Identity"
     var.reads = [c for c, _ in users if ir.op(c) == read_op]
     if var.initializer is None and f"{name}/Assign" in ir:
@@ -500,6 +507,15 @@ def _variable(ir, name, data, var_defs, users) -> Variable:
         src, port = ir.input(var.initializer, 1)
         var.initial_value = tensor_name(src, port)
     return var
+
+
+def _slice_key(info) -> tuple[str, str]:
+    """(checkpoint key, slice spec) of a partitioned variable's part, from its SaveSliceInfoDef:
+    the whole variable's name, and 'full shape offset,length:...' as TF's Saver writes it."""
+    full = " ".join(str(d) for d in info.full_shape)
+    spans = ":".join(f"{offset},{length}" for offset, length in zip(info.var_offset,
+                                                                    info.var_shape))
+    return info.full_name, f"{full} {spans}"
 
 
 def consumers_through_switches(ir, users) -> list:

@@ -41,13 +41,13 @@ class DropInSaver(Pass):
         parts = {shard for found in shards.values() for shard, _, _ in found}
         candidates = {v.name: v for v in tg.variables.values() if v.name not in parts}
         candidates.update((v.name, v) for v in partitioned["originals"].values())
-        keys, variables = _saved(tg.saved, candidates)
+        keys, specs, variables = _saved(tg.saved, candidates)
         scope = SCOPE if not ir.has_scope(SCOPE) else ir.unique_name("save") + "/"
         default = build.const(scope + "filename/input", "model", np.object_)
         filename = build.op(scope + "filename", "PlaceholderWithDefault", [default],
                             dtype=types_pb2.DT_STRING, shape=[])
         names = build.const(scope + "SaveV2/tensor_names", keys, np.object_)
-        slices = build.const(scope + "SaveV2/shape_and_slices", [""] * len(variables), np.object_)
+        slices = build.const(scope + "SaveV2/shape_and_slices", specs, np.object_)
         values = []
         for k, var in enumerate(variables):
             if var.name in shards:
@@ -114,24 +114,25 @@ class DropInSaver(Pass):
         return build.op(name, "Slice", [tensor, begin, size], T=var.dtype, Index=3)
 
 
-def _saved(saved: dict | None, candidates: dict) -> tuple[list, list]:
-    """(checkpoint keys, the variable each saves): what the input's Saver wrote (``saved``,
-    key -> (variable, slice spec)), or without one what TF's default Saver writes: every
-    global variable under its own name. Refuses a Saver this pass cannot rebuild."""
+def _saved(saved: dict | None, candidates: dict) -> tuple[list, list, list]:
+    """(checkpoint keys, their slice specs, the variable each saves): what the input's Saver
+    wrote (``saved``, key -> (variable, slice spec)), or without one what TF's default Saver
+    writes: every global variable under its own name, and each part of a variable the user
+    partitioned as its slice of the whole one's key (Variable.saved_as). Refuses a Saver this
+    pass cannot rebuild."""
     if saved is None:
         chosen = sorted((v for v in candidates.values() if not v.local), key=lambda v: v.name)
-        return [v.name for v in chosen], chosen
-    keys, variables = [], []
-    for key, (variable, spec) in sorted(saved.items()):
-        if variable is None or variable not in candidates:
-            raise GraphxformError(f"the input's Saver writes checkpoint key '{key}' from a value "
-                                  "that is not a variable's: a Saver rebuilt for the replicas "
-                                  "could not write it, so checkpoints would not move between "
-                                  "the graphs")
-        if spec:
-            raise GraphxformError(f"the input's Saver writes a slice ('{spec}') of variable "
-                                  f"'{variable}' under key '{key}': rebuilding a Saver of "
-                                  "partitioned variables is not supported")
-        keys.append(key)
-        variables.append(candidates[variable])
-    return keys, variables
+        keys = [v.saved_as or (v.name, "") for v in chosen]
+        return [key for key, _ in keys], [spec for _, spec in keys], chosen
+    keys, specs, variables = [], [], []
+    for key, entries in sorted(saved.items()):
+        for variable, spec in entries:
+            if variable is None or variable not in candidates:
+                raise GraphxformError(
+                    f"the input's Saver writes checkpoint key '{key}' from a value that is not "
+                    "a variable's: a Saver rebuilt for the replicas could not write it, so "
+                    "checkpoints would not move between the graphs")
+            keys.append(key)
+            specs.append(spec)
+            variables.append(candidates[variable])
+    return keys, specs, variables

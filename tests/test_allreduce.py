@@ -165,9 +165,10 @@ def test_drop_in_contract(tmp_path):
     assert original_losses[0] > 0
 
 
-def saver_graph(make_saver):
+def saver_graph(make_saver, partitioner=None):
     """A dense softmax model trained with Adam whose Saver ``make_saver()`` builds, as a user
-    hands graphxform a graph exported with its own Saver's saver_def."""
+    hands graphxform a graph exported with its own Saver's saver_def (None: no Saver);
+    ``partitioner``: the kernel is a partitioned variable, as large embeddings are."""
     import tensorflow as tf
     tf1 = tf.compat.v1
     g = tf.Graph()
@@ -175,12 +176,12 @@ def saver_graph(make_saver):
         tf1.set_random_seed(1)
         x = tf1.placeholder(tf.float32, [None, 8], name="x")
         y = tf1.placeholder(tf.int64, [None], name="y")
-        w = tf1.get_variable("dense/kernel", [8, 3])
-        loss = tf1.losses.sparse_softmax_cross_entropy(y, tf.matmul(x, w))
+        w = tf1.get_variable("dense/kernel", [8, 3], partitioner=partitioner)
+        loss = tf1.losses.sparse_softmax_cross_entropy(y, tf.matmul(x, tf.convert_to_tensor(w)))
         step = tf1.train.get_or_create_global_step()
         tf1.add_to_collection("train_op", tf1.train.AdamOptimizer(0.01).minimize(loss, step))
-        saver = make_saver()
-        meta = tf1.train.export_meta_graph(graph=g, saver_def=saver.as_saver_def())
+        saver = make_saver() if make_saver else None
+        meta = tf1.train.export_meta_graph(graph=g, saver_def=saver and saver.as_saver_def())
     return metagraph.from_metagraph(meta)
 
 
@@ -198,17 +199,32 @@ def _var(name):
     return next(v for v in tf.compat.v1.global_variables() if v.op.name == name)
 
 
-@pytest.mark.parametrize("kind", sorted(SAVERS))
+def _partitioned():
+    return __import__("tensorflow").compat.v1.fixed_size_partitioner(2)
+
+
+PARTITIONED_SAVERS = {  # a partitioned kernel: its parts are slices of one checkpoint key
+    "partitioned": (lambda: __import__("tensorflow").compat.v1.train.Saver(),
+                    {"dense/kernel", "dense/kernel/Adam", "dense/kernel/Adam_1", "global_step",
+                     "beta1_power", "beta2_power"}),
+    "partitioned-no-saver": (None, {"dense/kernel", "dense/kernel/Adam", "dense/kernel/Adam_1",
+                                    "global_step", "beta1_power", "beta2_power"}),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(SAVERS) + sorted(PARTITIONED_SAVERS))
 def test_checkpoints_of_the_inputs_own_saver_move_both_ways(kind, tmp_path):
-    """A Saver given a dict of keys or a subset of the variables: the transformed graph's saver
-    writes the same keys, so the user's checkpoints restore into it and its own restore into
-    the single-device graph."""
+    """A Saver given a dict of keys or a subset of the variables, or any Saver (or none) of a
+    graph with a partitioned variable: the transformed graph's saver writes the same keys
+    (a part as its slice of the whole variable's), so the user's checkpoints restore into it
+    and its own restore into the single-device graph."""
     import tensorflow as tf
 
     from graphxform.runtime import Feeds, Runner
-    make, keys = SAVERS[kind]
-    original = saver_graph(make)
-    ir = saver_graph(make)
+    make, keys = {**SAVERS, **PARTITIONED_SAVERS}[kind]
+    partitioner = _partitioned() if kind in PARTITIONED_SAVERS else None
+    original = saver_graph(make, partitioner)
+    ir = saver_graph(make, partitioner)
     strategies.transform(ir, "allreduce", devices=["/device:CPU:0", "/device:CPU:1"])
     np.savez(tmp_path / "rows.npz", x=np.random.RandomState(0).randn(32, 8).astype(np.float32),
              y=np.random.RandomState(1).randint(0, 3, 32))
@@ -218,11 +234,17 @@ def test_checkpoints_of_the_inputs_own_saver_move_both_ways(kind, tmp_path):
         run.step(feeds.batch(0))
         first = run.save(str(tmp_path / "original"))
     assert set(tf.train.load_checkpoint(first).get_variable_to_shape_map()) == keys
+    with Runner(original) as run:
+        run.restore(first)
+        expected = run.step(feeds.batch(1)).loss
     with Runner(ir) as run:
         run.restore(first)
-        run.step(feeds.batch(1))
+        assert run.step(feeds.batch(1)).loss == pytest.approx(expected, rel=1e-5)
         second = run.save(str(tmp_path / "transformed"))
     assert set(tf.train.load_checkpoint(second).get_variable_to_shape_map()) == keys
+    if partitioner is not None:
+        assert tf.train.load_checkpoint(second).get_variable_to_shape_map()[
+            "dense/kernel"] == [8, 3]
     with Runner(original) as run:
         run.restore(second)
         run.step(feeds.batch(0))
