@@ -691,6 +691,21 @@ def _pad(n: _Node):
 
 
 # TensorArray ops that unstack a tensor along axis 0, one element per loop iteration: the
+def _ctc_loss(n: _Node):
+    """CTCLoss reads time-major logits [time, batch, classes] (and each example's length) and
+    returns one loss per example beside the logits' gradient. Logits whose axis 0 is the split
+    axis are time-major data split along time: each replica would see a slice of every
+    example's time steps beside its own examples' labels."""
+    if n.states[0] == 0:
+        return n.mixed("reads time-major logits [time, batch, classes], but axis 0, time, is "
+                       "where the batch is split: each replica would see a slice of every "
+                       "example's time steps (feed the data batch-major, or pass "
+                       "time_major=False)")
+    if n.states[0] == 1:
+        return [0, 1]
+    return UNKNOWN
+
+
 # index of that value among their inputs
 _UNSTACK_INTO_LOOP = {"TensorArrayScatterV3": 2, "TensorArrayScatterV2": 2,
                       "TensorArrayScatter": 2, "TensorArrayUnpack": 1}
@@ -758,7 +773,7 @@ _RULES = {
     "SplitV": _unpack_or_split(0, "input"), "Slice": _slice, "StridedSlice": _strided_slice,
     "Gather": _gather, "GatherV2": _gather, "ResourceGather": _gather, "OneHot": _one_hot,
     "L2Loss": _l2_loss, "UnsortedSegmentSum": _segment_sum, "SegmentSum": _segment_sum,
-    "Pad": _pad, "PadV2": _pad, "MirrorPad": _pad,
+    "Pad": _pad, "PadV2": _pad, "MirrorPad": _pad, "CTCLoss": _ctc_loss, "CTCLossV2": _ctc_loss,
     **dict.fromkeys(_UNSTACK_INTO_LOOP, _unstack_into_loop),
 }
 

@@ -236,3 +236,30 @@ def test_a_sparse_tensor_of_plain_placeholders_is_refused(tmp_path, run_cli):
     pairs = _sparse_from_placeholders(tmp_path / "pairs.meta", with_shape=False)
     code, out, err = run_cli("apply", "--replicas", "2", pairs)
     assert code == 0, err
+
+
+def _ctc_time_major(path):
+    """tf.compat.v1.nn.ctc_loss as its docs default it, time_major=True: features fed
+    [time, batch, 4] with both unknown, labels through sparse_placeholder."""
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+    graph = tf.Graph()
+    with graph.as_default():
+        feats = tf1.placeholder(tf.float32, [None, None, 4], name="feats")
+        lengths = tf1.placeholder(tf.int32, [None], name="seq_len")
+        labels = tf1.sparse_placeholder(tf.int32, name="labels")
+        logits = tf.einsum("tbf,fc->tbc", feats, tf1.get_variable("w", [4, 6]))
+        loss = tf.reduce_mean(tf1.nn.ctc_loss(labels, logits, lengths))
+        tf1.add_to_collection("train_op", tf1.train.AdamOptimizer(0.05).minimize(loss))
+        tf1.train.export_meta_graph(str(path), graph=graph)
+    return str(path)
+
+
+def test_time_major_ctc_logits_are_refused(tmp_path, run_cli):
+    """Split along time beside labels split by examples, apply exited 0 and the run failed."""
+    meta = _ctc_time_major(tmp_path / "ctc.meta")
+    code, out, err = run_cli("apply", "--replicas", "2", meta)
+    assert code == 1
+    assert err.strip().count("\n") == 0 and "Traceback" not in err
+    assert "'CTCLoss' (CTCLoss) reads time-major logits" in err and "time_major=False" in err
+    assert not (tmp_path / "ctc.allreduce.meta").exists()
