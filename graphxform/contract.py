@@ -39,7 +39,7 @@ def check_input(ir: GraphIR, tg: TrainingGraph) -> None:
     from graphxform.batch_mixing import mixing_in
     sources = tg.batch_sources
     _check_batch_axis(tg)
-    _check_sparse_lookalikes(tg)
+    _check_sparse_lookalikes(ir, tg)
     _check_batch_state_feeds_losses(ir, tg)
     for step in tg.steps:
         found = mixing_in(ir, step.loss, sources) if step.loss and sources else None
@@ -75,13 +75,15 @@ def _check_batch_axis(tg: TrainingGraph) -> None:
             "batch, transposed in the graph)")
 
 
-def _check_sparse_lookalikes(tg: TrainingGraph) -> None:
-    """A SparseTensor built from three plain placeholders (``tf.SparseTensor(indices, values,
+def _check_sparse_lookalikes(ir: GraphIR, tg: TrainingGraph) -> None:
+    """A SparseTensor built from plain placeholders (``tf.SparseTensor(indices, values,
     dense_shape)``) rather than by ``tf.compat.v1.sparse_placeholder``: indices [?, rank] int64
     and values [?] look batched, so their rows (the entries, not the examples) would be split
-    across replicas and the dense shape fed whole, pairing entries with other examples' labels.
-    Refuse when an int64 [?, rank] input, a [?] input and an int64 [rank] input that no step
-    splits are all there and are no sparse_placeholder's parts."""
+    across replicas, pairing entries with other examples' labels. Refuse an int64 [?, rank]
+    input that is read as a SparseTensor's indices (by a sparse op, or its column 0 as the
+    segment ids embedding_lookup_sparse sums entries by), or that comes with a [?] input and
+    an int64 [rank] input no step splits (values and dense shape), unless it is a
+    sparse_placeholder's."""
     if not tg.batch_sources:
         return
     plain = [i for i in tg.inputs if not i.sparse and i.shape is not None]
@@ -90,6 +92,15 @@ def _check_sparse_lookalikes(tg: TrainingGraph) -> None:
                 and indices.shape[1] != 1):
             continue
         rank = indices.shape[1]
+        what = f"input '{indices.name}' (int64 [?, {'?' if rank < 0 else rank}])"
+        reader = _sparse_indices_reader(ir, indices.name)
+        if reader is not None:
+            raise ContractError(
+                f"{what} is read as a SparseTensor's indices (by '{reader}', "
+                f"{ir.op(reader)}) fed by a plain placeholder: its rows are entries, not "
+                "examples, and splitting them across replicas would pair entries with other "
+                "examples' labels; build the SparseTensor with "
+                "tf.compat.v1.sparse_placeholder, which graphxform splits by examples")
         shape = next((i for i in plain if i.dtype == 9 and not i.batch_source
                       and len(i.shape) == 1 and i.shape[0] > 1
                       and rank in (-1, i.shape[0])), None)
@@ -104,6 +115,38 @@ def _check_sparse_lookalikes(tg: TrainingGraph) -> None:
             "rows are entries, not examples, and splitting them across replicas would pair "
             "entries with other examples' labels; build it with "
             "tf.compat.v1.sparse_placeholder, which graphxform splits by examples")
+
+
+# ops that read a SparseTensor's indices as their first input, and CTC's labels (the second)
+_SPARSE_INDICES_AT = {"SparseTensorDenseMatMul": 0, "SparseToDense": 0, "SparseReorder": 0,
+                      "SparseReshape": 0, "SparseFillEmptyRows": 0, "SparseTensorDenseAdd": 0,
+                      "SparseSoftmax": 0, "SparseReduceSum": 0, "SparseReduceMax": 0,
+                      "SparseReduceSumSparse": 0, "SparseReduceMaxSparse": 0, "SparseAdd": 0,
+                      "SparseSlice": 0, "SparseConcat": 0, "SerializeSparse": 0,
+                      "SparseDenseCwiseMul": 0, "SparseDenseCwiseAdd": 0,
+                      "SparseDenseCwiseDiv": 0, "CTCLoss": 1, "CTCLossV2": 1}
+_SEGMENT_IDS_AT = {"SparseSegmentSum": 2, "SparseSegmentMean": 2, "SparseSegmentSqrtN": 2,
+                   "SparseSegmentSumWithNumSegments": 2, "SparseSegmentMeanWithNumSegments": 2,
+                   "SparseSegmentSqrtNWithNumSegments": 2}
+
+
+def _sparse_indices_reader(ir: GraphIR, name: str) -> str | None:
+    """A node reading ``name`` (through Identities) as a SparseTensor's indices, or a column of
+    it as sparse segment ids; None when there is none."""
+    nodes, stack = [], [name]
+    while stack:
+        node = stack.pop()
+        nodes.append(node)
+        stack += [dst for dst, _ in ir.consumers(node) if ir.op(dst) == "Identity"]
+    for node in nodes:
+        for dst, port in ir.consumers(node):
+            if _SPARSE_INDICES_AT.get(ir.op(dst)) == port:
+                return dst
+            if ir.op(dst) == "StridedSlice" and port == 0:
+                for user, at in ir.consumers(dst):
+                    if _SEGMENT_IDS_AT.get(ir.op(user)) == at:
+                        return user
+    return None
 
 
 def _check_batch_state_feeds_losses(ir: GraphIR, tg: TrainingGraph) -> None:

@@ -197,11 +197,13 @@ def test_an_input_with_its_batch_on_another_axis_is_refused(tmp_path, run_cli):
     assert not (tmp_path / "tm.allreduce.meta").exists()
 
 
-def _sparse_from_placeholders(path, with_shape=True):
+def _sparse_from_placeholders(path, shape="placeholder"):
     """The SparseTensor of ids built by hand, as CTR code without sparse_placeholder does:
-    ``tf.SparseTensor(indices, values, dense_shape)`` of three plain placeholders, then
-    embedding_lookup_sparse (which never reads the shape). Without ``with_shape`` the dense
-    shape is a constant, and the int64 [?, 2] input is just pairs of ids per example."""
+    ``tf.SparseTensor(indices, values, dense_shape)`` of plain placeholders, then
+    embedding_lookup_sparse (which reads the indices' column 0 as segment ids, never the
+    shape). ``shape``: "placeholder", "batch" (computed from the labels' batch), "unread"
+    (the lookup reads the indices as a dense [?, 2] input instead), or None (no SparseTensor:
+    the int64 [?, 2] input is pairs of ids per example)."""
     import tensorflow as tf
     tf1 = tf.compat.v1
     graph = tf.Graph()
@@ -210,11 +212,15 @@ def _sparse_from_placeholders(path, with_shape=True):
         val = tf1.placeholder(tf.int64, [None], name="feat_val")
         y = tf1.placeholder(tf.float32, [None], name="y")
         table = tf1.get_variable("table", [50, 4])
-        if with_shape:
-            shape = tf1.placeholder(tf.int64, [2], name="feat_shape")
+        if shape in ("placeholder", "batch"):
+            dense_shape = (tf1.placeholder(tf.int64, [2], name="feat_shape")
+                           if shape == "placeholder" else
+                           tf.stack([tf.shape(y, out_type=tf.int64)[0], 50]))
             embedded = tf.nn.embedding_lookup_sparse(
-                table, tf.SparseTensor(idx, val, shape), None, combiner="mean")
+                table, tf.SparseTensor(idx, val, dense_shape), None, combiner="mean")
         else:
+            if shape == "unread":
+                tf1.placeholder(tf.int64, [2], name="feat_shape")
             embedded = tf.nn.embedding_lookup(table, idx[:, 0] + val)
         pred = tf.reduce_sum(embedded, axis=1)
         loss = tf.reduce_mean(tf.square(pred - y))
@@ -223,17 +229,30 @@ def _sparse_from_placeholders(path, with_shape=True):
     return str(path)
 
 
-def test_a_sparse_tensor_of_plain_placeholders_is_refused(tmp_path, run_cli):
-    """Its indices and values looked batched: split by entries, the dense shape fed whole,
-    apply exited 0."""
-    meta = _sparse_from_placeholders(tmp_path / "ctr.meta")
+SPARSE_LOOKALIKES = {
+    "placeholder": "input 'feat_idx' (int64 [?, 2]) is read as a SparseTensor's indices (by "
+                   "'embedding_lookup_sparse', SparseSegmentMean)",
+    "batch": "input 'feat_idx' (int64 [?, 2]) is read as a SparseTensor's indices (by "
+             "'embedding_lookup_sparse', SparseSegmentMean)",
+    "unread": "inputs 'feat_idx' (int64 [?, 2]), 'feat_val' ([?]) and 'feat_shape' (int64 [2]) "
+              "look like a SparseTensor's",
+}
+
+
+@pytest.mark.parametrize("shape", sorted(SPARSE_LOOKALIKES))
+def test_a_sparse_tensor_of_plain_placeholders_is_refused(tmp_path, run_cli, shape):
+    """Its indices and values looked batched: split by entries (the dense shape fed whole, or
+    computed from the slice), apply exited 0."""
+    meta = _sparse_from_placeholders(tmp_path / "ctr.meta", shape)
     code, out, err = run_cli("apply", "--replicas", "2", meta)
     assert code == 1
     assert err.strip().count("\n") == 0 and "Traceback" not in err
-    assert ("'feat_idx' (int64 [?, 2]), 'feat_val' ([?]) and 'feat_shape' (int64 [2]) look "
-            "like a SparseTensor's" in err and "sparse_placeholder" in err)
+    assert SPARSE_LOOKALIKES[shape] in err and "sparse_placeholder" in err
     assert not (tmp_path / "ctr.allreduce.meta").exists()
-    pairs = _sparse_from_placeholders(tmp_path / "pairs.meta", with_shape=False)
+
+
+def test_pairs_of_ids_per_example_are_not_a_sparse_tensor(tmp_path, run_cli):
+    pairs = _sparse_from_placeholders(tmp_path / "pairs.meta", None)
     code, out, err = run_cli("apply", "--replicas", "2", pairs)
     assert code == 0, err
 
