@@ -5,10 +5,10 @@ are one device's only when the loss is a mean (or sum) of per-example terms: eve
 term computed from that example alone. A loss that pairs examples (in-batch negatives, a
 batch-hard triplet loss), ranks them (hard-example mining, a sort), reorders or picks them
 (mixup's shuffled partner, ``x[0]``), runs a recurrence over them (a while loop, legacy or
-control flow v2, that reads one example per iteration and carries a value to the next), or normalises them by a
-statistic of the batch computes something else on a slice, and nothing in the averaged
-gradients says so. Batch norm is the one documented exception (``--sync-batch-norm``; `verify` names it): a FusedBatchNorm, and
-``tf.nn.moments``' Means (``moments/mean``, ``moments/variance``), which sync-batch-norm knows.
+control flow v2, that reads one example per iteration and carries a value to the next), or
+normalises them by a statistic of the batch computes something else on a slice, and nothing in
+the averaged gradients says so. Batch norm is the one documented exception
+(``--sync-batch-norm``; `verify` names it): a FusedBatchNorm, and ``tf.nn.moments``' Means (``moments/mean``, ``moments/variance``), which sync-batch-norm knows.
 
 This follows the single-device graph forward from its batch (the batched placeholders and
 input-pipeline reads) to each step's loss, along data edges, giving every tensor a state:
@@ -690,7 +690,6 @@ def _pad(n: _Node):
     return UNKNOWN
 
 
-# TensorArray ops that unstack a tensor along axis 0, one element per loop iteration: the
 def _ctc_loss(n: _Node):
     """CTCLoss reads time-major logits [time, batch, classes] (and each example's length) and
     returns one loss per example beside the logits' gradient. Logits whose axis 0 is the split
@@ -706,6 +705,7 @@ def _ctc_loss(n: _Node):
     return UNKNOWN
 
 
+# TensorArray ops that unstack a tensor along axis 0, one element per loop iteration: the
 # index of that value among their inputs
 _UNSTACK_INTO_LOOP = {"TensorArrayScatterV3": 2, "TensorArrayScatterV2": 2,
                       "TensorArrayScatter": 2, "TensorArrayUnpack": 1}
