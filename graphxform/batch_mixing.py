@@ -8,7 +8,8 @@ batch-hard triplet loss), ranks them (hard-example mining, a sort), reorders or 
 control flow v2, that reads one example per iteration and carries a value to the next), or
 normalises them by a statistic of the batch computes something else on a slice, and nothing in
 the averaged gradients says so. Batch norm is the one documented exception
-(``--sync-batch-norm``; `verify` names it): a FusedBatchNorm, and ``tf.nn.moments``' Means (``moments/mean``, ``moments/variance``), which sync-batch-norm knows.
+(``--sync-batch-norm``; `verify` names it): a FusedBatchNorm, and ``tf.nn.moments``' Means
+(``moments/mean``, ``moments/variance``), which sync-batch-norm knows.
 
 This follows the single-device graph forward from its batch (the batched placeholders and
 input-pipeline reads) to each step's loss, along data edges, giving every tensor a state:
