@@ -128,13 +128,8 @@ class _Flow:
             return [found[0], None]  # both branches of a legacy cond agree
         if op == "IdentityN":
             return found
-        if op in WHILE_OPS:
-            carried = self._loop_over_batch(name, inputs)
-            if carried is not None:
-                return _Node(self, name, op, inputs, found).mixed(carried)
-        if op in ("NextIteration", "Enter", "Exit", "Merge", "Switch", "While", "If",
-                  "StatelessWhile", "StatelessIf", "PartitionedCall",
-                  "StatefulPartitionedCall"):
+        if op in ("NextIteration", "Enter", "Exit", "Merge", "Switch", "If", "StatelessIf",
+                  "PartitionedCall", "StatefulPartitionedCall"):
             return UNKNOWN if any(s is not None for s in found) else None
         if all(s is None for s in found):
             return None
@@ -149,25 +144,6 @@ class _Flow:
         if rule is None:
             return UNKNOWN
         return rule(_Node(self, name, op, inputs, found))
-
-    def _loop_over_batch(self, loop: str, inputs: list) -> str | None:
-        """Why the control-flow-v2 while loop ``loop`` mixes the examples: it reads the batch
-        one example per iteration from a TensorList of it (tf.scan over the batch,
-        dynamic_rnn(time_major=True) fed batch-major data) and carries a value computed from
-        them to the next; None when it does not (tf.map_fn writes each example's result
-        alone). The legacy loop's rule is ``_unstack_into_loop``."""
-        for k, (src, _) in enumerate(inputs):
-            if self.ir.op(src) != "TensorListFromTensor":
-                continue
-            tensor, port = self.ir.input(src, 0)
-            if _port(self.states.get(tensor), port) != 0:
-                continue
-            carried = functions.carried_from_list(self.ir, loop, k)
-            if carried is not None:
-                return (f"unstacks the batch axis into a while loop that carries '{carried}' "
-                        "from one example to the next (a time-major RNN or a scan run over "
-                        "the examples)")
-        return None
 
     def _scaled(self, name: str, state):
         """``state``, or a Mixed where the batch's size enters per-example values in a way no
@@ -722,7 +698,28 @@ def _unstack_into_loop(n: _Node):
     value_at = _UNSTACK_INTO_LOOP[n.op]
     if n.states[value_at] != 0:
         return UNKNOWN
-    carried = _carried_from_reads(n.flow.ir, n.inputs[0][0])
+    return _carried(n, _carried_from_reads(n.flow.ir, n.inputs[0][0]))
+
+
+def _while_loop(n: _Node):
+    """``_unstack_into_loop`` for a control-flow-v2 loop (While, StatelessWhile): its body
+    reads the batch one example per iteration from a loop variable that is a TensorList of it
+    (graphxform.functions.carried_from_list says what it carries). Unknown otherwise: the
+    loop's outputs are not followed."""
+    ir = n.flow.ir
+    for k, (src, _) in enumerate(n.inputs):
+        if ir.op(src) != "TensorListFromTensor":
+            continue
+        tensor, port = ir.input(src, 0)
+        carried = (functions.carried_from_list(ir, n.name, k)
+                   if _port(n.flow.states.get(tensor), port) == 0 else None)
+        if carried is not None:
+            return _carried(n, carried)
+    return UNKNOWN
+
+
+def _carried(n: _Node, carried: str | None):
+    """Mixed when a loop reading the batch one example per iteration carries ``carried``."""
     if carried is None:
         return UNKNOWN
     return n.mixed(f"unstacks the batch axis into a while loop that carries '{carried}' from "
@@ -776,6 +773,7 @@ _RULES = {
     "L2Loss": _l2_loss, "UnsortedSegmentSum": _segment_sum, "SegmentSum": _segment_sum,
     "Pad": _pad, "PadV2": _pad, "MirrorPad": _pad, "CTCLoss": _ctc_loss, "CTCLossV2": _ctc_loss,
     **dict.fromkeys(_UNSTACK_INTO_LOOP, _unstack_into_loop),
+    **dict.fromkeys(WHILE_OPS, _while_loop),
 }
 
 

@@ -92,29 +92,25 @@ def _check_sparse_lookalikes(ir: GraphIR, tg: TrainingGraph) -> None:
                 and indices.shape[1] != 1):
             continue
         rank = indices.shape[1]
-        what = f"input '{indices.name}' (int64 [?, {'?' if rank < 0 else rank}])"
+        described = f"'{indices.name}' (int64 [?, {'?' if rank < 0 else rank}])"
+        why = ("rows are entries, not examples, and splitting them across replicas would pair "
+               "entries with other examples' labels; build the SparseTensor with "
+               "tf.compat.v1.sparse_placeholder, which graphxform splits by examples")
         reader = _sparse_indices_reader(ir, indices.name)
         if reader is not None:
             raise ContractError(
-                f"{what} is read as a SparseTensor's indices (by '{reader}', "
-                f"{ir.op(reader)}) fed by a plain placeholder: its rows are entries, not "
-                "examples, and splitting them across replicas would pair entries with other "
-                "examples' labels; build the SparseTensor with "
-                "tf.compat.v1.sparse_placeholder, which graphxform splits by examples")
+                f"input {described} is read as a SparseTensor's indices (by '{reader}', "
+                f"{ir.op(reader)}) fed by a plain placeholder: its {why}")
         shape = next((i for i in plain if i.dtype == 9 and not i.batch_source
                       and len(i.shape) == 1 and i.shape[0] > 1
                       and rank in (-1, i.shape[0])), None)
         values = next((i for i in plain if i.batched and len(i.shape) == 1
                        and i is not indices), None)
-        if shape is None or values is None:
-            continue
-        raise ContractError(
-            f"inputs '{indices.name}' (int64 [?, {'?' if rank < 0 else rank}]), "
-            f"'{values.name}' ([?]) and '{shape.name}' (int64 [{shape.shape[0]}]) look like a "
-            "SparseTensor's indices, values and dense shape fed by plain placeholders: their "
-            "rows are entries, not examples, and splitting them across replicas would pair "
-            "entries with other examples' labels; build it with "
-            "tf.compat.v1.sparse_placeholder, which graphxform splits by examples")
+        if shape is not None and values is not None:
+            raise ContractError(
+                f"inputs {described}, '{values.name}' ([?]) and '{shape.name}' (int64 "
+                f"[{shape.shape[0]}]) look like a SparseTensor's indices, values and dense "
+                f"shape fed by plain placeholders: their {why}")
 
 
 # ops that read a SparseTensor's indices as their first input, and CTC's labels (the second)
