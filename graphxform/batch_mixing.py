@@ -58,6 +58,21 @@ class Mixed:
     reason: str
 
 
+@dataclasses.dataclass(frozen=True)
+class Curved:
+    """A non-linear function of a sum or mean over the batch, first applied at ``node``: the
+    average of the replicas' values is not the whole batch's, and neither is its gradient. A
+    loss made of one mixes its examples; a denominator made of one is global-denominators'."""
+    node: str
+    op: str
+    reason: str = "applies a non-linear function to a sum or mean over the batch"
+
+    def mixed(self) -> Mixed:
+        return Mixed(self.node, self.op,
+                     f"{self.reason}: the average of the replicas' values of it is not its "
+                     "value on the whole batch, and neither is the average of their gradients")
+
+
 PASS_OPS = frozenset({*LINEAR_UNARY_OPS, "Cast", *ELEMENTWISE_UNARY_OPS, *LIKE_OPS, "Print",
                       "PrintV2", "DebugIdentity"})
 # the broadcasting ops, v1 Select (whose rank-1 condition picks rows) and the activations'
@@ -76,8 +91,16 @@ def mixing_in(ir, loss: str, sources) -> Mixed | None:
     ``sources`` (nodes every output of which holds the batch on axis 0), or None."""
     from graphxform.ir import parse_tensor
     node, port = parse_tensor(loss)
-    states = _Flow(ir, set(sources)).run(node)
+    flow = _Flow(ir, set(sources))
+    states = flow.run(node)
     found = _port(states[node], port)
+    if isinstance(found, Curved):
+        return found.mixed()
+    if found == NORM:
+        source = _norm_source(flow, node)
+        return Curved(source, ir.op(source), "takes statistics of the batch (tf.nn.moments) "
+                      "that the loss is made of, other than by normalising its examples with "
+                      "them as batch norm does").mixed()
     return found if isinstance(found, Mixed) else None
 
 
@@ -133,6 +156,9 @@ class _Flow:
             return UNKNOWN if any(s is not None for s in found) else None
         if all(s is None for s in found):
             return None
+        curved = _curved(_Node(self, name, op, inputs, found))
+        if curved is not None:
+            return curved
         if op in _SIZE_RULES and all(s is None or s == SIZE or isinstance(s, Shape)
                                      for s in found):
             return _SIZE_RULES[op](_Node(self, name, op, inputs, found))
@@ -151,7 +177,7 @@ class _Flow:
         if state is None or name in self.sources:
             self.degrees[name] = 0
             return state
-        if state == UNKNOWN or isinstance(state, Mixed):
+        if state == UNKNOWN or isinstance(state, (Mixed, Curved)):
             return state
         inputs = self.ir.inputs(name)
         n = _Node(self, name, self.ir.op(name), inputs,
@@ -234,6 +260,68 @@ def _statistic(states):
     if AGGREGATE in states:
         return AGGREGATE
     return NORM if NORM in states else None
+
+
+# ------------------------------------------------- non-linear functions of statistics
+# Averaging gradients across replicas is exact for a loss that is linear in the batch's sums
+# and means (a mean of per-example terms plus what does not read the batch). These ops are
+# not linear in an operand that is such a sum or mean; what no list here names keeps the
+# rules below (unknown ops stay unknown, never mixed).
+_NONLINEAR_OPS = frozenset({
+    *ELEMENTWISE_UNARY_OPS, "Maximum", "Minimum", "ClipByValue", "Pow", "SquaredDifference",
+    "Xlogy", "Xdivy", "Xlog1py", "Atan2", "FloorDiv", "FloorMod", "Mod", "TruncateDiv",
+    "TruncateMod", "Equal", "NotEqual", "Less", "LessEqual", "Greater", "GreaterEqual",
+    "Max", "Min", "Prod", "EuclideanNorm", "All", "Any", "L2Loss", "Softmax", "LogSoftmax",
+    "Sigmoid", "Softplus", "TopKV2", "TopK", "ArgMax", "ArgMin", "Cumprod"})
+# linear in each operand alone: a product of two statistics is not
+_BILINEAR_OPS = frozenset({"Mul", "MulNoNan", "MatMul", "BatchMatMul", "BatchMatMulV2",
+                           "BatchMatMulV3", "Einsum"})
+_DIVISIONS = frozenset({"RealDiv", "Div", "DivNoNan", "TrueDiv"})
+
+
+def _curved(n: _Node):
+    """The state of a node that applies a non-linear function to a sum or mean over the batch
+    or reads one that does (see Curved), or None when the other rules decide. A ratio of a
+    batch sum to such a function of sums (sum(w * l) / max(sum(w), 1)) is a sum:
+    global-denominators makes every replica divide by the whole batch's denominator."""
+    states = n.states
+    curved = next((s for s in states if isinstance(s, Curved)), None)
+    if any(type(s) is int for s in states):
+        if curved is not None:
+            return n.mixed("combines each example with a non-linear function of a sum or mean "
+                           f"over the batch ('{curved.node}', {curved.op})")
+        return None
+    if curved is not None:
+        if n.op in _DIVISIONS and len(states) == 2 and states[0] == AGGREGATE and \
+                states[1] is curved:
+            return AGGREGATE
+        return curved
+    if AGGREGATE not in states:
+        return None
+    if NORM in states:  # batch norm's statistics beside the batch's sum: not batch norm
+        source = _norm_source(n.flow, n.inputs[states.index(NORM)][0])
+        return Curved(source, n.flow.ir.op(source), "takes statistics of the batch "
+                      "(tf.nn.moments) that the loss adds to a sum or mean over it, outside any "
+                      "normalisation of its examples")
+    statistics = [s == AGGREGATE for s in states]
+    if n.op in _NONLINEAR_OPS:
+        return Curved(n.name, n.op)
+    if n.op in _BILINEAR_OPS and sum(statistics[:2]) > 1:
+        return Curved(n.name, n.op)
+    if n.op in _DIVISIONS and len(states) == 2 and statistics == [False, True]:
+        return Curved(n.name, n.op)  # 1 / sum
+    return None
+
+
+def _norm_source(flow: _Flow, name: str) -> str:
+    """The op that took the batch norm statistics ``name`` holds (tf.nn.moments' Mean, a
+    FusedBatchNorm): back through inputs that hold them too."""
+    while True:
+        found = next((src for src, port in flow.ir.inputs(name)
+                      if _port(flow.states.get(src), port) == NORM), None)
+        if found is None:
+            return name
+        name = found
 
 
 # --------------------------------------------------------------------- rules
@@ -785,7 +873,8 @@ def _shape_of(state):
     """What Shape of a tensor in ``state`` says of the batch."""
     if type(state) is int:
         return Shape(state)
-    return None if state in (None, AGGREGATE, NORM, SIZE) else UNKNOWN
+    return None if state in (None, AGGREGATE, NORM, SIZE) or isinstance(state, Curved) \
+        else UNKNOWN
 
 
 def _shape_rule(flow, name: str, found: list):

@@ -305,6 +305,15 @@ def _check_losses_are_means(ir: GraphIR, tg: TrainingGraph) -> None:
                 "replica would divide by its own slice's, so the averaged gradients are not "
                 "one device's (allreduce, replicated and hybrid divide by the replicas' mean "
                 "total instead, when it reads no variable); divide by the batch size instead")
+        learnt = next(iter(batch_denominators(ir, (copy, port), reading_variables=True)), None)
+        if learnt is not None:
+            raise ContractError(
+                f"step '{step.name}' minimises '{step.loss}', which divides by "
+                f"'{parse_tensor(learnt)[0][len(prefix):]}', a statistic of the batch computed "
+                "from the model's variables: each replica would divide by its own slice's, so "
+                "the averaged gradients are not one device's, and no all-reduce of it can "
+                "stand in (it reads the variables being trained); divide by a constant or by "
+                "a total of the data alone")
 
 
 _FLOATS = frozenset({1, 2, 14, 19})  # float double bfloat16 half: what a collective reduces
@@ -312,11 +321,13 @@ _FLOATS = frozenset({1, 2, 14, 19})  # float double bfloat16 half: what a collec
 _THROUGH = frozenset({"Identity", "AddV2", "Add", "Sub", "Mul", "AddN", "Neg"})
 
 
-def batch_denominators(ir: GraphIR, loss: tuple) -> list[str]:
+def batch_denominators(ir: GraphIR, loss: tuple, reading_variables: bool = False) -> list[str]:
     """The denominators the value of ``loss`` (node, port) divides by that are totals of the
     batch's values (a weighted mean, a masked mean) and depend on no variable, and that are not
     the replicas' mean already (a cross-replica op): each replica would divide by its own
-    slice's. passes/global_denominators.py replaces them by that mean; the rest is refused."""
+    slice's. passes/global_denominators.py replaces them by that mean; the rest is refused.
+    ``reading_variables``: those that do depend on a variable instead (a mean of the model's
+    own outputs under stop_gradient), which no pass can make global."""
     from graphxform.replica_values import DIVIDE_OPS
     found, seen, stack = [], set(), [loss]
     sources = None  # the batch's splits, found when a division asks
@@ -335,11 +346,13 @@ def batch_denominators(ir: GraphIR, loss: tuple) -> list[str]:
             if (ir.op(bottom[0]) not in CROSS_REPLICA_OPS
                     and opdefs.output_dtype(ir, *bottom) in _FLOATS
                     and not reads.isdisjoint(sources)
-                    and not any(ir.op(n) in VARIABLE_OPS for n in reads)):
+                    and any(ir.op(n) in VARIABLE_OPS for n in reads) == reading_variables):
                 found.append(tensor_name(*bottom))
             stack.append(inputs[0])
         elif op in _THROUGH:
             stack.extend(inputs)
+        elif op in ("Sum", "Mean"):  # of per-class ratios (tf.math.unsorted_segment_mean)
+            stack.append(inputs[0])
     return found
 
 

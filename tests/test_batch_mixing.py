@@ -150,7 +150,42 @@ def scan_over_examples_v2(x, y):
     return _step(_xent(y, dense(running, 2, "out")))
 
 
+def squared_batch_mean(x, y):
+    """A loss that is a non-linear function of the batch's mean: the average of the replicas'
+    squares is not the square of the batch's mean."""
+    import tensorflow as tf
+    return _step(tf.square(_xent(y, dense(x, 2, "out"))))
+
+
+def log_mean_exp(x, y):
+    """A tilted (risk-averse) loss, log E[exp(loss)] over the batch."""
+    import tensorflow as tf
+    per = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=dense(x, 2, "out"))
+    return _step(tf.math.log(tf.reduce_mean(tf.exp(per))))
+
+
+def sharpe_ratio(x, y):
+    """A portfolio's Sharpe ratio over the batch's returns, through tf.nn.moments: not batch
+    norm, though it takes the same statistics."""
+    import tensorflow as tf
+    returns = dense(x, 1, "weights")[:, 0] * (tf.cast(y, tf.float32) - 0.5)
+    mean, variance = tf.nn.moments(returns, axes=[0])
+    return _step(-mean / tf.sqrt(variance + 1e-6))
+
+
+def loss_plus_batch_variance(x, y):
+    """A mean loss plus the variance of the per-example losses (variance-penalised risk)."""
+    import tensorflow as tf
+    per = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=dense(x, 2, "out"))
+    _, variance = tf.nn.moments(per, axes=[0])
+    return _step(tf.reduce_mean(per) + 0.5 * variance)
+
+
 MIXING = [(infonce, "MatMul", "pairs every example with every other"),
+          (squared_batch_mean, "Square", "non-linear function to a sum or mean"),
+          (log_mean_exp, "Log", "non-linear function to a sum or mean"),
+          (sharpe_ratio, "Mean", "statistics of the batch (tf.nn.moments) that the loss is"),
+          (loss_plus_batch_variance, "Mean", "that the loss adds to a sum or mean"),
           (fgsm_raw_gradient, "AddV2", "scale with the batch's size"),
           (clip_einsum, "Einsum", "different subscripts"),
           (rolled_negatives, "Roll", "rolls the examples"),

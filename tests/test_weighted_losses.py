@@ -87,3 +87,29 @@ def test_a_denominator_not_made_global_is_refused(run_cli, tmp_path, form, strat
     assert f"which divides by '{denominator}', a sum over the batch" in err
     assert len(err.strip().splitlines()) == 1
     assert not (tmp_path / "o.meta").exists()
+
+
+def self_normalised_tasks(x, y):
+    """Two task losses each divided by its own value under stop_gradient (a common way to
+    balance multi-task losses): each replica would divide by its own slice's loss, so the
+    averaged gradients are not one device's."""
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+    from test_custom_training_code import dense
+    h = tf.nn.relu(dense(x, 8, "shared"))
+    first = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+        labels=y, logits=dense(h, 2, "first")))
+    second = tf.reduce_mean(tf.square(dense(h, 1, "second")[:, 0] - x[:, 1]))
+    total = first / tf.stop_gradient(first) + second / tf.stop_gradient(second)
+    return tf1.train.GradientDescentOptimizer(0.1).minimize(
+        total, global_step=tf1.train.get_or_create_global_step())
+
+
+def test_a_denominator_computed_from_the_model_is_refused(run_cli, tmp_path):
+    from conftest import export_classifier
+    model = export_classifier(tmp_path / "m.meta", self_normalised_tasks)
+    code, _, err = run_cli("apply", "--replicas", 2, model, "-o", tmp_path / "o.meta")
+    assert code == 1, err
+    assert "which divides by 'StopGradient" in err and "computed from the model's variables" in err
+    assert len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "o.meta").exists()
