@@ -33,8 +33,9 @@ Every replica runs the same step from equal variables on its own even slice of t
   tf.compat.v1.losses and tf_keras losses take their mean), and affine combinations of means
   with identical values (``total_loss = mean + regularization``). Served: the average.
 - ``sum``: the single-device value is the sum of the replicas' (``reduce_sum`` over axis 0 of a
-  batch tensor, ``L2Loss`` of one, a MatMul contracting two batch tensors over the batch, sums
-  and identical multiples of these). Served: the sum.
+  batch tensor, ``L2Loss`` of one, a MatMul contracting two batch tensors over the batch, an
+  ``UnsortedSegmentSum`` of its examples by their own segment ids, sums and identical
+  multiples of these). Served: the sum.
 - ``count``: how many examples or elements the slice has (``Size`` of a batch tensor, its
   ``Shape[0]``, the sum of a batch_fill of ones): equal on every replica, served summed.
 - ``batch_shape``: the ``Shape`` of a batch tensor: its first element is a count, the rest are
@@ -51,7 +52,8 @@ batch norm, as the mean anyway: that is what the averaged gradients train.) User
 strategies' ``fetch_mean`` and ``fetch_concat``) take precedence over everything.
 
 A constant split-inputs rewrote from the global batch to the slice (a shape, size or divisor TF
-folded from a fixed batch) has the class its ``REBATCHED_ATTR`` names. Only static facts are
+folded from a fixed batch), or a pass made with no single-device counterpart, has the class its
+``REBATCHED_ATTR`` names. Only static facts are
 read: op types, attrs, the values of Const inputs (axes, shapes,
 permutations) and ranks carried forward from placeholders, variables and constants; what a rule
 cannot see (an unknown rank beside a negative axis, axes that are not constants) makes the
@@ -79,7 +81,8 @@ IDENTICAL, SAME, BATCH, BATCH_FILL, MEAN, SUM, COUNT, BATCH_SHAPE, UNKNOWN = (
     "identical", "same", "batch", "batch_fill", "mean", "sum", "count", "batch_shape", "unknown")
 BATCHED = frozenset({BATCH, BATCH_FILL})
 # on a constant split-inputs rewrote from the global batch's value to the slice's (a folded
-# shape, size or mean divisor): the class it stands for (batch_shape, count, batch_fill)
+# shape, size or mean divisor): the class it stands for (batch_shape, count, batch_fill); on
+# global-denominators' number of replicas: same (the single-device graph has none)
 REBATCHED_ATTR = "_graphxform_batch_class"
 LINEAR = frozenset({MEAN, SUM, COUNT})  # merged by averaging or summing; linear ops keep them
 
@@ -250,12 +253,12 @@ class _Sweep:
             classes[name] = _shared_classes(data, op, identical)
             return
         if op == "Const":
-            if not name.startswith(self.prefix):
-                classes[name] = self._made_constant(name)
-                return
             attrs = self.ir.attrs(name)  # not data["attr"]: that makes a copy its own NodeDef
             if REBATCHED_ATTR in attrs and name not in self.overridden:
                 classes[name] = (attrs[REBATCHED_ATTR].s.decode(),)
+                return
+            if not name.startswith(self.prefix):
+                classes[name] = self._made_constant(name)
                 return
         if effect and is_mutating_op(op):
             self.writes.append(name)
@@ -1016,6 +1019,19 @@ def _l2_loss(n: _Node):
     return (SUM if c == BATCH else IDENTICAL if c == IDENTICAL else UNKNOWN,), (0,)
 
 
+def _segment_sum(n: _Node):
+    """UnsortedSegmentSum of the slice's examples by their own segment ids into a fixed number
+    of segments (tf.math.unsorted_segment_mean's sums and counts): a sum per segment."""
+    data, ids = n.cls[0], n.cls[1]
+    rank, id_rank = n.rank[0], n.rank[1]
+    out_rank = None if rank is None or id_rank is None else rank - id_rank + 1
+    if data == IDENTICAL and ids == IDENTICAL:
+        return (IDENTICAL,), (out_rank,)
+    if data in BATCHED and ids in BATCHED and n.cls[2] == IDENTICAL:
+        return (SUM,), (out_rank,)  # of ones too: how many of the slice's examples each has
+    return (UNKNOWN,), (out_rank,)
+
+
 def _random(n: _Node):
     """A seeded draw of an identical shape draws what the single device draws (the copy keeps
     the op's seeds); any other draw differs (unseeded: per run; shaped like the slice: the
@@ -1136,6 +1152,7 @@ RULES = _table({
     _arg_reduce: ("ArgMax", "ArgMin"),
     _in_top_k: ("InTopK", "InTopKV2"),
     _l2_loss: ("L2Loss",),
+    _segment_sum: ("UnsortedSegmentSum",),
     _random: tuple(sorted(op for op in RANDOM_OPS if not op.startswith("Stateless")
                           and op not in ("RandomShuffle", "RandomShuffleQueueV2",
                                          "Multinomial", "RandomGamma", "RandomPoisson",

@@ -1,6 +1,6 @@
 """global-denominators: a loss that divides by a total of the batch's data (a weighted mean,
 sum(w * l) / sum(w): tf.compat.v1.losses given `weights`; a masked mean) divides, in every
-replica, by the mean over the replicas of that total.
+replica, by the whole batch's denominator, so the averaged gradients are one device's.
 
 All-reduce averages the replicas' gradients, which is the single-device gradient when each
 replica's loss is its slice's share of the batch's loss. For S / M with S and M sums over the
@@ -11,6 +11,13 @@ single-device one. So each such denominator gets a CollectiveReduceV2 (mean) per
 everything in the replica that read it, the forward division and the gradient's, reads the
 mean instead.
 
+A denominator that is a function of the batch's totals but not one itself (a guarded count,
+max(sum(w), 1); sum(w) + eps; per-class counts from tf.math.unsorted_segment_mean) is not
+averaged: the mean of f(M_i) is not f(M). Its totals are reduced instead (sums summed, means
+averaged), so every replica computes the single-device f(M), divided by N where the numerator
+is a sum (its share is S_i, with mean S / N). What cannot be traced to totals that way is left
+for the contract to refuse.
+
 A denominator qualifies when it depends on the batch's values (not only on its shape: a count
 of examples is the same on every equal slice) and on no variable (then the gradient would flow
 through it): graphxform.contract.batch_denominators finds them, and the contract refuses
@@ -19,10 +26,11 @@ what is left."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import numpy as np
 
-from graphxform import opdefs
+from graphxform import opdefs, replica_values
 from graphxform.contract import batch_denominators
 from graphxform.ir import parse_tensor, tensor_name
 from graphxform.nodes import Builder, replica_prefix
@@ -31,6 +39,7 @@ from graphxform.pipeline import Pass, PassResult
 
 SCOPE = "global_denominators/"
 INSTANCE_KEYS = 1 << 23  # apart from the all-reduce pass's buckets and sparse gathers
+_NUMPY_FLOATS = {1: np.float32, 2: np.float64, 19: np.float16}  # float, double, half
 
 
 @dataclasses.dataclass
@@ -43,31 +52,131 @@ class GlobalDenominators(Pass):
         first = replica_prefix(0)
         if replicas < 2:
             return PassResult(modified=False)
-        found = []  # in replica 0
+        found = []  # (denominator, loss) in replica 0
         for step in tg.steps:
             node, port = parse_tensor(step.loss) if step.loss else (None, 0)
             if node and first + node in ir:
-                found += [d for d in batch_denominators(ir, (first + node, port))
-                          if d not in found]
+                found += [(d, (first + node, port))
+                          for d in batch_denominators(ir, (first + node, port))
+                          if d not in (seen for seen, _ in found)]
         if not found:
             return PassResult(modified=False)
         build = Builder(ir, self.name)
-        for k, tensor in enumerate(found):
-            node, port = parse_tensor(tensor[len(first):])
-            dtype = opdefs.output_dtype(ir, first + node, port)
-            for i, device in enumerate(ctx.devices):
-                prefix = replica_prefix(i)
-                local = tensor_name(prefix + node, port)
-                scope = f"{SCOPE}{k}/{prefix}"
-                size = build.const(scope + "group_size", replicas, np.int32, device=device)
-                key = build.const(scope + "group_key", GROUP_KEY, np.int32, device=device)
-                instance = build.const(scope + "instance_key", INSTANCE_KEYS + k, np.int32,
-                                       device=device)
-                mean = build.op(scope + "mean", "CollectiveReduceV2",
-                                [local, size, key, instance], device=device, T=dtype,
-                                merge_op="Add", final_op="Div")
-                ir.replace_all_uses_with(local, mean + ":0",
-                                         where=lambda n, p=prefix: n.startswith(p))
+        keys = itertools.count(INSTANCE_KEYS)
+        values = _classes(ir, first, [loss for _, loss in found])
+        recomputed = []
+        for k, (tensor, loss) in enumerate(found):
+            scope = f"{SCOPE}{k}/"
+            plan = _recompute_plan(ir, values, tensor, loss)
+            if plan is None:  # a total (or what no plan reaches): its replicas' mean
+                _reduce_each(ir, build, ctx.devices, tensor, next(keys), "Div", scope,
+                             consumers=lambda n, p: n.startswith(p))
+                continue
+            leaves, interior, scale = plan
+            for leaf, final in leaves:
+                _reduce_each(ir, build, ctx.devices, leaf, next(keys), final, scope,
+                             consumers=lambda n, p: n.startswith(p) and n[len(p):] in interior)
+            if scale:
+                _divide_each(ir, build, ctx.devices, tensor, scope)
+            recomputed.append(tensor[len(first):])
         return PassResult(modified=True, summary={
-            "denominators": [d[len(first):] for d in found]})
+            "denominators": [d[len(first):] for d, _ in found],
+            "recomputed from the batch's totals": recomputed})
+
+
+def _classes(ir, first: str, losses: list):
+    """replica_values' classes of replica 0's copies the losses read."""
+    from graphxform import replica_values
+    copies = set()
+    for node, _ in losses:
+        copies.update(n for n in ir.ancestors(node) if n.startswith(first))
+    return replica_values.classify(ir, first, copies=sorted(copies))
+
+
+def _recompute_plan(ir, values, tensor: str, loss: tuple):
+    """How to make replica 0's ``tensor``, a denominator of ``loss`` that is not itself a
+    total, the whole batch's: (its totals and how each is reduced, the nodes between them and
+    it, whether it is then divided by the number of replicas); None for a total (a sum, mean or
+    count: averaged as it is), and for what is not computed from totals alone by nodes nothing
+    else reads."""
+    from graphxform.replica_values import BATCHED, COUNT, IDENTICAL, MEAN, SUM
+    first = replica_prefix(0)
+    node, port = parse_tensor(tensor)
+    if values.of(node, port) in (SUM, MEAN, COUNT) or \
+            opdefs.output_dtype(ir, node, port) not in _NUMPY_FLOATS:
+        return None
+    leaves, interior, seen, stack = [], set(), set(), [(node, port)]
+    while stack:
+        current = stack.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        kind = values.of(*current)
+        if kind in (SUM, COUNT, MEAN):
+            if opdefs.output_dtype(ir, *current) not in _NUMPY_FLOATS:
+                return None  # a count of ints: collectives here reduce floats
+            leaves.append((tensor_name(*current), "Div" if kind == MEAN else "Id"))
+            continue
+        if kind == IDENTICAL:
+            continue
+        inputs = ir.inputs(current[0])
+        if kind in BATCHED or not inputs or not current[0].startswith(first):
+            return None
+        interior.add(current[0])
+        stack.extend(inputs)
+    read_elsewhere = any(dst not in interior for n in interior - {node}
+                         for dst in ir.g._succ[n])
+    numerator = _numerator(ir, tensor, ir.ancestors(loss[0]))
+    top = None if numerator is None else values.of(*numerator)
+    if not leaves or read_elsewhere or top not in (SUM, COUNT, MEAN):
+        return None
+    return leaves, {n[len(first):] for n in interior}, top != MEAN
+
+
+def _numerator(ir, denominator: str, forward: set):
+    """What the loss's own division by ``denominator`` divides (not its gradient's)."""
+    from graphxform.replica_values import DIVIDE_OPS
+    node, port = parse_tensor(denominator)
+    for dst, dst_port in ir.consumers(node, port):
+        if dst_port == 1 and dst in forward and ir.op(dst) in DIVIDE_OPS:
+            return ir.input(dst, 0)
+    return None
+
+
+def _reduce_each(ir, build, devices: list, tensor: str, instance: int, final: str,
+                 scope: str, consumers) -> None:
+    """Each replica's copy of replica 0's ``tensor`` all-reduced (summed, or averaged with
+    ``final`` "Div"); its consumers for which ``consumers(name, prefix)`` holds read that."""
+    first = replica_prefix(0)
+    node, port = parse_tensor(tensor[len(first):])
+    dtype = opdefs.output_dtype(ir, first + node, port)
+    for i, device in enumerate(devices):
+        prefix = replica_prefix(i)
+        local = tensor_name(prefix + node, port)
+        where = f"{scope}{instance - INSTANCE_KEYS}/{prefix}"
+        size = build.const(where + "group_size", len(devices), np.int32, device=device)
+        key = build.const(where + "group_key", GROUP_KEY, np.int32, device=device)
+        instance_key = build.const(where + "instance_key", instance, np.int32, device=device)
+        reduced = build.op(where + "reduced", "CollectiveReduceV2",
+                           [local, size, key, instance_key], device=device, T=dtype,
+                           merge_op="Add", final_op=final)
+        ir.replace_all_uses_with(local, reduced + ":0",
+                                 where=lambda n, p=prefix: consumers(n, p))
+
+
+def _divide_each(ir, build, devices: list, tensor: str, scope: str) -> None:
+    """Every replica reads its copy of replica 0's ``tensor`` over the number of replicas."""
+    first = replica_prefix(0)
+    node, port = parse_tensor(tensor[len(first):])
+    dtype = opdefs.output_dtype(ir, first + node, port)
+    for i, device in enumerate(devices):
+        prefix = replica_prefix(i)
+        local = tensor_name(prefix + node, port)
+        count = build.const(f"{scope}{prefix}replicas", len(devices), _NUMPY_FLOATS[dtype],
+                            device=device)
+        ir.proto(count).attr[replica_values.REBATCHED_ATTR].s = replica_values.SAME.encode()
+        share = build.op(f"{scope}{prefix}share", "RealDiv", [local, count], device=device,
+                         T=dtype)
+        ir.replace_all_uses_with(local, share + ":0",
+                                 where=lambda n, p=prefix, s=share: n.startswith(p) and n != s)
 

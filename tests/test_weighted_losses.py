@@ -113,3 +113,51 @@ def test_a_denominator_computed_from_the_model_is_refused(run_cli, tmp_path):
     assert "which divides by 'StopGradient" in err and "computed from the model's variables" in err
     assert len(err.strip().splitlines()) == 1
     assert not (tmp_path / "o.meta").exists()
+
+
+def _guarded_feeds(tmp_path):
+    """Every batch of 16 gives replica 0 (of 2) a slice with no weight and no example of
+    class 1: where the replicas' totals differ most."""
+    rng = np.random.RandomState(0)
+    xs = rng.randn(64, 8).astype(np.float32)
+    first_half = (np.arange(64) % 16) < 8
+    np.savez(tmp_path / "g.npz", x=xs, y=np.where(first_half, 0, xs[:, 0] > 0).astype(np.int64),
+             w=np.where(first_half, 0.0, rng.rand(64)).astype(np.float32))
+    return tmp_path / "g.npz"
+
+
+def guarded_graph(path, form):
+    """A masked mean guarded against an empty mask (seq2seq losses' max(sum(mask), 1)), and
+    a mean of per-class means (tf.math.unsorted_segment_mean, a class-balanced loss): each
+    divides by a function of the batch's totals, which is not a total itself."""
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf1.placeholder(tf.float32, [None, 8], name="x")
+        y = tf1.placeholder(tf.int64, [None], name="y")
+        weights = tf1.placeholder(tf.float32, [None], name="w")
+        logits = tf.matmul(x, tf1.get_variable("w0", [8, 2]))
+        per = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
+        if form == "guarded_masked_mean":
+            loss = tf.reduce_sum(per * weights) / tf.maximum(tf.reduce_sum(weights), 1.0)
+        else:
+            loss = tf.reduce_mean(tf.math.unsorted_segment_mean(per, y, 2)) + \
+                0.0 * tf.reduce_sum(weights)
+        step = tf1.train.get_or_create_global_step()
+        train = tf1.train.GradientDescentOptimizer(0.5).minimize(loss, global_step=step)
+        tf1.add_to_collection("train_op", train)
+        tf1.add_to_collection("losses", loss)
+        tf1.train.export_meta_graph(str(path), graph=graph)
+    return str(path)
+
+
+@pytest.mark.parametrize("form", ["guarded_masked_mean", "per_class_mean"])
+def test_a_denominator_that_is_a_function_of_totals_is_recomputed(run_cli, tmp_path, form):
+    """The replicas' mean of max(sum(w_i), 1) is not max(sum(w), 1) when a slice has no
+    weight: the totals are reduced and the function applied to them instead."""
+    model = guarded_graph(tmp_path / "m.meta", form)
+    code, out, err = run_cli("verify", "--replicas", 2, model, "--feeds",
+                             _guarded_feeds(tmp_path), "--batch-size", 16, "--steps", 4)
+    assert code == 0, err
+    assert "PASS" in out, out

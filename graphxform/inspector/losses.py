@@ -100,7 +100,9 @@ def check(ir: GraphIR, view=None) -> CheckResult:
     return result
 
 
-STATISTICS_SCOPES = ("sync_batch_norm/",)  # sync-batch-norm's all-reduces sum statistics
+# all-reduces of the batch's statistics, not of gradients: sync-batch-norm's sums, and the
+# totals global-denominators reduces (weights, masks, counts)
+STATISTICS_SCOPES = ("sync_batch_norm/", "global_denominators/")
 
 
 def _check_gradients(ir, result, averaged: bool) -> int:
