@@ -1006,6 +1006,14 @@ class GraphIR:
                 return f"{base}_{i}"
         raise AssertionError  # unreachable
 
+    def unique_scope(self, base: str) -> str:
+        """``base/``, or ``base_1/``, ``base_2/``, ... : the first scope no node lives under
+        (a node named ``base`` alone does not make ``base/`` taken, nor the reverse)."""
+        for candidate in itertools.chain([base], (f"{base}_{i}" for i in itertools.count(1))):
+            if not self.has_scope(candidate + "/"):
+                return candidate + "/"
+        raise AssertionError  # unreachable
+
 
 def _reached(adjacency: dict, sources) -> set[str]:
     """``sources`` and every node reached from them through ``adjacency`` (succ or pred)."""

@@ -42,7 +42,7 @@ class DropInSaver(Pass):
         candidates = {v.name: v for v in tg.variables.values() if v.name not in parts}
         candidates.update((v.name, v) for v in partitioned["originals"].values())
         keys, specs, variables = _saved(tg.saved, candidates)
-        scope = SCOPE if not ir.has_scope(SCOPE) else ir.unique_name("save") + "/"
+        scope = ir.unique_scope(SCOPE.rstrip("/"))
         default = build.const(scope + "filename/input", "model", np.object_)
         filename = build.op(scope + "filename", "PlaceholderWithDefault", [default],
                             dtype=types_pb2.DT_STRING, shape=[])
@@ -87,10 +87,13 @@ class DropInSaver(Pass):
                 assigns += build.ops("Assign", rows, T=var.dtype)
         assigns += averaged.get("on_restore", [])  # a restored model starts a new round
         restore_all = build.op(scope + "restore_all", "NoOp", ["^" + a for a in assigns])
-        saver_def = ir.meta.saver_def
-        saver_def.CopyFrom(saver_pb2.SaverDef(
+        # how many checkpoints the user's Saver keeps, as the input said (else TF's defaults)
+        kept = ctx.state.get("strip-saver", {}).get("saver_def") or saver_pb2.SaverDef(
+            max_to_keep=5, keep_checkpoint_every_n_hours=10000.0)
+        ir.meta.saver_def.CopyFrom(saver_pb2.SaverDef(
             filename_tensor_name=f"{filename}:0", save_tensor_name=f"{done}:0",
-            restore_op_name=restore_all, max_to_keep=5, keep_checkpoint_every_n_hours=10000.0,
+            restore_op_name=restore_all, max_to_keep=kept.max_to_keep,
+            keep_checkpoint_every_n_hours=kept.keep_checkpoint_every_n_hours,
             version=saver_pb2.SaverDef.V2))
         return PassResult(modified=True, summary={"variables": len(variables)})
 

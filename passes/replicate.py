@@ -149,8 +149,7 @@ def _global_defaults(ir, tg, created_by: str) -> set:
             stack.extend(src for src, _ in ir.inputs(node))
         if not reaches:
             continue
-        prefix = GLOBAL_DEFAULT if not ir.has_scope(GLOBAL_DEFAULT) else (
-            ir.unique_name(GLOBAL_DEFAULT.rstrip("/")) + "/")
+        prefix = ir.unique_scope(GLOBAL_DEFAULT.rstrip("/"))
         mapping = ir.copy_nodes(sorted(region), prefix, created_by=created_by)
         src, port = ir.inputs(name)[0]
         ir.set_input(name, 0, tensor_name(mapping[src], port))

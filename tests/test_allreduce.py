@@ -165,10 +165,12 @@ def test_drop_in_contract(tmp_path):
     assert original_losses[0] > 0
 
 
-def saver_graph(make_saver, partitioner=None):
+def saver_graph(make_saver, partitioner=None, export_saver_def=True):
     """A dense softmax model trained with Adam whose Saver ``make_saver()`` builds, as a user
     hands graphxform a graph exported with its own Saver's saver_def (None: no Saver);
-    ``partitioner``: the kernel is a partitioned variable, as large embeddings are."""
+    ``partitioner``: the kernel is a partitioned variable, as large embeddings are;
+    ``export_saver_def=False``: exported by ``tf.compat.v1.train.export_meta_graph`` alone,
+    which leaves the Saver's nodes in the graph but names none of them."""
     import tensorflow as tf
     tf1 = tf.compat.v1
     g = tf.Graph()
@@ -181,7 +183,8 @@ def saver_graph(make_saver, partitioner=None):
         step = tf1.train.get_or_create_global_step()
         tf1.add_to_collection("train_op", tf1.train.AdamOptimizer(0.01).minimize(loss, step))
         saver = make_saver() if make_saver else None
-        meta = tf1.train.export_meta_graph(graph=g, saver_def=saver and saver.as_saver_def())
+        saver_def = saver.as_saver_def() if saver and export_saver_def else None
+        meta = tf1.train.export_meta_graph(graph=g, saver_def=saver_def)
     return metagraph.from_metagraph(meta)
 
 
@@ -191,6 +194,9 @@ SAVERS = {  # the Saver a user made: checkpoint keys it writes
         {"model/weights", "step"}),
     "subset": (lambda: __import__("tensorflow").compat.v1.train.Saver([_var("dense/kernel")]),
                {"dense/kernel"}),
+    "sharded": (lambda: __import__("tensorflow").compat.v1.train.Saver(sharded=True),
+                {"dense/kernel", "dense/kernel/Adam", "dense/kernel/Adam_1", "global_step",
+                 "beta1_power", "beta2_power"}),
 }
 
 
@@ -248,6 +254,42 @@ def test_checkpoints_of_the_inputs_own_saver_move_both_ways(kind, tmp_path):
     with Runner(original) as run:
         run.restore(second)
         run.step(feeds.batch(0))
+
+
+def test_the_users_saver_keeps_how_many_checkpoints_it_keeps():
+    """``Saver(max_to_keep=3, keep_checkpoint_every_n_hours=2)``: a user's loop saving through
+    the transformed graph's saver deletes and keeps the checkpoints the original would."""
+    import tensorflow as tf
+    ir = saver_graph(lambda: tf.compat.v1.train.Saver(max_to_keep=3,
+                                                      keep_checkpoint_every_n_hours=2))
+    strategies.transform(ir, "allreduce", devices=["/device:CPU:0", "/device:CPU:1"])
+    assert ir.meta.saver_def.max_to_keep == 3
+    assert ir.meta.saver_def.keep_checkpoint_every_n_hours == 2
+
+
+def test_a_saver_the_metagraph_does_not_name_is_left_alone(tmp_path):
+    """A Saver exported without its saver_def keeps its ``save/`` scope in the graph; the
+    rebuilt saver takes the next free scope, and checkpoints keep the original keys."""
+    import tensorflow as tf
+
+    from graphxform.runtime import Feeds, Runner
+    original = saver_graph(None)
+    ir = saver_graph(lambda: tf.compat.v1.train.Saver(sharded=True), export_saver_def=False)
+    assert ir.has_scope("save/") and not ir.meta.HasField("saver_def")
+    strategies.transform(ir, "allreduce", devices=["/device:CPU:0", "/device:CPU:1"])
+    np.savez(tmp_path / "rows.npz", x=np.random.RandomState(0).randn(32, 8).astype(np.float32),
+             y=np.random.RandomState(1).randint(0, 3, 32))
+    feeds = Feeds(training.analyze(original).inputs, str(tmp_path / "rows.npz"), 16)
+    with Runner(original) as run:
+        run.initialize()
+        first = run.save(str(tmp_path / "original"))
+        expected = run.step(feeds.batch(0)).loss
+    with Runner(ir) as run:
+        run.restore(first)
+        assert run.step(feeds.batch(0)).loss == pytest.approx(expected, rel=1e-5)
+        second = run.save(str(tmp_path / "transformed"))
+    assert set(tf.train.load_checkpoint(second).get_variable_to_shape_map()) == set(
+        tf.train.load_checkpoint(first).get_variable_to_shape_map())
 
 
 def test_a_saver_of_a_value_that_is_no_variable_is_refused():
