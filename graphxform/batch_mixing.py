@@ -557,15 +557,25 @@ def _tile(n: _Node):
 def _reshape(n: _Node):
     """Keeps the batch on axis 0 when both shapes lead with the same dimension (unknown, -1,
     or the batch's fixed size), or the new one merges the leading dimensions into axis 0
-    (each example's rows stay together, in order)."""
+    (each example's rows stay together, in order). A reshape to the shape it had keeps the
+    batch where it is (tf.tensordot reshapes a transposed batch so): the shapes are equal and
+    known but for one dimension, or the new one has the batch's size where the batch is and,
+    but for a matrix (where the count of elements fixes the other dimension), the other
+    dimensions it had."""
     state = n.states[0]
     if type(state) is not int:
         return state if n.states[1] in (None, SIZE) or isinstance(n.states[1], Shape) \
             else UNKNOWN
-    if state != 0:
-        return UNKNOWN
     before, after = n.flow.dims(*n.inputs[0]), n.flow.dims(n.name, 0)
     if not before or not after:
+        return UNKNOWN
+    if before == after and before.count(-1) <= 1:
+        return state
+    others = before[:state] + before[state + 1:]
+    if (n.states[1] == Shape(state) and len(after) == len(before) and -1 not in others
+            and (len(before) == 2 or after[:state] + after[state + 1:] == others)):
+        return state
+    if state != 0:
         return UNKNOWN
     if before[0] == after[0]:
         return 0
@@ -716,6 +726,10 @@ def _gather(n: _Node):
         return UNKNOWN
     if params is None and type(indices) is int:
         return axis + indices
+    if params == AGGREGATE and type(indices) is int:
+        return n.mixed("gives each example a sum or mean over the batch picked by its own index "
+                       "(per-class centroids of the batch, tf.math.unsorted_segment_mean, "
+                       "gathered back by label)")
     if type(params) is int:
         if params == axis:
             return n.mixed("picks or reorders the examples of the batch by index (a gather "
@@ -742,6 +756,16 @@ def _segment_sum(n: _Node):
     data, ids = n.states[0], n.states[1]
     if data == 0 and ids == 0:
         return AGGREGATE  # sums of the batch's examples per segment
+    return UNKNOWN
+
+
+def _dynamic_partition(n: _Node):
+    """tf.dynamic_partition of the batch: each part holds the examples of one group, as many
+    as the slice has, so what follows (a mean over a part, pairs across parts) is computed on
+    other groups of examples than one device's, as a gather along the batch axis is."""
+    if n.states[0] == 0:
+        return n.mixed("splits the examples of the batch into groups (tf.dynamic_partition), "
+                       "each as large as the slice makes it")
     return UNKNOWN
 
 
@@ -859,6 +883,7 @@ _RULES = {
     "SplitV": _unpack_or_split(0, "input"), "Slice": _slice, "StridedSlice": _strided_slice,
     "Gather": _gather, "GatherV2": _gather, "ResourceGather": _gather, "OneHot": _one_hot,
     "L2Loss": _l2_loss, "UnsortedSegmentSum": _segment_sum, "SegmentSum": _segment_sum,
+    "DynamicPartition": _dynamic_partition,
     "Pad": _pad, "PadV2": _pad, "MirrorPad": _pad, "CTCLoss": _ctc_loss, "CTCLossV2": _ctc_loss,
     **dict.fromkeys(_UNSTACK_INTO_LOOP, _unstack_into_loop),
     **dict.fromkeys(WHILE_OPS, _while_loop),

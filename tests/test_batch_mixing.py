@@ -42,6 +42,36 @@ def clip_einsum(x, y):
     return _step(_xent(labels, logits) + _xent(labels, tf.transpose(logits)))
 
 
+def simclr_tensordot(x, y):
+    """SimCLR's similarity matrix written with tf.tensordot (reshapes around a MatMul) and
+    its targets as a one-hot of the positions."""
+    import tensorflow as tf
+    a = tf.nn.l2_normalize(dense(x, 8, "a"), axis=1)
+    b = tf.nn.l2_normalize(dense(x * 0.5, 8, "b"), axis=1)
+    logits = tf.tensordot(a, b, axes=[[1], [1]]) / 0.1
+    size = tf.shape(a)[0]
+    return _step(tf.compat.v1.losses.softmax_cross_entropy(tf.one_hot(tf.range(size), size),
+                                                           logits))
+
+
+def prototypes(x, y):
+    """Prototypical networks: each class's mean embedding over the batch, read back per
+    example by its label."""
+    import tensorflow as tf
+    emb = dense(x, 8, "emb")
+    centroids = tf.math.unsorted_segment_mean(emb, tf.cast(y, tf.int32), 2)
+    return _step(tf.reduce_mean(tf.reduce_sum(tf.square(emb - tf.gather(centroids, y)), 1)))
+
+
+def partitioned_mean(x, y):
+    """The mean loss of the examples of one group, split off by tf.dynamic_partition: each
+    replica's mean is over its own slice's group, of another size."""
+    import tensorflow as tf
+    per = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=dense(x, 2, "out"))
+    _, kept = tf.dynamic_partition(per, tf.cast(x[:, 1] > 0.3, tf.int32), 2)
+    return _step(tf.reduce_mean(kept))
+
+
 def rolled_negatives(x, y):
     import tensorflow as tf
     emb = dense(x, 8, "emb")
@@ -186,6 +216,9 @@ MIXING = [(infonce, "MatMul", "pairs every example with every other"),
           (log_mean_exp, "Log", "non-linear function to a sum or mean"),
           (sharpe_ratio, "Mean", "statistics of the batch (tf.nn.moments) that the loss is"),
           (loss_plus_batch_variance, "Mean", "that the loss adds to a sum or mean"),
+          (simclr_tensordot, "MatMul", "pairs every example with every other"),
+          (prototypes, "GatherV2", "sum or mean over the batch picked by its own index"),
+          (partitioned_mean, "DynamicPartition", "splits the examples of the batch"),
           (fgsm_raw_gradient, "AddV2", "scale with the batch's size"),
           (clip_einsum, "Einsum", "different subscripts"),
           (rolled_negatives, "Roll", "rolls the examples"),
@@ -224,7 +257,8 @@ def test_strategies_that_train_replicas_apart_are_not_refused(run_cli, tmp_path)
 def per_example_lookalikes(x, y):
     """Each of the ops above, used inside each example: attention over a sequence, a sort
     and a top_k over features, a softmax over classes, layer norm, a column, a reversal of
-    features, a reshape round trip, a gather of embedding rows by labels."""
+    features, a reshape round trip, a gather of embedding rows by labels, a tensordot over
+    features (tf_keras Dense on a sequence)."""
     import tensorflow as tf
     tf1 = tf.compat.v1
     seq = tf.reshape(dense(x, 16, "seq"), [-1, 4, 4])  # [batch, time, features]
@@ -238,7 +272,9 @@ def per_example_lookalikes(x, y):
     mixed_features = tf.einsum("bij,bjk->bik", scores, seq)[:, 0, :]  # per example
     features = tf.concat([top, ordered[:, :4], tf.reverse(normed, [1])[:, 2:6],
                           tf.gather(table, y), normed[:, 0:1], mixed_features,
-                          tf.roll(normed, shift=1, axis=1)[:, :2]], axis=1)
+                          tf.roll(normed, shift=1, axis=1)[:, :2],
+                          tf.reshape(tf.tensordot(seq, table, axes=[[2], [1]]), [-1, 8])],
+                         axis=1)
     return _step(_xent(y, dense(features, 2, "out")))
 
 
