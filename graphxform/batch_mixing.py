@@ -18,7 +18,11 @@ input-pipeline reads) to each step's loss, along data edges, giving every tensor
 - ``SIZE``: depends on the batch's size only (``tf.shape(x)[0]``, ``tf.size(x)``); a
   ``Shape`` (k) is a shape vector whose entry k is the batch's size (``tf.shape(x)``);
 - an int k: per-example, the batch on axis k;
-- ``AGGREGATE``: a sum or mean over the batch (batch-norm statistics are ``NORM``);
+- ``AGGREGATE``: a sum or mean over the batch (batch-norm statistics are ``NORM``), or
+  affine in such sums and means;
+- a ``Curved``: a non-linear function of sums or means over the batch (``square(mean)``, a
+  variance beside the mean): mixing where it reaches the loss or meets an example, except as
+  the denominator of a sum (a guarded weighted mean);
 - ``UNKNOWN``: no rule here says (loops, function calls, ops without a rule): not followed;
 - a ``Mixed``: examples met here, first at ``node``, for ``reason``; whatever reads it is
   mixed too.
