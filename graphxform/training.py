@@ -639,7 +639,8 @@ def _trace_gradient(ir, starts) -> Gradient | None:
     clipping, loss-scale division, finite checks); the tensors where the walk enters a gradients
     scope are born gradients. The nearest float one is this variable's; an integer one beside it
     (same name scope) makes it sparse (IndexedSlices values and indices). Clipping by global
-    norm reaches every variable's gradient, hence nearest first."""
+    norm reaches every variable's gradient, hence nearest first; an IdentityN of them all is
+    followed from the output read only."""
     born, seen = [], set()
     frontier = [ir.input(op, port) for op, port in starts]
     depth = 0
@@ -651,6 +652,8 @@ def _trace_gradient(ir, starts) -> Gradient | None:
             seen.add((src, port))
             if gradient_scope(src):
                 born.append((depth, src, port))
+            elif ir.op(src) == "IdentityN":  # output k is input k (tf_keras' Adam passes
+                nxt.append(ir.input(src, port))  # every gradient through one)
             elif ir.op(src) not in VARIABLE_OPS:
                 nxt.extend(ir.inputs(src))
         frontier, depth = nxt, depth + 1

@@ -127,3 +127,31 @@ def test_graph_without_training_step_is_inspectable():
     assert tg.train_op is None and tg.variables == {}
     with pytest.raises(GraphxformError, match="no train op"):
         tg.require_train_op("allreduce")
+
+
+def identity_n_step(x, y):
+    """Gradients handed to the optimizer through one tf.identity_n, as tf_keras' legacy
+    optimizers' get_updates hands them."""
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+    from test_custom_training_code import dense
+    loss = tf1.losses.sparse_softmax_cross_entropy(y, dense(dense(x, 8, "hidden", tf.nn.relu),
+                                                            2, "logits"))
+    variables = tf1.trainable_variables()
+    grads = tf.identity_n(tf.gradients(loss, variables), name="passed")
+    return tf1.train.AdamOptimizer(0.01).apply_gradients(zip(grads, variables))
+
+
+def test_each_gradient_through_an_identity_n_is_its_own(run_cli, tmp_path):
+    """Every variable's gradient used to be taken as the first one the IdentityN reads, so
+    apply refused the graph (the others were never reduced)."""
+    from conftest import export_classifier
+    model = export_classifier(tmp_path / "m.meta", identity_n_step)
+    tg = training.analyze(metagraph.load(model))
+    born = {name: v.gradient.tensor for name, v in tg.variables.items() if v.trainable}
+    assert born["hidden/kernel"].startswith("gradients/hidden/MatMul_grad/")
+    assert len(set(born.values())) == 4
+    code, out, err = run_cli("verify", "--replicas", 2, model, "--feeds", model + ".npz",
+                             "--batch-size", 16)
+    assert code == 0, err
+    assert "PASS" in out
