@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from graphxform import opdefs
 from graphxform.errors import GraphxformError
-from graphxform.ir import SHAPE_ONLY_OPS, GraphIR, parse_tensor, tensor_name
+from graphxform.ir import GraphIR, parse_tensor, tensor_name
 from graphxform.nodes import replica_prefix
 from graphxform.replica_spread import CROSS_REPLICA_OPS, SPLIT_SCOPE, ReplicaSpread
 from graphxform.training import (REPLICA_SCOPE, VARIABLE_OPS, TrainingGraph,
@@ -342,7 +342,9 @@ def batch_denominators(ir: GraphIR, loss: tuple, reading_variables: bool = False
             bottom = inputs[1]
             if sources is None:
                 sources = {n for n in ir.nodes_of({"Split"}) if n.startswith(SPLIT_SCOPE)}
-            reads = _local_sources(ir, bottom[0])
+            # short of cross-replica ops, whose value is every replica's (global-
+            # denominators' totals)
+            reads = ir.value_sources(bottom[0], stop_at=CROSS_REPLICA_OPS)
             if (ir.op(bottom[0]) not in CROSS_REPLICA_OPS
                     and opdefs.output_dtype(ir, *bottom) in _FLOATS
                     and not reads.isdisjoint(sources)
@@ -354,21 +356,6 @@ def batch_denominators(ir: GraphIR, loss: tuple, reading_variables: bool = False
         elif op in ("Sum", "Mean"):  # of per-class ratios (tf.math.unsorted_segment_mean)
             stack.append(inputs[0])
     return found
-
-
-def _local_sources(ir: GraphIR, name: str) -> set:
-    """``ir.value_sources(name)`` short of cross-replica ops, whose value is every replica's
-    (global-denominators' totals): what the replica's own value depends on."""
-    seen, stack = {name}, [name]
-    while stack:
-        node = stack.pop()
-        if ir.op(node) in SHAPE_ONLY_OPS or ir.op(node) in CROSS_REPLICA_OPS:
-            continue
-        for src, _ in ir.inputs(node):
-            if src not in seen:
-                seen.add(src)
-                stack.append(src)
-    return seen
 
 
 def _constant_denominator(ir: GraphIR, node: str):

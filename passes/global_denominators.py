@@ -143,16 +143,21 @@ def _numerator(ir, denominator: str, forward: set):
     return None
 
 
-def _reduce_each(ir, build, devices: list, tensor: str, instance: int, final: str,
-                 scope: str, consumers) -> None:
-    """Each replica's copy of replica 0's ``tensor`` all-reduced (summed, or averaged with
-    ``final`` "Div"); its consumers for which ``consumers(name, prefix)`` holds read that."""
+def _copies(ir, devices: list, tensor: str):
+    """(prefix, device, the replica's copy of replica 0's ``tensor``, its dtype) per replica."""
     first = replica_prefix(0)
     node, port = parse_tensor(tensor[len(first):])
     dtype = opdefs.output_dtype(ir, first + node, port)
     for i, device in enumerate(devices):
         prefix = replica_prefix(i)
-        local = tensor_name(prefix + node, port)
+        yield prefix, device, tensor_name(prefix + node, port), dtype
+
+
+def _reduce_each(ir, build, devices: list, tensor: str, instance: int, final: str,
+                 scope: str, consumers) -> None:
+    """Each replica's copy of replica 0's ``tensor`` all-reduced (summed, or averaged with
+    ``final`` "Div"); its consumers for which ``consumers(name, prefix)`` holds read that."""
+    for prefix, device, local, dtype in _copies(ir, devices, tensor):
         where = f"{scope}{instance - INSTANCE_KEYS}/{prefix}"
         size = build.const(where + "group_size", len(devices), np.int32, device=device)
         key = build.const(where + "group_key", GROUP_KEY, np.int32, device=device)
@@ -166,12 +171,7 @@ def _reduce_each(ir, build, devices: list, tensor: str, instance: int, final: st
 
 def _divide_each(ir, build, devices: list, tensor: str, scope: str) -> None:
     """Every replica reads its copy of replica 0's ``tensor`` over the number of replicas."""
-    first = replica_prefix(0)
-    node, port = parse_tensor(tensor[len(first):])
-    dtype = opdefs.output_dtype(ir, first + node, port)
-    for i, device in enumerate(devices):
-        prefix = replica_prefix(i)
-        local = tensor_name(prefix + node, port)
+    for prefix, device, local, dtype in _copies(ir, devices, tensor):
         count = build.const(f"{scope}{prefix}replicas", len(devices), _NUMPY_FLOATS[dtype],
                             device=device)
         ir.proto(count).attr[replica_values.REBATCHED_ATTR].s = replica_values.SAME.encode()
