@@ -41,7 +41,7 @@ Every replica runs the same step from equal variables on its own even slice of t
 - ``batch_shape``: the ``Shape`` of a batch tensor: its first element is a count, the rest are
   identical. It has no merge of its own (served as unknown), but slicing it gives those.
 - ``unknown``: nothing above can be shown: batch norm in training mode (statistics of the slice
-  differ from the batch's), unseeded random draws or draws shaped like the slice, what legacy
+  differ from the batch's), unseeded random draws of a fixed shape, what legacy
   loops carry, the insides of ``tf.gradients`` (scaled by the slice's size), ops without a rule
   here. Served: replica 0's value, and named as not merged.
 
@@ -52,8 +52,9 @@ batch norm, as the mean anyway: that is what the averaged gradients train.) User
 strategies' ``fetch_mean`` and ``fetch_concat``) take precedence over everything.
 
 A constant split-inputs rewrote from the global batch to the slice (a shape, size or divisor TF
-folded from a fixed batch), or a pass made with no single-device counterpart, has the class its
-``REBATCHED_ATTR`` names. Only static facts are
+folded from a fixed batch), a node a pass made with no single-device counterpart, and the
+Identity consistent-random makes of a draw (the replica's rows of the global draw), have the
+class their ``REBATCHED_ATTR`` names. Only static facts are
 read: op types, attrs, the values of Const inputs (axes, shapes,
 permutations) and ranks carried forward from placeholders, variables and constants; what a rule
 cannot see (an unknown rank beside a negative axis, axes that are not constants) makes the
@@ -84,6 +85,7 @@ BATCHED = frozenset({BATCH, BATCH_FILL})
 # shape, size or mean divisor): the class it stands for (batch_shape, count, batch_fill); on
 # global-denominators' number of replicas: same (the single-device graph has none)
 REBATCHED_ATTR = "_graphxform_batch_class"
+_MARKED_OPS = ("Const", "Identity")  # what split-inputs and consistent-random mark so
 LINEAR = frozenset({MEAN, SUM, COUNT})  # merged by averaging or summing; linear ops keep them
 
 _REPLICA = re.compile(r"(?:^|/)(replica_\d+/)")  # a replica's node: a replica_<i> component
@@ -252,12 +254,12 @@ class _Sweep:
         if self._owner(name) is None or name in self.single:
             classes[name] = _shared_classes(data, op, identical)
             return
-        if op == "Const":
+        if op in _MARKED_OPS:
             attrs = self.ir.attrs(name)  # not data["attr"]: that makes a copy its own NodeDef
             if REBATCHED_ATTR in attrs and name not in self.overridden:
                 classes[name] = (attrs[REBATCHED_ATTR].s.decode(),)
                 return
-            if not name.startswith(self.prefix):
+            if op == "Const" and not name.startswith(self.prefix):
                 classes[name] = self._made_constant(name)
                 return
         if effect and is_mutating_op(op):
@@ -910,7 +912,8 @@ def _pad(n: _Node):
 
 
 def _slice(n: _Node):
-    c, rank = n.cls[0], n.rank[0]
+    c = n.cls[0]
+    rank = n.rank[0] if n.rank[0] is not None else n.shape_length(2)  # as many as sizes
     if not n.others_identical(0):
         return (UNKNOWN,), (rank,)
     if c == IDENTICAL or c in LINEAR:
@@ -1034,10 +1037,14 @@ def _segment_sum(n: _Node):
 
 def _random(n: _Node):
     """A seeded draw of an identical shape draws what the single device draws (the copy keeps
-    the op's seeds); any other draw differs (unseeded: per run; shaped like the slice: the
-    replicas' draws are not the batch's)."""
+    the op's seeds); an unseeded one differs (per run). A draw shaped like the slice (dropout's
+    mask, epsilon-greedy's coin per example) holds a row per example of the slice: the copies
+    concatenated are a draw for the whole batch (not one device's, but for consistent-random,
+    whose rows are marked so)."""
     seeded = any(n.attr(key) is not None and n.attr(key).i for key in ("seed", "seed2"))
-    kind = IDENTICAL if seeded and n.cls and n.cls[0] == IDENTICAL else UNKNOWN
+    shape = n.cls[0] if n.cls else UNKNOWN
+    kind = (IDENTICAL if seeded and shape == IDENTICAL else BATCH if shape == BATCH_SHAPE
+            else UNKNOWN)
     return (kind,), (n.shape_length(0),)
 
 

@@ -19,7 +19,7 @@ import dataclasses
 
 import numpy as np
 
-from graphxform import opdefs
+from graphxform import opdefs, replica_values
 from graphxform.contract import replica_local
 from graphxform.errors import GraphxformError
 from graphxform.functions import random_in_function
@@ -107,3 +107,5 @@ def _draw_whole_batch(ir, build, node, index, replicas, device) -> None:
         "replica", index)], T=index_type)], T=index_type)
     piece = op("slice", "Slice", [draw, begin, shape], T=value_type, Index=index_type)
     build.replace(node, "Identity", [piece], device=device, T=value_type)
+    # the replicas' rows together are the single-device draw: fetching it concatenates them
+    ir.node(node)["attr"][replica_values.REBATCHED_ATTR].s = replica_values.BATCH.encode()

@@ -225,7 +225,8 @@ def test_every_merged_value_is_the_single_device_value():
     served = [n + ":0" for n in single.nodes() if out.node(n)["created_by"] == "merge-fetches"
               and n not in summary["unmerged"] and out.op(n) not in ("NoOp", "IdentityN")
               and not out.control_inputs(n) and single.op(n) != "VarHandleOp"]
-    assert "dropout/random_uniform/RandomUniform" in summary["unmerged"]  # a pass made it
+    # the replicas' rows of the global draw: dropout's mask, which used to be replica 0's half
+    assert {"dropout/random_uniform/RandomUniform:0", "dropout/SelectV2:0"} <= set(served)
     assert {"projected:0", "normed:0", "pooled:0"} <= set(served)
     assert len(served) > 40
     rng = np.random.default_rng(1)
@@ -237,6 +238,30 @@ def test_every_merged_value_is_the_single_device_value():
     got, _ = session_run(out, served, feeds, restore=start)
     for name, a, b in zip(served, expected, got):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_a_draw_per_example_is_fetched_for_the_whole_batch():
+    """Epsilon-greedy actions (DQN): a coin and a random action drawn per example beside the
+    greedy one. Each replica draws rows for its slice; fetching the action gives one per
+    example of the batch, not replica 0's half."""
+    import tensorflow as tf
+    v1 = tf.compat.v1
+    g = tf.Graph()
+    with g.as_default():
+        x = v1.placeholder(tf.float32, [None, 4], name="x")
+        q = tf.matmul(x, v1.get_variable("w", [4, 3]), name="q")
+        greedy = tf.argmax(q, axis=1)
+        explore = tf.random.uniform(tf.shape(greedy), 0, 3, dtype=tf.int64)
+        tf.where(tf.random.uniform(tf.shape(greedy)) < 0.5, explore, greedy, name="action")
+        loss = tf.reduce_mean(tf.square(q))
+        v1.add_to_collection(v1.GraphKeys.TRAIN_OP,
+                             v1.train.GradientDescentOptimizer(0.1).minimize(loss))
+        out = from_metagraph(v1.train.export_meta_graph())
+    summary = summary_of(transformed(out))
+    assert "action" not in summary["unmerged"]
+    feeds = {"x:0": np.random.default_rng(0).normal(size=(8, 4)).astype(np.float32)}
+    (action,), _ = session_run(out, ["action:0"], feeds)
+    assert action.shape == (8,)
 
 
 @pytest.mark.parametrize("strategy", ["allreduce", "ps"])
