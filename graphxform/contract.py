@@ -24,7 +24,8 @@ from graphxform.ir import GraphIR, parse_tensor, tensor_name
 from graphxform.nodes import replica_prefix
 from graphxform.replica_spread import CROSS_REPLICA_OPS, SPLIT_SCOPE, ReplicaSpread
 from graphxform.training import (REPLICA_SCOPE, VARIABLE_OPS, TrainingGraph,
-                                 consumers_through_switches, is_mutating_op, tape_gradients)
+                                 consumers_through_switches, gradient_scope, is_mutating_op,
+                                 tape_gradients)
 
 
 
@@ -35,12 +36,13 @@ class ContractError(GraphxformError):
 def check_input(ir: GraphIR, tg: TrainingGraph) -> None:
     """What is refused on the input graph, before any pass, when the batch will be split: a
     step whose loss mixes the examples of its batch (graphxform/batch_mixing.py says why), or
-    reads state the step updates from the batch."""
+    reads state the step updates from the batch, or applies gradients another op stored."""
     from graphxform.batch_mixing import mixing_in
     sources = tg.batch_sources
     _check_batch_axis(tg)
     _check_sparse_lookalikes(ir, tg)
     _check_batch_state_feeds_losses(ir, tg)
+    _check_gradients_kept_between_runs(ir, tg)
     for step in tg.steps:
         found = mixing_in(ir, step.loss, sources) if step.loss and sources else None
         if found is not None:
@@ -171,6 +173,48 @@ def _check_batch_state_feeds_losses(ir: GraphIR, tg: TrainingGraph) -> None:
                 "each replica would keep its own copy, moved by its own slice, so later steps' "
                 "losses read state one device never has; train on one device (or use "
                 "--strategy model-average, which trains replicas apart by design)")
+
+
+def _check_gradients_kept_between_runs(ir: GraphIR, tg: TrainingGraph) -> None:
+    """Gradient accumulation across session.run calls, the TF1 recipe: an op outside every
+    train op adds each micro-batch's gradients into variables (``acc.assign_add(grad)``, run
+    once per micro-batch), and the train op applies those variables. Only a train op's
+    gradients are all-reduced, so each replica would add its own slice's gradient (into a
+    shared variable: N slices' means, N times the gradient), and apply exited 0. Refuse,
+    naming the variable and the op that writes it."""
+    closure = set().union(*(step.closure for step in tg.steps)) if tg.steps else set()
+    for var in sorted(tg.variables.values(), key=lambda v: v.name):
+        if var.trainable or not any(read in closure for read in var.reads):
+            continue
+        for write, port in ir.consumers(var.name):
+            if port != 0 or write in closure or not is_mutating_op(ir.op(write)):
+                continue
+            gradient = _gradient_among_ancestors(ir, [src for src, _ in ir.inputs(write)[1:]])
+            if gradient is not None:
+                raise ContractError(
+                    f"variable '{var.name}': '{write}' stores the gradient '{gradient}' in it "
+                    "outside the train op, which applies it (gradient accumulation over "
+                    "several session.run calls); only a train op's gradients are reduced "
+                    "across replicas, so each replica would add its own slice's: accumulate "
+                    "inside the train op, or let the replicas' global batch replace the "
+                    "micro-batches")
+
+
+def _gradient_among_ancestors(ir: GraphIR, starts: list) -> str | None:
+    """The first node of a tf.gradients scope among the data ancestors of ``starts``, not
+    looking past variables; None when there is none."""
+    seen, stack = set(starts), list(starts)
+    while stack:
+        node = stack.pop()
+        if gradient_scope(node):
+            return node
+        if ir.op(node) in VARIABLE_OPS:
+            continue
+        for src, _ in ir.inputs(node):
+            if src not in seen:
+                seen.add(src)
+                stack.append(src)
+    return None
 
 
 def check(ir: GraphIR, tg: TrainingGraph, replicas: int, asynchronous: bool = False,

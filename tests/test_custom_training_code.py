@@ -184,3 +184,32 @@ def test_dropout_inside_a_legacy_cond_is_made_consistent(run_cli, tmp_path):
                              "--feeds", model + ".npz", "--batch-size", 16)
     assert code == 0, err
     assert "PASS" in out
+
+
+def accumulated_over_runs(x, y):
+    """Gradient accumulation as TF1 answers write it: variables zeroed by one op, each
+    micro-batch's gradients added into them by another (run once per micro-batch), and a
+    train op that applies them; the train op reads no batch."""
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+    loss = tf1.losses.sparse_softmax_cross_entropy(y, dense(dense(x, 8, "hidden", tf.nn.relu),
+                                                            2, "logits"))
+    optimizer = tf1.train.MomentumOptimizer(0.1, 0.9)
+    pairs = optimizer.compute_gradients(loss)
+    kept = [tf1.get_variable(v.op.name + "_sum", v.shape, trainable=False,
+                             initializer=tf1.zeros_initializer()) for _, v in pairs]
+    tf.group(*[k.assign(tf.zeros_like(k)) for k in kept], name="zero")
+    tf.group(*[k.assign_add(g) for k, (g, _) in zip(kept, pairs)], name="accumulate")
+    return optimizer.apply_gradients([(k / 4.0, v) for k, (_, v) in zip(kept, pairs)])
+
+
+def test_gradients_accumulated_over_runs_are_refused(run_cli, tmp_path):
+    """apply exited 0: 'accumulate' runs outside the train op, so no gradient was reduced and
+    both replicas added their slice's mean into the shared sums (twice the gradient)."""
+    model = _export(tmp_path / "m.meta", accumulated_over_runs)
+    out = tmp_path / "out.meta"
+    code, _, err = run_cli("apply", "--replicas", 2, model, "-o", out)
+    assert code == 1 and len(err.strip().splitlines()) == 1, err
+    assert "variable 'hidden/bias_sum'" in err and "stores the gradient" in err
+    assert "outside the train op" in err
+    assert not out.exists()
