@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from graphxform import opdefs
 from graphxform.errors import GraphxformError
+from graphxform.functions import WHILE_OPS, written_in_function
 from graphxform.ir import GraphIR, parse_tensor, tensor_name
 from graphxform.nodes import replica_prefix
 from graphxform.replica_spread import CROSS_REPLICA_OPS, SPLIT_SCOPE, ReplicaSpread
@@ -189,7 +190,8 @@ def _check_gradients_kept_between_runs(ir: GraphIR, tg: TrainingGraph) -> None:
         for write, port in ir.consumers(var.name):
             if port != 0 or write in closure or not is_mutating_op(ir.op(write)):
                 continue
-            gradient = _gradient_among_ancestors(ir, [src for src, _ in ir.inputs(write)[1:]])
+            gradient = _first_ancestor(ir, [src for src, _ in ir.inputs(write)[1:]],
+                                       gradient_scope)
             if gradient is not None:
                 raise ContractError(
                     f"variable '{var.name}': '{write}' stores the gradient '{gradient}' in it "
@@ -200,13 +202,13 @@ def _check_gradients_kept_between_runs(ir: GraphIR, tg: TrainingGraph) -> None:
                     "micro-batches")
 
 
-def _gradient_among_ancestors(ir: GraphIR, starts: list) -> str | None:
-    """The first node of a tf.gradients scope among the data ancestors of ``starts``, not
+def _first_ancestor(ir: GraphIR, starts: list, wanted) -> str | None:
+    """The first of ``starts`` and their data ancestors for which ``wanted(node)`` holds, not
     looking past variables; None when there is none."""
     seen, stack = set(starts), list(starts)
     while stack:
         node = stack.pop()
-        if gradient_scope(node):
+        if wanted(node):
             return node
         if ir.op(node) in VARIABLE_OPS:
             continue
@@ -269,9 +271,16 @@ def _check_write(ir: GraphIR, var, write: str, spread: ReplicaSpread) -> None:
         if ir.op(src) in VARIABLE_OPS:
             continue
         if src in spread.differs:
-            reason = ("its gradient was not found where tf.gradients produced it, so it was not "
-                      "reduced" if var.gradient is None else
-                      "it reads a value that differs between replicas")
+            loop = (_first_ancestor(ir, [src], lambda n: ir.op(n) in WHILE_OPS)
+                    if var.gradient is None else None)
+            loop = loop and REPLICA_SCOPE.sub("", loop, count=1)
+            reason = ("it reads a value that differs between replicas" if var.gradient else
+                      f"its gradient comes out of the while loop '{loop}', tf.gradients inside "
+                      "its body as in-graph gradient accumulation writes it, where it cannot be "
+                      "reduced: sum the micro-batches' losses in the loop and take the gradient "
+                      "outside it, or let the replicas' global batch replace the micro-batches"
+                      if loop else "its gradient was not found where tf.gradients produced it, "
+                      "so it was not reduced")
             raise ContractError(
                 f"variable '{var.name}': '{write}' updates it from '{src}:{port}', which each "
                 f"replica computes from its own slice of the batch ({reason}); the replicas "
@@ -440,7 +449,6 @@ def _check_custom_gradients(ir: GraphIR, tg: TrainingGraph) -> None:
 
 def _check_function_writes(ir: GraphIR, tg: TrainingGraph, closure: set) -> None:
     """No step trains inside a function (graphxform/functions.py says why)."""
-    from graphxform.functions import written_in_function
 
     def original(node):
         return REPLICA_SCOPE.sub("", node, count=1)

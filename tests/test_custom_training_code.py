@@ -213,3 +213,29 @@ def test_gradients_accumulated_over_runs_are_refused(run_cli, tmp_path):
     assert "variable 'hidden/bias_sum'" in err and "stores the gradient" in err
     assert "outside the train op" in err
     assert not out.exists()
+
+
+def accumulated_in_a_loop(x, y):
+    """In-graph gradient accumulation: a while loop (control flow v2) over two micro-batches
+    adds up their tf.gradients, and the sum is applied after it."""
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+    w = tf1.get_variable("w", [8, 2])
+    xs, ys = tf.reshape(x, [2, -1, 8]), tf.reshape(y, [2, -1])
+
+    def body(i, total):
+        logits = tf.matmul(tf.gather(xs, i), w)
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=tf.gather(ys, i), logits=logits))
+        return i + 1, total + tf.gradients(loss, w)[0]
+
+    _, total = tf1.while_loop(lambda i, _: i < 2, body, [tf.constant(0), tf.zeros_like(w)])
+    return tf1.train.GradientDescentOptimizer(0.1).apply_gradients([(total / 2.0, w)])
+
+
+def test_gradients_accumulated_in_a_loop_are_refused_naming_the_loop(run_cli, tmp_path):
+    model = _export(tmp_path / "m.meta", accumulated_in_a_loop)
+    code, _, err = run_cli("apply", "--replicas", 2, model, "-o", tmp_path / "out.meta")
+    assert code == 1 and len(err.strip().splitlines()) == 1, err
+    assert "variable 'w'" in err and "comes out of the while loop 'while'" in err
+    assert "take the gradient outside it" in err
