@@ -819,19 +819,50 @@ def _unstack_into_loop(n: _Node):
 
 def _while_loop(n: _Node):
     """``_unstack_into_loop`` for a control-flow-v2 loop (While, StatelessWhile): its body
-    reads the batch one example per iteration from a loop variable that is a TensorList of it
-    (graphxform.functions.carried_from_list says what it carries). Unknown otherwise: the
-    loop's outputs are not followed."""
+    reads the batch one example per iteration from loop variables that are TensorLists of it
+    (graphxform.functions.carried_from_list says what it carries). A loop that only adds up a
+    term of each example, once each (a sum of per-example losses), does not mix them: those
+    outputs are sums over the batch. Unknown otherwise: the loop's outputs are not
+    followed."""
     ir = n.flow.ir
+    lists = set()
     for k, (src, _) in enumerate(n.inputs):
-        if ir.op(src) != "TensorListFromTensor":
-            continue
-        tensor, port = ir.input(src, 0)
-        carried = (functions.carried_from_list(ir, n.name, k)
-                   if _port(n.flow.states.get(tensor), port) == 0 else None)
-        if carried is not None:
-            return _carried(n, carried)
-    return UNKNOWN
+        if ir.op(src) == "TensorListFromTensor" and _port(
+                n.flow.states.get(ir.input(src, 0)[0]), ir.input(src, 0)[1]) == 0:
+            lists.add(k)
+    carried = {}
+    for k in sorted(lists):
+        carried.update(functions.carried_from_list(ir, n.name, k))
+    if not carried:
+        return UNKNOWN
+    if not _sums_each_example(n, lists, carried):
+        return _carried(n, carried[min(carried)])
+    return [AGGREGATE if k in carried else UNKNOWN for k in range(len(n.inputs))]
+
+
+def _sums_each_example(n: _Node, lists: set, carried: dict) -> bool:
+    """Whether every loop variable in ``carried`` adds up a term of each example: a counter
+    runs from 0 to the batch's size (``tf.shape(x)[0]``), reading the examples at it, and the
+    rest of what the terms read is free of the batch."""
+    ir = n.flow.ir
+    free = {k for k, state in enumerate(n.states) if state is None}
+    bounds = [k for k, (src, port) in enumerate(n.inputs) if _is_batch_size(n.flow, src, port)]
+    counters = [c for c in free for b in bounds if functions.counts_to(ir, n.name, c, b)]
+    return any(all(functions.sums_each_element(ir, n.name, v, lists, free, c) for v in carried)
+               for c in counters)
+
+
+def _is_batch_size(flow: _Flow, src: str, port: int) -> bool:
+    """Whether ``src:port`` is tf.shape(x)[0] of a tensor x with the batch on axis 0."""
+    ir = flow.ir
+    if ir.op(src) != "StridedSlice" or port != 0:
+        return False
+    shape, _ = ir.input(src, 0)
+    shrink = ir.attrs(src).get("shrink_axis_mask")
+    return (ir.op(shape) == "Shape" and _port(flow.states.get(ir.input(shape, 0)[0]),
+                                               ir.input(shape, 0)[1]) == 0
+            and shrink is not None and shrink.i == 1
+            and [flow.ints(s) for s, _ in ir.inputs(src)[1:]] == [[0], [1], [1]])
 
 
 def _carried(n: _Node, carried: str | None):

@@ -13,7 +13,8 @@ nodes only. Two things there break the contract silently, so the contract and `v
 
 A third, for graphxform.batch_mixing: a while loop that reads the batch one example per
 iteration from a TensorList and carries a value from one example to the next
-(``carried_from_list``).
+(``carried_from_list``), unless that value only adds up a term of each example
+(``sums_each_element``: the sum of per-example losses a loop over the examples computes).
 
 A call's inputs are its function's arguments in order (``If``, ``Case``: after the branch
 selector), so a write to an argument is a write to the graph node that feeds it; nested calls
@@ -71,17 +72,15 @@ def called_nodes(ir, closure: set):
                 yield call, function_name, node, source
 
 
-def carried_from_list(ir, loop: str, arg: int) -> str | None:
-    """The first loop variable of the while loop ``loop`` whose next value its body computes
-    from an element it reads out of its ``arg``-th loop variable, a TensorList, other than a
-    list its body writes (an accumulator of per-iteration results, as tf.map_fn and the
-    gradient's stacks keep), by name; None when there is none or the body is not in the
-    library. The loop variables are the body's arguments and results, in order."""
-    attrs = ir.attrs(loop)
-    library = {f.signature.name: f for f in ir.meta.graph_def.library.function}
-    body = library.get(attrs["body"].func.name) if "body" in attrs else None
+def carried_from_list(ir, loop: str, arg: int) -> dict[int, str]:
+    """The loop variables of the while loop ``loop`` whose next value its body computes from
+    an element it reads out of its ``arg``-th loop variable, a TensorList, other than a list
+    its body writes (an accumulator of per-iteration results, as tf.map_fn and the gradient's
+    stacks keep): position -> name; none when the body is not in the library. The loop
+    variables are the body's arguments and results, in order."""
+    body = _function(ir, loop, "body")
     if body is None or arg >= len(body.signature.input_arg):
-        return None
+        return {}
     users, ops = {}, {}
     for node in body.node_def:
         ops[node.name] = node.op
@@ -102,11 +101,100 @@ def carried_from_list(ir, loop: str, arg: int) -> str | None:
             if node.name not in reached:
                 reached.add(node.name)
                 stack.append(node.name)
-    for result in body.signature.output_arg:
-        source = body.ret[result.name].split(":", 1)[0]
-        if source in reached and not ops[source].startswith("TensorList"):
-            return result.name
-    return None
+    return {k: result.name for k, result in enumerate(body.signature.output_arg)
+            if (source := body.ret[result.name].split(":", 1)[0]) in reached
+            and not ops[source].startswith("TensorList")}
+
+
+def sums_each_element(ir, loop: str, var: int, lists: set, free: set, counter: int) -> bool:
+    """Whether loop variable ``var`` of the while loop ``loop`` only adds up one term per
+    iteration: its next value is itself plus a term computed from the elements at position
+    ``counter`` (a loop variable starting at 0 and stepping by 1, which the caller has shown
+    to run to the lists' length) of the loop variables ``lists`` (TensorLists the body only
+    reads), and from loop variables in ``free`` that the body passes on unchanged; no other
+    loop variable, no call. Then it ends as the sum over the elements of a term of each."""
+    body = _function(ir, loop, "body")
+    if body is None:
+        return False
+    args = [arg.name for arg in body.signature.input_arg]
+    results = [body.ret[arg.name].split(":", 1)[0] for arg in body.signature.output_arg]
+    nodes = {node.name: node for node in body.node_def}
+    total = nodes.get(results[var])
+    if (total is None or total.op not in ("Add", "AddV2") or len(total.input) != 2
+            or any(results[k] != args[k] for k in lists)):
+        return False
+    names = [text.split(":", 1)[0] for text in total.input]
+    if args[var] not in names:
+        return False
+    term = names[1 - names.index(args[var])]
+    unchanged = {args[k] for k in free if results[k] == args[k]}
+    seen, stack = {term}, [term]
+    while stack:
+        name = stack.pop()
+        if name in args:
+            if name not in unchanged:
+                return False  # another loop variable, or a whole list, enters the term
+            continue
+        node = nodes.get(name)
+        if node is None or node.op in CALL_OPS or node.op.startswith("TensorList") and (
+                node.op != "TensorListGetItem"):
+            return False
+        inputs = [text.split(":", 1)[0] for text in node.input if not text.startswith("^")]
+        if node.op == "TensorListGetItem":
+            if (inputs[0] not in {args[k] for k in lists} or inputs[1] != args[counter]
+                    or nodes.get(inputs[2]) is None or nodes[inputs[2]].op != "Const"):
+                return False
+            continue
+        for src in inputs:
+            if src not in seen:
+                seen.add(src)
+                stack.append(src)
+    return True
+
+
+def counts_to(ir, loop: str, counter: int, bound: int) -> bool:
+    """Whether loop variable ``counter`` of the while loop ``loop`` starts at 0 (a Const),
+    steps by 1, and is all its condition tests, against loop variable ``bound``
+    (``counter < bound``)."""
+    body, cond = _function(ir, loop, "body"), _function(ir, loop, "cond")
+    if body is None or cond is None:
+        return False
+    start = ir.inputs(loop)[counter][0]
+    if ir.op(start) != "Const" or _scalar(ir.attrs(start)["value"].tensor) != 0:
+        return False
+    arg = body.signature.input_arg[counter].name
+    nodes = {node.name: node for node in body.node_def}
+    step = nodes.get(body.ret[body.signature.output_arg[counter].name].split(":", 1)[0])
+    if step is None or step.op not in ("Add", "AddV2"):
+        return False
+    names = [text.split(":", 1)[0] for text in step.input]
+    one = [nodes.get(n) for n in names if n != arg]
+    if names.count(arg) != 1 or len(one) != 1 or one[0] is None or one[0].op != "Const" \
+            or _scalar(one[0].attr["value"].tensor) != 1:
+        return False
+    tested = {node.name: node for node in cond.node_def}
+    less = tested.get(cond.ret[cond.signature.output_arg[0].name].split(":", 1)[0])
+    cond_args = [a.name for a in cond.signature.input_arg]
+    return (less is not None and less.op == "Less"
+            and [text.split(":", 1)[0] for text in less.input]
+            == [cond_args[counter], cond_args[bound]])
+
+
+def _scalar(tensor):
+    """The one integer a scalar Const TensorProto holds, or None."""
+    values = list(tensor.int_val) or list(tensor.int64_val)
+    return values[0] if len(values) == 1 and not tensor.tensor_shape.dim else None
+
+
+def _function(ir, call: str, key: str):
+    """The FunctionDef attr ``key`` of ``call`` names, or None when it is not in the
+    library."""
+    attrs = ir.attrs(call)
+    if key not in attrs:
+        return None
+    name = attrs[key].func.name
+    return next((f for f in ir.meta.graph_def.library.function if f.signature.name == name),
+                None)
 
 
 def _called(attrs, op: str, library: dict) -> list[str]:

@@ -391,3 +391,63 @@ def test_a_loss_reading_state_the_step_moves_by_the_batch_is_refused(run_cli, tm
     code, _, err = run_cli("apply", "--strategy", "model-average", "--replicas", 2, model,
                            "-o", out)
     assert code == 0, err
+
+
+def _loop_over_examples(x, y, term, bound=None):
+    """A control-flow-v2 while loop over the examples, read from TensorArrays of the batch,
+    whose loop variable ``total`` adds ``term(i, logits_i, y_i, carried)`` each iteration;
+    ``carried`` is a second loop variable, halved each iteration. The loss is total / size."""
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+    w = tf1.get_variable("w", [8, 2])
+    size = tf.shape(x)[0]
+    xs = tf.TensorArray(tf.float32, size=0, dynamic_size=True).unstack(x)
+    ys = tf.TensorArray(tf.int64, size=0, dynamic_size=True).unstack(y)
+
+    def body(i, total, carried):
+        logits = tf.matmul(xs.read(i)[None], w)
+        return i + 1, total + term(i, logits, ys.read(i)[None], carried), carried * 0.5
+
+    _, total, _ = tf1.while_loop(lambda i, *_: i < (size if bound is None else bound(size)),
+                                 body, [tf.constant(0), tf.constant(0.0), tf.constant(1.0)])
+    return _step(total / tf.cast(size, tf.float32))
+
+
+def per_example_sum_loop(x, y):
+    """The loop adds each example's loss: the mean of per-example losses, as one device."""
+    return _loop_over_examples(x, y, lambda i, logits, label, _: _xent(label, logits))
+
+
+def test_a_loop_summing_each_examples_loss_trains_like_one_device(run_cli, tmp_path):
+    model = _export(tmp_path / "m.meta", per_example_sum_loop)
+    code, out, err = run_cli("verify", "--replicas", 2, model, "--feeds", model + ".npz",
+                             "--batch-size", 16)
+    assert code == 0, err
+    assert "PASS" in out
+
+
+def discounted_loop(x, y):
+    return _loop_over_examples(x, y, lambda i, logits, label, carried:
+                               carried * _xent(label, logits))
+
+
+def positional_loop(x, y):
+    import tensorflow as tf
+    return _loop_over_examples(x, y, lambda i, logits, label, _:
+                               tf.cast(i, tf.float32) * _xent(label, logits))
+
+
+def first_examples_loop(x, y):
+    import tensorflow as tf
+    return _loop_over_examples(x, y, lambda i, logits, label, _: _xent(label, logits),
+                               bound=lambda size: tf.minimum(size, 4))
+
+
+@pytest.mark.parametrize("build", [discounted_loop, positional_loop, first_examples_loop])
+def test_a_loop_summing_terms_that_depend_on_position_is_refused(run_cli, tmp_path, build):
+    """Weights by the example's position (a discount carried from one to the next, the
+    counter itself) or a loop over the first examples only: a slice restarts at 0."""
+    model = _export(tmp_path / "m.meta", build)
+    code, _, err = run_cli("apply", "--replicas", 2, model, "-o", tmp_path / "out.meta")
+    assert code == 1, err
+    assert "(While)" in err and "carries" in err
