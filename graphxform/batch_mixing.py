@@ -113,11 +113,13 @@ def _port(state, port: int):
 
 
 class _Flow:
-    def __init__(self, ir, sources: set):
+    def __init__(self, ir, sources: set, seeds: dict | None = None):
         self.ir, self.sources = ir, sources
+        self.seeds = seeds or {}  # a function body's arguments: name -> (state, degree)
         self.states = {}
         self.degrees = {}  # node -> its degree in the batch's size (or a list, one per port)
         self.filled = set()  # per-example nodes whose rows hold no example's values (ones)
+        self.called = {}  # call node -> its outputs' degrees, from its function's body
         self.consts = {}  # node -> its integer values (replica_values.const_ints)
 
     def run(self, target: str) -> dict:
@@ -128,7 +130,7 @@ class _Flow:
             name = stack[-1]
             if name in states:
                 stack.pop()
-            elif name in expanded or name in self.sources:
+            elif name in expanded or name in self.sources or name in self.seeds:
                 stack.pop()
                 states[name] = self._scaled(name, self._state(name))
             else:
@@ -140,6 +142,8 @@ class _Flow:
     def _state(self, name: str):
         if name in self.sources:
             return 0
+        if name in self.seeds:
+            return self.seeds[name][0]
         ir = self.ir
         op = ir.op(name)
         inputs = ir.inputs(name)
@@ -155,8 +159,9 @@ class _Flow:
             return [found[0], None]  # both branches of a legacy cond agree
         if op == "IdentityN":
             return found
-        if op in ("NextIteration", "Enter", "Exit", "Merge", "Switch", "If", "StatelessIf",
-                  "PartitionedCall", "StatefulPartitionedCall"):
+        if op in _CALLS and any(s is not None for s in found):
+            return _call(self, name, op, inputs, found)
+        if op in ("NextIteration", "Enter", "Exit", "Merge", "Switch", *_CALLS):
             return UNKNOWN if any(s is not None for s in found) else None
         if all(s is None for s in found):
             return None
@@ -172,6 +177,11 @@ class _Flow:
                     _per_example if op in PER_EXAMPLE_OPS else _reduce if op in REDUCE_OPS else
                     None)
         if rule is None:
+            # an op no rule covers (a matrix inverse) of statistics of the batch alone: not
+            # shown linear in them
+            if AGGREGATE in found and all(s in (None, SIZE, AGGREGATE) for s in found):
+                return Curved(name, op, f"applies {op}, which no rule here shows linear, to a "
+                              "sum or mean over the batch")
             return UNKNOWN
         return rule(_Node(self, name, op, inputs, found))
 
@@ -180,6 +190,10 @@ class _Flow:
         slice reproduces; records the node's degree in the batch's size (section below)."""
         if state is None or name in self.sources:
             self.degrees[name] = 0
+            return state
+        if name in self.seeds or name in self.called:
+            self.degrees[name] = (self.seeds[name][1] if name in self.seeds
+                                  else self.called[name])
             return state
         if state == UNKNOWN or isinstance(state, (Mixed, Curved)):
             return state
@@ -293,7 +307,7 @@ def _curved(n: _Node):
     if any(type(s) is int for s in states):
         if curved is not None:
             return n.mixed("combines each example with a non-linear function of a sum or mean "
-                           f"over the batch ('{curved.node}', {curved.op})")
+                           f"over the batch, made at '{curved.node}' ({curved.op})")
         return None
     if curved is not None:
         if n.op in _DIVISIONS and len(states) == 2 and states[0] == AGGREGATE and \
@@ -732,8 +746,8 @@ def _gather(n: _Node):
         return axis + indices
     if params == AGGREGATE and type(indices) is int:
         return n.mixed("gives each example a sum or mean over the batch picked by its own index "
-                       "(per-class centroids of the batch, tf.math.unsorted_segment_mean, "
-                       "gathered back by label)")
+                       "(per-class centroids or counts of the batch, "
+                       "tf.math.unsorted_segment_mean, gathered back by label)")
     if type(params) is int:
         if params == axis:
             return n.mixed("picks or reorders the examples of the batch by index (a gather "
@@ -759,7 +773,52 @@ def _l2_loss(n: _Node):
 def _segment_sum(n: _Node):
     data, ids = n.states[0], n.states[1]
     if data == 0 and ids == 0:
-        return AGGREGATE  # sums of the batch's examples per segment
+        return AGGREGATE  # sums (means) of the batch's examples per segment
+    return UNKNOWN
+
+
+def _segment_extreme(n: _Node):
+    """tf.math.unsorted_segment_max and the like over the batch: a Max over the examples of
+    each segment, which no average of the slices' gives."""
+    if n.states[0] == 0 and n.states[1] == 0:
+        return n.mixed(f"takes the {n.op} of the examples of the batch per segment: each "
+                       "replica would take its own slice's")
+    return UNKNOWN
+
+
+def _bincount(n: _Node):
+    """Counts (or weight sums) of the batch's values per bin: a sum over the batch, however
+    many bins (tf.math.bincount's are the batch's largest value plus one)."""
+    if n.states[0] == 0 and n.states[-1] in (None, SIZE, 0):
+        return AGGREGATE
+    return UNKNOWN
+
+
+def _unique_with_counts(n: _Node):
+    """tf.unique_with_counts of the batch's ids: the distinct ids (not followed), each
+    example's position among them, and how often each occurs in the batch (a count)."""
+    if n.states[0] == 0:
+        return [UNKNOWN, 0, AGGREGATE]
+    return UNKNOWN
+
+
+def _by_position(what: str, tensor_at: int, indices_at: int):
+    """An op that reads or writes a batch tensor at constant positions picks examples by
+    position (``x[0]`` through tf.gather_nd, tf.tensor_scatter_nd_update)."""
+    def rule(n: _Node):
+        batch_dims = n.attr("batch_dims")
+        if (n.states[tensor_at] == 0 and n.states[indices_at] is None
+                and not (batch_dims is not None and batch_dims.i)):
+            return n.mixed(f"{what} the examples of the batch at fixed positions")
+        return UNKNOWN
+    return rule
+
+
+def _scatter_nd(n: _Node):
+    """tf.scatter_nd of the batch's rows to indices computed from the batch: sums per index,
+    as UnsortedSegmentSum."""
+    if n.states[0] == 0 and n.states[1] == 0 and n.states[2] in (None, SIZE):
+        return AGGREGATE
     return UNKNOWN
 
 
@@ -830,6 +889,12 @@ def _while_loop(n: _Node):
         if ir.op(src) == "TensorListFromTensor" and _port(
                 n.flow.states.get(ir.input(src, 0)[0]), ir.input(src, 0)[1]) == 0:
             lists.add(k)
+    statistic = next((k for k, state in enumerate(n.states) if state == AGGREGATE
+                      and functions.reads_argument(ir, n.name, k)), None)
+    if lists and statistic is not None:
+        return n.mixed(f"reads the batch one example per iteration beside a sum or mean over "
+                       f"the batch ('{n.inputs[statistic][0]}'), as tf.map_fn over the examples "
+                       "reading the batch's mean does")
     carried = {}
     for k in sorted(lists):
         carried.update(functions.carried_from_list(ir, n.name, k))
@@ -863,6 +928,60 @@ def _is_batch_size(flow: _Flow, src: str, port: int) -> bool:
                                                ir.input(shape, 0)[1]) == 0
             and shrink is not None and shrink.i == 1
             and [flow.ints(s) for s, _ in ir.inputs(src)[1:]] == [[0], [1], [1]])
+
+
+_CALLS = ("If", "StatelessIf", "PartitionedCall", "StatefulPartitionedCall")
+
+
+def _call(flow: _Flow, name: str, op: str, inputs: list, found: list):
+    """A tf.function call or a control-flow-v2 cond: the flow runs on through the called body
+    (``functions.body_graph``), its arguments in the states of the call's inputs; a cond's
+    outputs are what both branches agree on, and a cond on a statistic of the batch is the
+    branch each slice's own statistic picks. Unknown where the body cannot be built."""
+    if op in ("If", "StatelessIf"):
+        if found[0] not in (None, SIZE):
+            if found[0] != AGGREGATE and not isinstance(found[0], Curved):
+                return UNKNOWN
+            if any(type(s) is int for s in found[1:]):
+                made = (f", made at '{found[0].node}' ({found[0].op})"
+                        if isinstance(found[0], Curved) else "")
+                return Mixed(name, op, "picks the branch its examples take by a function of a "
+                             f"sum or mean over the batch{made}: each replica would pick by "
+                             "its own slice's")
+            return (found[0] if isinstance(found[0], Curved) else
+                    Curved(name, op, "branches on a sum or mean over the batch"))
+        inputs, found, keys = inputs[1:], found[1:], ("then_branch", "else_branch")
+    else:
+        keys = ("f",)
+    degrees = [flow.degree(src, port) for src, port in inputs]
+    branches = []
+    for key in keys:
+        body = functions.body_graph(flow.ir, name, key)
+        if body is None or len(body.args) != len(found):
+            return UNKNOWN
+        inner = _Flow(body.ir, set(), dict(zip(body.args, zip(found, degrees))))
+        states, outs = [], []
+        for tensor in body.outputs:
+            node, port = tensor.rsplit(":", 1)
+            inner.run(node)
+            states.append(_port(inner.states[node], int(port)))
+            outs.append(inner.degree(node, int(port)))
+        branches.append((states, outs))
+    states = [_joined([b[0][k] for b in branches], name, op) for k in range(len(branches[0][0]))]
+    flow.called[name] = [d[0] if len(set(d)) == 1 else None
+                         for d in zip(*(b[1] for b in branches))]
+    return states
+
+
+def _joined(states: list, call: str, op: str):
+    """One output of a call from its branches' (one for a function): the first mixing found,
+    renamed to the call, else their common state, else unknown."""
+    for state in states:
+        if isinstance(state, Mixed):
+            return Mixed(call, op, f"runs '{state.node}' ({state.op}), which {state.reason}")
+        if isinstance(state, Curved):
+            return Curved(call, op, f"runs '{state.node}' ({state.op}), which {state.reason}")
+    return states[0] if len(set(states)) == 1 else UNKNOWN
 
 
 def _carried(n: _Node, carried: str | None):
@@ -918,7 +1037,14 @@ _RULES = {
     "SplitV": _unpack_or_split(0, "input"), "Slice": _slice, "StridedSlice": _strided_slice,
     "Gather": _gather, "GatherV2": _gather, "ResourceGather": _gather, "OneHot": _one_hot,
     "L2Loss": _l2_loss, "UnsortedSegmentSum": _segment_sum, "SegmentSum": _segment_sum,
-    "DynamicPartition": _dynamic_partition,
+    "DynamicPartition": _dynamic_partition, "ScatterNd": _scatter_nd,
+    "SegmentMean": _segment_sum, "Bincount": _bincount, "DenseBincount": _bincount,
+    "UniqueWithCounts": _unique_with_counts, "UniqueWithCountsV2": _unique_with_counts,
+    **dict.fromkeys(("SegmentMax", "SegmentMin", "SegmentProd", "UnsortedSegmentMax",
+                     "UnsortedSegmentMin", "UnsortedSegmentProd"), _segment_extreme),
+    "GatherNd": _by_position("picks", 0, 1), "ResourceGatherNd": _by_position("picks", 0, 1),
+    **dict.fromkeys(("TensorScatterUpdate", "TensorScatterAdd", "TensorScatterSub",
+                     "TensorScatterMax", "TensorScatterMin"), _by_position("overwrites", 0, 1)),
     "Pad": _pad, "PadV2": _pad, "MirrorPad": _pad, "CTCLoss": _ctc_loss, "CTCLossV2": _ctc_loss,
     **dict.fromkeys(_UNSTACK_INTO_LOOP, _unstack_into_loop),
     **dict.fromkeys(WHILE_OPS, _while_loop),

@@ -23,6 +23,8 @@ map their arguments the same way.
 
 from __future__ import annotations
 
+import dataclasses
+
 from graphxform.training import RANDOM_OPS, is_apply_op, is_mutating_op
 
 CALL_OPS = {"While": ("cond", "body"), "StatelessWhile": ("cond", "body"),
@@ -178,6 +180,45 @@ def counts_to(ir, loop: str, counter: int, bound: int) -> bool:
     return (less is not None and less.op == "Less"
             and [text.split(":", 1)[0] for text in less.input]
             == [cond_args[counter], cond_args[bound]])
+
+
+@dataclasses.dataclass(frozen=True)
+class BodyGraph:
+    """A called function's body as a graph of its own: its arguments are placeholders."""
+    ir: object  # GraphIR
+    args: list  # placeholder names, in argument order
+    outputs: list  # tensor names, in result order
+
+
+def body_graph(ir, call: str, key: str) -> BodyGraph | None:
+    """The function attr ``key`` of ``call`` names, as a graph with the shapes TF infers
+    (function_def_to_graph); None when it is not in the library or TF cannot build it (a call
+    inside it to another function)."""
+    from tensorflow.core.protobuf import meta_graph_pb2
+    from tensorflow.python.framework import function_def_to_graph
+
+    from graphxform.metagraph import from_metagraph
+    body = _function(ir, call, key)
+    if body is None:
+        return None
+    try:
+        graph = function_def_to_graph.function_def_to_graph(body)
+    except Exception:  # noqa: BLE001  TF's importer raises many kinds; then nothing is known
+        return None
+    meta = meta_graph_pb2.MetaGraphDef()
+    meta.graph_def.CopyFrom(graph.as_graph_def(add_shapes=True))
+    return BodyGraph(from_metagraph(meta), [t.op.name for t in graph.inputs],
+                     [t.name for t in graph.outputs])
+
+
+def reads_argument(ir, loop: str, arg: int) -> bool:
+    """Whether the body of the while loop ``loop`` reads its ``arg``-th argument other than
+    to pass it on to the next iteration."""
+    body = _function(ir, loop, "body")
+    if body is None or arg >= len(body.signature.input_arg):
+        return False
+    name = body.signature.input_arg[arg].name
+    return any(text.split(":", 1)[0] == name for node in body.node_def for text in node.input)
 
 
 def _scalar(tensor):

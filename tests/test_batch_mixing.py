@@ -72,6 +72,69 @@ def partitioned_mean(x, y):
     return _step(tf.reduce_mean(kept))
 
 
+def rmse(x, y):
+    """A root-mean-square error: the square root of the batch's mean."""
+    import tensorflow as tf
+    error = dense(x, 1, "out")[:, 0] - tf.cast(y, tf.float32)
+    return _step(tf.sqrt(tf.reduce_mean(tf.square(error))))
+
+
+def batch_class_weights(x, y):
+    """Class weights from the batch's own label counts (tf.math.bincount), read back per
+    example by its label."""
+    import tensorflow as tf
+    per = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=dense(x, 2, "out"))
+    counts = tf.math.bincount(tf.cast(y, tf.int32), minlength=2, dtype=tf.float32)
+    return _step(tf.reduce_mean(per * tf.gather(1.0 / tf.maximum(counts, 1.0), y)))
+
+
+def segment_max(x, y):
+    import tensorflow as tf
+    hardest = tf.math.unsorted_segment_max(dense(x, 4, "emb"), tf.cast(y, tf.int32), 2)
+    return _step(tf.reduce_mean(tf.square(hardest)))
+
+
+def first_example_anchor(x, y):
+    import tensorflow as tf
+    emb = dense(x, 4, "emb")
+    return _step(tf.reduce_mean(tf.square(emb - tf.gather_nd(emb, [[0]]))))
+
+
+def whitened(x, y):
+    """Features whitened by the inverse of the batch's covariance."""
+    import tensorflow as tf
+    h = dense(x, 4, "h")
+    covariance = tf.matmul(h, h, transpose_a=True) / tf.cast(tf.shape(h)[0], tf.float32)
+    return _step(_xent(y, dense(tf.matmul(h, tf.linalg.inv(covariance + tf.eye(4))), 2,
+                                "out")))
+
+
+def centred_in_a_tf_function(x, y):
+    """Centring by the batch's mean inside a tf.function the graph calls."""
+    import tensorflow as tf
+
+    @tf.function
+    def centred(t):
+        return t - tf.reduce_mean(t, axis=0)
+    return _step(_xent(y, dense(centred(dense(x, 8, "h")), 2, "out")))
+
+
+def map_fn_beside_batch_mean(x, y):
+    """tf.map_fn over the examples (control flow v2) reading the batch's mean."""
+    import tensorflow as tf
+    h = dense(x, 8, "h")
+    mean = tf.reduce_mean(h, axis=0)
+    return _step(_xent(y, dense(tf.map_fn(lambda row: row - mean, h), 2, "out")))
+
+
+def cond_on_batch_mean(x, y):
+    """A control-flow-v2 cond whose predicate is the batch's mean."""
+    import tensorflow as tf
+    h = dense(x, 8, "h")
+    h = tf.cond(tf.reduce_mean(h) > 0.0, lambda: h * 2.0, lambda: h)
+    return _step(_xent(y, dense(h, 2, "out")))
+
+
 def rolled_negatives(x, y):
     import tensorflow as tf
     emb = dense(x, 8, "emb")
@@ -219,6 +282,14 @@ MIXING = [(infonce, "MatMul", "pairs every example with every other"),
           (simclr_tensordot, "MatMul", "pairs every example with every other"),
           (prototypes, "GatherV2", "sum or mean over the batch picked by its own index"),
           (partitioned_mean, "DynamicPartition", "splits the examples of the batch"),
+          (rmse, "Sqrt", "non-linear function to a sum or mean"),
+          (batch_class_weights, "GatherV2", "non-linear function of a sum or mean"),
+          (segment_max, "UnsortedSegmentMax", "per segment"),
+          (first_example_anchor, "GatherNd", "at fixed positions"),
+          (whitened, "MatrixInverse", "non-linear function of a sum or mean"),
+          (centred_in_a_tf_function, "PartitionedCall", "runs 'sub' (Sub)"),
+          (map_fn_beside_batch_mean, "StatelessWhile", "beside a sum or mean over the batch"),
+          (cond_on_batch_mean, "StatelessIf", "picks the branch its examples take"),
           (fgsm_raw_gradient, "AddV2", "scale with the batch's size"),
           (clip_einsum, "Einsum", "different subscripts"),
           (rolled_negatives, "Roll", "rolls the examples"),
@@ -338,7 +409,67 @@ def test_the_mixing_ops_are_found_where_they_are(tmp_path, build):
     found = batch_mixing.mixing_in(ir, step.loss, tg.batch_sources)
     assert found is not None
     for src, port in ir.inputs(found.node):
-        assert batch_mixing.mixing_in(ir, f"{src}:{port}", tg.batch_sources) is None
+        inner = batch_mixing.mixing_in(ir, f"{src}:{port}", tg.batch_sources)
+        # an input may be a non-linear function of the batch's statistics, which a loss may
+        # not be either; the message then names where it was made
+        assert inner is None or f"'{inner.node}' ({inner.op})" in found.reason, inner
+
+
+def statistics_used_linearly(x, y):
+    """What the rules for statistics of the batch must not refuse: a focal loss divided by
+    the batch's count of positives clamped at one (RetinaNet; global-denominators' case),
+    Q-values picked per example by tf.gather_nd, an embedding looked up through the batch's
+    distinct ids, and a regularizer that adds a mean to the loss."""
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+    labels = tf.cast(y, tf.float32)
+    logit = dense(x, 1, "score")[:, 0]
+    p = tf.sigmoid(logit)
+    focal = tf.square(1.0 - (labels * p + (1.0 - labels) * (1.0 - p))) * \
+        tf.nn.sigmoid_cross_entropy_with_logits(labels=labels, logits=logit)
+    positives = tf.maximum(tf.reduce_sum(labels), 1.0)
+    q = dense(x, 3, "q")
+    picked = tf.gather_nd(q, tf.stack([tf.range(tf.shape(q, out_type=tf.int64)[0]), y], 1))
+    distinct, position = tf.unique(y)
+    table = tf1.get_variable("table", [2, 1])
+    looked_up = tf.gather(tf.gather(table, distinct), position)[:, 0]
+    return _step(tf.reduce_sum(focal) / positives + 0.1 * tf.reduce_mean(
+        tf.square(picked - labels)) + 0.01 * tf.reduce_mean(tf.square(looked_up)))
+
+
+def test_statistics_used_linearly_train_like_one_device(run_cli, tmp_path):
+    model = _export(tmp_path / "m.meta", statistics_used_linearly)
+    code, out, err = run_cli("verify", "--replicas", 2, model, "--feeds", model + ".npz",
+                             "--batch-size", 16)
+    assert code == 0, err
+    assert "PASS" in out
+
+
+def per_example_functions(x, y):
+    """A tf.function applied to the batch and a control-flow-v2 cond on a placeholder, each
+    working inside each example: followed into their bodies, not refused."""
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+
+    @tf.function
+    def normed(t):
+        return t * tf.math.rsqrt(tf.reduce_mean(tf.square(t), axis=1, keepdims=True) + 1e-3)
+    wide = tf1.placeholder_with_default(True, [], name="wide")
+    h = normed(dense(x, 8, "h"))
+    h = tf.cond(wide, lambda: tf.nn.relu(h), lambda: h * 0.5)
+    return _step(_xent(y, dense(h, 2, "out")))
+
+
+def test_per_example_functions_train_like_one_device(run_cli, tmp_path):
+    from graphxform import batch_mixing, metagraph, training
+    model = _export(tmp_path / "m.meta", per_example_functions)
+    ir = metagraph.load(model)
+    tg = training.analyze(ir)
+    assert batch_mixing.mixing_in(ir, tg.steps[0].loss, tg.batch_sources) is None
+    code, out, err = run_cli("verify", "--replicas", 2, model, "--feeds", model + ".npz",
+                             "--batch-size", 16)
+    assert code == 0, err
+    assert "PASS" in out
 
 
 def fgsm_sign(x, y):
