@@ -175,12 +175,21 @@ class InsertAccumulators(Pass):
         return plan
 
 
+def _own_scope(update: str) -> str:
+    """The scope of a statistic's update and its arithmetic: a moving average's (``avg/`` of
+    ``avg/AssignMovingAvg/AssignSubVariableOp``, its decay beside it), else the update's."""
+    head, found, _ = update.partition("/AssignMovingAvg")
+    return (head if found else update.rsplit("/", 1)[0]) + "/"
+
+
 def _statistics_from_first_replica(ir, tg, replicas) -> int:
     """A shared variable the step updates outside the optimizer from each replica's slice
     (batch norm's moving mean and variance) is updated once per step, from replica 0's slice,
     as allreduce keeps and saves replica 0's copy; the other replicas' updates go. An update
-    whose output something reads stays (the contract check then names the variable). Returns
-    how many updates went."""
+    whose output something reads stays (the contract check then names the variable). What
+    goes with an update is its own scope's arithmetic: a loss it averages (CIFAR-10's moving
+    averages of the losses) stays in every replica, so fetching it still merges them all.
+    Returns how many updates went."""
     removed = 0
     for var in tg.variables.values():
         if var.role != "statistic" or var.name not in ir:
@@ -192,7 +201,9 @@ def _statistics_from_first_replica(ir, tg, replicas) -> int:
                     continue
                 for consumer in list(ir.control_consumers(copy)):
                     ir.remove_control_input(consumer, copy)
-                removed += ir.remove_dead([copy], keep=lambda n: not REPLICA_SCOPE.match(n)) > 0
+                scope = replica_prefix(k) + _own_scope(update)
+                removed += ir.remove_dead([copy], keep=lambda n, s=scope: not n.startswith(s)
+                                          and n != copy) > 0
     if removed:
         _drop_missing_from_collections(ir)
     return removed

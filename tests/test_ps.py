@@ -252,3 +252,32 @@ def test_worker_gpus(run_cli, cluster_file, tmp_path):
     assert code == 0, err
     ir = metagraph.load(str(out_path))
     assert ir.node("replica_3/dense0/MatMul")["device"] == "/job:worker/task:1/device:GPU:1"
+
+
+def averaged_losses(x, y):
+    """The CIFAR-10 tutorial's _add_loss_summaries: moving averages of the losses, updated
+    before the gradients are computed."""
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+    from test_custom_training_code import dense
+    xent = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+        labels=y, logits=dense(dense(x, 8, "hidden", tf.nn.relu), 2, "logits")),
+        name="cross_entropy")
+    total = tf.add(xent, 0.01 * tf.nn.l2_loss(tf1.trainable_variables()[0]), name="total_loss")
+    averages = tf1.train.ExponentialMovingAverage(0.9, name="avg").apply([xent, total])
+    with tf.control_dependencies([averages]):
+        optimizer = tf1.train.GradientDescentOptimizer(0.1)
+        return optimizer.apply_gradients(optimizer.compute_gradients(total))
+
+
+def test_a_loss_a_moving_average_reads_is_fetched_from_every_replica(tmp_path):
+    """The losses' averages are updated from replica 0's slice only; the other replicas'
+    copies of the losses went with their updates, and fetching total_loss gave replica 0's
+    slice's loss."""
+    from conftest import export_classifier
+    ir = metagraph.load(export_classifier(tmp_path / "m.meta", averaged_losses))
+    strategies.transform(ir, "ps", cluster=cluster.Cluster(SPEC))
+    for name in ("total_loss", "cross_entropy"):
+        assert f"replica_1/{name}" in ir.value_sources(name), name
+    assert "replica_1/avg/AssignMovingAvg/AssignSubVariableOp" not in ir  # replica 0's only
+    assert "replica_1/avg/AssignMovingAvg/sub" not in ir
