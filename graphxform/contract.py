@@ -18,6 +18,8 @@ replica that combine all replicas' values (tf_cnn_benchmarks' pscpu and xring).
 
 from __future__ import annotations
 
+import re
+
 from graphxform import opdefs
 from graphxform.errors import GraphxformError
 from graphxform.functions import WHILE_OPS, written_in_function
@@ -44,6 +46,7 @@ def check_input(ir: GraphIR, tg: TrainingGraph) -> None:
     _check_sparse_lookalikes(ir, tg)
     _check_batch_state_feeds_losses(ir, tg)
     _check_gradients_kept_between_runs(ir, tg)
+    _check_distributed_already(ir, tg)
     for step in tg.steps:
         found = mixing_in(ir, step.loss, sources) if step.loss and sources else None
         if found is not None:
@@ -200,6 +203,21 @@ def _check_gradients_kept_between_runs(ir: GraphIR, tg: TrainingGraph) -> None:
                     "across replicas, so each replica would add its own slice's: accumulate "
                     "inside the train op, or let the replicas' global batch replace the "
                     "micro-batches")
+
+
+def _check_distributed_already(ir: GraphIR, tg: TrainingGraph) -> None:
+    """A step that already combines gradients across workers (tf.compat.v1.train.
+    SyncReplicasOptimizer's accumulators and token queue, collective ops) was distributed by
+    hand; splitting it again is not what its code says. The passes read it as something else
+    (its queue as an input pipeline), so refuse here, naming the op."""
+    for step in tg.steps:
+        found = sorted(n for n in step.closure if _AGGREGATING.search(ir.op(n)))
+        if found:
+            raise ContractError(
+                f"step '{step.name}' already combines gradients across workers: '{found[0]}' "
+                f"({ir.op(found[0])}), as tf.compat.v1.train.SyncReplicasOptimizer or "
+                "collective ops build; graphxform distributes a single-device graph: export it "
+                "with the plain optimizer")
 
 
 def _first_ancestor(ir: GraphIR, starts: list, wanted) -> str | None:
@@ -369,6 +387,7 @@ def _check_losses_are_means(ir: GraphIR, tg: TrainingGraph) -> None:
                 "a total of the data alone")
 
 
+_AGGREGATING = re.compile(r"ConditionalAccumulator|AccumulatorApplyGradient|^Collective|^Nccl")
 _FLOATS = frozenset({1, 2, 14, 19})  # float double bfloat16 half: what a collective reduces
 # how a loss's value passes on to what the user minimises
 _THROUGH = frozenset({"Identity", "AddV2", "Add", "Sub", "Mul", "AddN", "Neg"})

@@ -239,3 +239,22 @@ def test_gradients_accumulated_in_a_loop_are_refused_naming_the_loop(run_cli, tm
     assert code == 1 and len(err.strip().splitlines()) == 1, err
     assert "variable 'w'" in err and "comes out of the while loop 'while'" in err
     assert "take the gradient outside it" in err
+
+
+def sync_replicas(x, y):
+    """A graph already distributed by hand: tf.compat.v1.train.SyncReplicasOptimizer."""
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+    loss = tf1.losses.sparse_softmax_cross_entropy(y, dense(x, 2, "logits"))
+    optimizer = tf1.train.SyncReplicasOptimizer(tf1.train.GradientDescentOptimizer(0.1),
+                                                replicas_to_aggregate=1, total_num_replicas=1)
+    return optimizer.minimize(loss, global_step=tf1.train.get_or_create_global_step())
+
+
+def test_a_graph_distributed_by_hand_is_refused(run_cli, tmp_path):
+    """It used to be refused for its token queue, read as an input pipeline with num_epochs."""
+    model = _export(tmp_path / "m.meta", sync_replicas)
+    code, _, err = run_cli("apply", "--replicas", 2, model, "-o", tmp_path / "out.meta")
+    assert code == 1 and len(err.strip().splitlines()) == 1, err
+    assert "already combines gradients across workers" in err
+    assert "(ResourceConditionalAccumulator)" in err
