@@ -209,9 +209,11 @@ def _check_distributed_already(ir: GraphIR, tg: TrainingGraph) -> None:
     """A step that already combines gradients across workers (tf.compat.v1.train.
     SyncReplicasOptimizer's accumulators and token queue, collective ops) was distributed by
     hand; splitting it again is not what its code says. The passes read it as something else
-    (its queue as an input pipeline), so refuse here, naming the op."""
+    (its queue as an input pipeline), so refuse here, naming the op. (What graphxform made, in
+    a graph it transformed, replicate refuses with its own reason.)"""
     for step in tg.steps:
-        found = sorted(n for n in step.closure if _AGGREGATING.search(ir.op(n)))
+        found = sorted(n for n in step.closure if _AGGREGATING.search(ir.op(n))
+                       and not ir.node(n).get("created_by"))
         if found:
             raise ContractError(
                 f"step '{step.name}' already combines gradients across workers: '{found[0]}' "
