@@ -13,8 +13,8 @@ graphxform/replica_values.py finds for its output (its docstring has the rules),
 - unknown, or a class its dtype cannot be merged in: Identity of replica 0's copy, and the name
   is listed in the summary's `unmerged`.
 
-A node with several outputs is an IdentityN of replica 0's outputs (listed unless every output
-is identical). A node without outputs (NoOp, AssignVariableOp, ...) is a NoOp that waits on every
+A node with several outputs is an IdentityN of its outputs, each merged as above under
+``merge_fetches/<name>/output_<k>`` (listed if one is served from replica 0 unknown). A node without outputs (NoOp, AssignVariableOp, ...) is a NoOp that waits on every
 replica's copy. An Identity or IdentityN of a node whose running has effects (a train op such as
 tf_slim's `train_op/control_dependency`, anything after a variable write, a queue op or a
 collective) also waits on the other replicas' copies, so running it runs every replica; pure
@@ -121,7 +121,9 @@ def _slice_constants(ir, copies: list, tg, replicas: int) -> dict:
     slice's size: they are neither identical to the single-device value nor a known merge.
     Every numeric constant with a multiple of the slice's size among its values or as its
     leading dimension counts (a few innocent ones are only served as unknown), but those
-    split-inputs rewrote, which say what they hold."""
+    split-inputs rewrote, which say what they hold. A vector is read at its entry 0 only, where
+    a shape or a slice's bounds hold the batch's axis: ``x[:, t]``'s bounds ``[0, t]`` are
+    innocent whatever t is."""
     sizes = {i.fixed_batch for i in tg.inputs if i.fixed_batch}
     if not sizes or replicas < 2:
         return {}
@@ -138,9 +140,9 @@ def _slice_constants(ir, copies: list, tg, replicas: int) -> dict:
         dims = [d.size for d in tensor.tensor_shape.dim]
         if tensor.dtype not in _REALS:
             continue
-        values = tensor_util.MakeNdarray(tensor).reshape(-1)
-        if (dims and dims[0] == size) or (values.size and values.size <= 64 and any(
-                v >= size and v % size == 0 for v in values.tolist())):
+        values = tensor_util.MakeNdarray(tensor).reshape(-1)[:1]
+        if (dims and dims[0] == size) or (
+                values.size and values[0] >= size and values[0] % size == 0):
             found[(name, 0)] = replica_values.UNKNOWN
     return found
 
@@ -218,11 +220,30 @@ class _Merge:
             waits = ["^" + c for c in (copies or self._copies(name, only_first))[1:]]
         if len(dtypes) == 1:
             self._add(self.groups, "Identity", {"T": dtypes[0]}, name, [first] + waits)
+            identical = values[0] == IDENTICAL or copies == [first]
         else:
-            self._add(self.groups, "IdentityN", {"T": tuple(dtypes)}, name,
-                      [f"{first}:{k}" for k in range(len(dtypes))] + waits)
-        identical = all(kind == IDENTICAL for kind in values)  # a short tuple repeats its last
-        self._served(name, "identical" if identical or copies == [first] else None)
+            outputs, identical = self._outputs(name, only_first, values, dtypes)
+            self._add(self.groups, "IdentityN", {"T": tuple(dtypes)}, name, outputs + waits)
+        self._served(name, "identical" if identical else None)
+
+    def _outputs(self, name: str, only_first: bool, values: tuple, dtypes: list):
+        """The inputs of the IdentityN serving a node with several outputs (tf.split,
+        tf.unstack, a batch norm's): each output merged as its class asks, under
+        ``merge_fetches/<name>/output_<k>``, or replica 0's; and whether each is right."""
+        first = self.prefixes[0] + name
+        copies = self._copies(name, only_first)
+        outputs, right = [], True
+        for k, dtype in enumerate(dtypes):
+            kind = values[min(k, len(values) - 1)]  # a short tuple repeats its last
+            merged = f"{SCOPE}{name}/output_{k}"
+            if kind == IDENTICAL or len(copies) == 1:
+                outputs.append(f"{first}:{k}")
+            elif self._merged(merged, [f"{c}:{k}" for c in copies], kind, dtype, count=False):
+                outputs.append(merged)
+            else:
+                outputs.append(f"{first}:{k}")
+                right = False
+        return outputs, right
 
     def _copies(self, name: str, only_first: bool) -> list[str]:
         """Every replica's copy of ``name`` (those that exist, should a pass have removed one);
@@ -257,23 +278,27 @@ class _Merge:
                   for t in signature]
         return None if None in dtypes else dtypes
 
-    def _merged(self, name: str, copies: list, kind: str, dtype: int) -> bool:
-        """Add the ConcatV2, Mean or AddN that ``kind`` asks for; False when it asks for none
-        (or the dtype allows none)."""
+    def _merged(self, name: str, copies: list, kind: str, dtype: int,
+                count: bool = True) -> bool:
+        """Add ``name``: the ConcatV2, Mean or AddN of the tensors ``copies`` that ``kind``
+        asks for; False when it asks for none (or the dtype allows none). ``count``: count
+        ``name`` as served (not an output of a node served whole)."""
         if kind in BATCHED and dtype not in _NOT_CONCATENABLE:
             self._add(self.groups, "ConcatV2", {"N": len(copies), "T": dtype}, name,
                       copies + [self.axis()])
-            self._served(name, "batch")
+            how = "batch"
         elif kind == MEAN and dtype in _FLOATS:
-            stack = SCOPE + name + "/stack"
+            stack = name + "/stack" if name.startswith(SCOPE) else SCOPE + name + "/stack"
             self._add(self.stacks, "Pack", {"N": len(copies), "T": dtype}, stack, copies)
             self._add(self.groups, "Mean", {"T": dtype}, name, [stack, self.axis()])
-            self._served(name, "mean")
+            how = "mean"
         elif kind in (SUM, COUNT) and dtype in _NUMBERS:
             self._add(self.groups, "AddN", {"N": len(copies), "T": dtype}, name, copies)
-            self._served(name, "sum")
+            how = "sum"
         else:
             return False
+        if count:
+            self._served(name, how)
         return True
 
     def _served(self, name: str, how: str | None) -> None:

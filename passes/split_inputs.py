@@ -54,13 +54,17 @@ class SplitInputs(Pass):
             fixed += [batch] if batch else []
         sparse = _split_sparse(ir, build, ctx.training, replicas)
         split += list(sparse)
-        rebatched = []
+        rebatched, states = [], []
         if fixed:
             rebatched = rebatch_constants(ir, build, splits, fixed[0], replicas)
+            states = split_filled_batches(ir, build, rebatched, fixed[0], replicas)
+            splits += [f"{SCOPE}{name}/split" for name in states]
         if fixed or sparse:
             _forget_recorded_shapes(ir, splits + rebatched + list(sparse.values()))
-        return PassResult(modified=bool(split),
-                          summary={"inputs": split, "rebatched_constants": len(rebatched)})
+        summary = {"inputs": split, "rebatched_constants": len(rebatched)}
+        if states:
+            summary["filled_batches"] = states
+        return PassResult(modified=bool(split), summary=summary)
 
 
 def _batches(ir, tg):
@@ -169,6 +173,68 @@ def rebatch_constants(ir, build, splits: list[str], batch: int, replicas: int) -
     return changed
 
 
+def split_filled_batches(ir, build, rebatched: list, batch: int, replicas: int) -> list:
+    """A batch filled with one value outside any gradient (an RNN's zero state:
+    ``cell.zero_state(batch_size)``, ``tf.zeros([batch_size, units])``) becomes an input
+    like a placeholder: one node under its original name fills the global batch, and each
+    replica reads its slice of it. The PTB and char-rnn tutorials fetch that tensor, then feed
+    each step's final state back into it, which a replica's own filled slice would ignore.
+    A filled batch is a Const rebatch_constants made ``batch_fill``, or a Fill of a constant
+    value whose shape is constants, one of them rebatched to the slice's shape. Returns the
+    original names."""
+    fills = [name for name in ir.nodes_of({"Fill"}) if name.startswith("replica_0/")]
+    found = []
+    for name in [n for n in rebatched if n.startswith("replica_0/")] + fills:
+        original = name[len("replica_0/"):]
+        if training.gradient_scope(original) or original in ir:
+            continue
+        shape, value = _filled(ir, name)
+        if shape is None or not shape or shape[0] * replicas != batch:
+            continue
+        dtype = opdefs.output_dtype(ir, name, 0)
+        scope = f"{SCOPE}{original}/"
+        build.op(original, "Fill", [build.const(scope + "dims", [batch, *shape[1:]], np.int32),
+                                    build.const(scope + "value", value)],
+                 T=dtype)
+        split = build.op(scope + "split", "Split", [build.const(scope + "axis", 0, np.int32),
+                                                    original], num_split=replicas, T=dtype)
+        for i in range(replicas):
+            copy = replica_prefix(i) + original
+            if copy in ir:
+                build.replace(copy, "Identity", [f"{split}:{i}"], device=ir.node(copy)["device"],
+                              T=dtype)
+                ir.node(copy)["attr"][replica_values.REBATCHED_ATTR].s = \
+                    replica_values.BATCH.encode()
+        found.append(original)
+    return found
+
+
+def _filled(ir, name: str):
+    """(shape, the one value) of the filled batch ``name`` (see split_filled_batches); (None,
+    None) when it is not one."""
+    if ir.op(name) == "Const":
+        value = const_value(ir, name)
+        mark = ir.attrs(name).get(replica_values.REBATCHED_ATTR)
+        if value is None or not value.size or mark is None or \
+                mark.s != replica_values.BATCH_FILL.encode():
+            return None, None
+        return list(value.shape), value.flat[0]
+    dims, fill = (src for src, _ in ir.inputs(name)[:2])
+    value = const_value(ir, fill)
+    if value is None or value.ndim:
+        return None, None
+    if ir.op(dims) == "Const":
+        parts = [dims]
+    elif ir.op(dims) == "ConcatV2" and all(ir.op(src) == "Const" for src, _ in ir.inputs(dims)):
+        parts = [src for src, _ in ir.inputs(dims)[:-1]]
+    else:
+        return None, None
+    if not any(replica_values.REBATCHED_ATTR in ir.attrs(part) for part in parts):
+        return None, None
+    shape = np.concatenate([np.reshape(const_value(ir, part), -1) for part in parts])
+    return [int(d) for d in shape], value
+
+
 def _live_shape(ir, name: str, value, from_batch: set, of_batch: bool = True):
     """("Shape" or "Size", tensor) when ``name``, in a gradient scope, equals the recorded
     static shape (size) of an input of its forward op that is computed from the batch (with
@@ -249,7 +315,8 @@ def _rebatched(ir, name: str, value, batch: int, replicas: int, from_batch: set)
     leaf = name.rsplit("/", 1)[-1]
     if value.dtype.kind in "iu":
         if value.ndim == 1 and value.size and value[0] == batch and (
-                FOLDED_SHAPE.match(leaf) or _reshapes_the_batch(ir, name, from_batch)):
+                FOLDED_SHAPE.match(leaf) or _reshapes_the_batch(ir, name, from_batch)
+                or _fills_a_batch(ir, name)):
             return (np.concatenate([[batch // replicas], value[1:]]).astype(value.dtype),
                     replica_values.BATCH_SHAPE)
         if value.ndim == 0 and value % batch == 0 and value and FOLDED_SIZE.match(leaf):
@@ -272,6 +339,18 @@ def _reshapes_the_batch(ir, name: str, from_batch: set) -> bool:
     (the user's own ``tf.reshape(x, [batch_size, -1])``)."""
     return any(ir.op(dst) == "Reshape" and port == 1 and ir.input(dst, 0)[0] in from_batch
                for dst, port in ir.consumers(name))
+
+
+def _fills_a_batch(ir, name: str) -> bool:
+    """Whether ``name`` is the shape a Fill fills, or its leading part (``tf.zeros(
+    tf.concat([[batch_size], [units]], 0))``, an RNN cell's zero state)."""
+    for dst, port in ir.consumers(name):
+        if ir.op(dst) == "ConcatV2" and port == 0:
+            if any(ir.op(user) == "Fill" and p == 0 for user, p in ir.consumers(dst)):
+                return True
+        elif ir.op(dst) == "Fill" and port == 0:
+            return True
+    return False
 
 
 def _mean_over_batch(ir, name: str) -> bool:

@@ -43,6 +43,7 @@ def fetch_graph():
         tf.reduce_sum(xent, name="xent_sum")  # a sum
         tf.reduce_sum(tf.square(w), name="w_norm")  # from variables only: identical
         tf.reduce_max(logits, name="batch_max")  # no merge shown: unknown
+        tf.split(logits, [1, 2], axis=1, name="halves")  # two outputs, each batch
         tf.pad(x, [[0, 0], [1, 2]], name="padded")  # the sides of each example: batch
         tf.pad(x, [[1, 0], [0, 0]], name="padded_rows")  # a row more per slice: unknown
         bump = counter.assign_add(1.0, read_value=False, name="bump")  # an op without outputs
@@ -113,6 +114,16 @@ def test_fetch_gives_the_single_device_value(single_and_transformed, name, kind)
     expected, _ = session_run(single, name, feeds, restore=start)
     got, _ = session_run(out, name, feeds, restore=start)
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_node_with_several_outputs_merges_each(single_and_transformed):
+    single, out, summary, start, feeds = single_and_transformed
+    assert out.op("halves") == "IdentityN" and "halves" not in summary["unmerged"]
+    for name in ("halves:0", "halves:1"):
+        expected, _ = session_run(single, name, feeds, restore=start)
+        got, _ = session_run(out, name, feeds, restore=start)
+        assert got.shape == expected.shape  # the whole batch's rows, not replica 0's
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
 
 
 def test_unknown_is_listed_and_served_from_replica_0(single_and_transformed):
