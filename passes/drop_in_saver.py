@@ -9,7 +9,8 @@ shards and restored by slicing, so a checkpoint of the single-device graph resto
 graph and the reverse. Under model-average a trained variable is saved from its centre (what the
 workers agreed on at the last round) and restored into the centre and every local copy. The
 MetaGraph's saver_def points at it, so `import_meta_graph` users and `tf.compat.v1.train.Saver`
-see a normal saver."""
+see a normal saver, and so does its `savers` collection, whose first Saver
+MonitoredTrainingSession's Scaffold and Supervisor take."""
 
 from __future__ import annotations
 
@@ -95,6 +96,11 @@ class DropInSaver(Pass):
             restore_op_name=restore_all, max_to_keep=kept.max_to_keep,
             keep_checkpoint_every_n_hours=kept.keep_checkpoint_every_n_hours,
             version=saver_pb2.SaverDef.V2))
+        # the Saver MonitoredTrainingSession and Supervisor take (the first in the `savers`
+        # collection); without one they make their own, which saves every replica's copy
+        # under its own name
+        savers = ir.meta.collection_def["savers"].bytes_list.value
+        savers[:] = [ir.meta.saver_def.SerializeToString()]
         return PassResult(modified=True, summary={"variables": len(variables)})
 
     @staticmethod

@@ -292,6 +292,47 @@ def test_a_saver_the_metagraph_does_not_name_is_left_alone(tmp_path):
         tf.train.load_checkpoint(first).get_variable_to_shape_map())
 
 
+def monitored_training(meta: str, checkpoint_dir, steps: int) -> None:
+    """The standard TF1 loop: MonitoredTrainingSession over a checkpoint directory (it
+    restores the latest checkpoint there and saves one at the end), on mlp_sgd's rows."""
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+    rows = np.load(fixture_path("mlp_sgd", ".npz"))
+    graph = tf.Graph()
+    with graph.as_default():
+        tf1.train.import_meta_graph(meta)
+        (train,) = tf1.get_collection("train_op")
+        feeds = {"x:0": rows["x"][:8], "y:0": rows["y"][:8]}
+        with tf1.train.MonitoredTrainingSession(
+                checkpoint_dir=str(checkpoint_dir), save_summaries_steps=None,
+                config=tf1.ConfigProto(device_count={"CPU": 2})) as session:
+            for _ in range(steps):
+                session.run(train, feeds)
+
+
+def test_monitored_training_session_checkpoints_move_both_ways(tmp_path):
+    """MonitoredTrainingSession (and Supervisor) save with the first Saver of the graph's
+    `savers` collection, else a default one of every global variable, which would key each
+    replica's copy by its own name: a single-device run, resumed by the transformed graph from
+    its checkpoint directory, writes what the single-device graph would have."""
+    import shutil
+
+    import tensorflow as tf
+    out = str(tmp_path / "mlp.allreduce.meta")
+    metagraph.save(transformed("mlp_sgd", 2), out)
+    monitored_training(fixture_path("mlp_sgd"), tmp_path / "one", 3)
+    shutil.copytree(tmp_path / "one", tmp_path / "two")
+    monitored_training(fixture_path("mlp_sgd"), tmp_path / "one", 3)
+    monitored_training(out, tmp_path / "two", 3)
+    want = tf.train.load_checkpoint(str(tmp_path / "one"))
+    got = tf.train.load_checkpoint(str(tmp_path / "two"))
+    assert set(got.get_variable_to_shape_map()) == set(want.get_variable_to_shape_map())
+    for key in want.get_variable_to_shape_map():
+        np.testing.assert_allclose(got.get_tensor(key), want.get_tensor(key), rtol=1e-5,
+                                   atol=1e-6)
+    assert got.get_tensor("global_step") == 6
+
+
 def test_a_saver_of_a_value_that_is_no_variable_is_refused():
     import tensorflow as tf
     ir = saver_graph(lambda: tf.compat.v1.train.Saver([_var("dense/kernel")]))
