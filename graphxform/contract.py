@@ -554,17 +554,26 @@ def _check_start(ir: GraphIR, tg: TrainingGraph, replicas: int) -> None:
         first = replica_prefix(0) + var.initializer
         if first not in ir:
             continue
-        start = ir.input(first, 1)
+        start = _through_identities(ir, ir.input(first, 1))
         for i in range(1, replicas):
             init = replica_prefix(i) + var.initializer
             if init not in ir:
                 continue
             value = ir.input(init, 1)
-            if value != start and not _constant(ir, value[0]):
+            if _through_identities(ir, value) != start and not _constant(ir, value[0]):
                 raise ContractError(
                     f"variable '{var.name}': replica {i} initialises it from '{value[0]}', "
                     f"not from replica 0's initial value '{start[0]}', so the replicas would "
                     "start apart")
+
+
+def _through_identities(ir: GraphIR, tensor: tuple) -> tuple:
+    """The tensor ``tensor`` passes on unchanged through Identity ops (a checkpoint's
+    restored value that init_from_checkpoint's initializer reads through one)."""
+    node, port = tensor
+    while ir.op(node) in ("Identity", "Snapshot"):
+        node, port = ir.input(node, 0)
+    return node, port
 
 
 def _constant(ir: GraphIR, node: str) -> bool:

@@ -358,6 +358,58 @@ def test_initialization_makes_replicas_identical(tmp_path):
     assert np.abs(values["replica_0/conv0/kernel"]).sum() > 0
 
 
+def warm_started(directory) -> str:
+    """BERT's run_classifier recipe: the body's variables start from a pretrained checkpoint
+    (init_from_checkpoint replaces their initializers), the head from its initializer."""
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+    with tf.Graph().as_default():
+        tf1.get_variable("bert/kernel", [8, 16], initializer=tf1.random_normal_initializer(
+            seed=5))
+        tf1.get_variable("bert/bias", [16], initializer=tf1.constant_initializer(0.3))
+        with tf1.Session() as session:
+            session.run(tf1.global_variables_initializer())
+            tf1.train.Saver().save(session, str(directory / "pretrained"))
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf1.placeholder(tf.float32, [None, 8], name="x")
+        y = tf1.placeholder(tf.int64, [None], name="y")
+        hidden = tf.nn.relu(tf.matmul(x, tf1.get_variable("bert/kernel", [8, 16]))
+                            + tf1.get_variable("bert/bias", [16]))
+        logits = tf.matmul(hidden, tf1.get_variable("cls/kernel", [16, 2]))
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y,
+                                                                             logits=logits))
+        tf1.train.init_from_checkpoint(str(directory / "pretrained"),
+                                       {"bert/": "bert/"})
+        tf1.add_to_collection("train_op", tf1.train.AdamOptimizer(0.01).minimize(loss))
+        tf1.train.export_meta_graph(str(directory / "model.meta"), graph=graph)
+    return str(directory / "model.meta")
+
+
+def test_a_warm_start_from_a_checkpoint_starts_every_replica_from_it(tmp_path):
+    """init_from_checkpoint's initializer reads the restored value through an Identity; the
+    other replicas read it directly (sync-init): the same value, so the contract accepts it,
+    and every replica starts from the pretrained checkpoint."""
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+    ir = metagraph.load(warm_started(tmp_path))
+    strategies.transform(ir, "allreduce", devices=["/device:CPU:0", "/device:CPU:1"])
+    out = str(tmp_path / "model.allreduce.meta")
+    metagraph.save(ir, out)
+    with tf.Graph().as_default():
+        tf1.train.import_meta_graph(out)
+        with tf1.Session(config=tf1.ConfigProto(device_count={"CPU": 2})) as sess:
+            sess.run(tf1.global_variables_initializer())
+            values = {v.op.name: sess.run(v) for v in tf1.global_variables()}
+    pretrained = tf.train.load_checkpoint(str(tmp_path / "pretrained"))
+    for name in ("bert/kernel", "bert/bias"):
+        for i in (0, 1):
+            np.testing.assert_array_equal(values[f"replica_{i}/{name}"],
+                                          pretrained.get_tensor(name))
+    np.testing.assert_array_equal(values["replica_1/cls/kernel"],
+                                  values["replica_0/cls/kernel"])
+
+
 def test_refuses_graph_without_train_op():
     ir = graph_without_train_op()
     with pytest.raises(GraphxformError, match="no train op"):
