@@ -25,6 +25,7 @@ from graphxform.passes.split_inputs import SplitInputs
 from graphxform.passes.strip_saver import StripSaver
 from graphxform.passes.sync_batch_norm import SyncBatchNorm
 from graphxform.passes.sync_init import SyncInit
+from graphxform.passes.unpin_devices import UnpinDevices
 from graphxform.passes.worker_steps import DEFAULT_TIMEOUT_S, WorkerSteps, replica_devices
 from graphxform.pipeline import Pipeline
 
@@ -42,6 +43,7 @@ def allreduce(bucket_bytes: int = DEFAULT_BUCKET_BYTES, sparse_as_dense: bool = 
     task's part of the step is written into the graph (``hierarchical``: reduce inside each
     worker, then across workers)."""
     return Pipeline([
+        *([UnpinDevices()] if on_cluster else []),
         StripSaver(),
         SyncInit(),
         Replicate(mirror_global_step=on_cluster),
@@ -102,6 +104,7 @@ def model_average(interval: int = 1, fetch_mean=(), fetch_concat=(), verify: boo
         pipeline.passes = [Replicate(mirror_global_step=True) if isinstance(p, Replicate)
                            else p for p in pipeline.passes]
         pipeline.passes.insert(saver, WorkerSteps())
+        pipeline.passes.insert(0, UnpinDevices())
     return pipeline
 
 
@@ -112,6 +115,7 @@ def ps(ps_tasks: int = 1, staleness: int = 0, asynchronous: bool = False,
     worker's gradients aggregated in accumulators on the ps and applied once per step (replica
     devices and the cluster come from the PassContext)."""
     return Pipeline([
+        UnpinDevices(),
         StripSaver(),
         PlaceVariables(ps_tasks=ps_tasks),
         ShareVariables(),
@@ -131,7 +135,7 @@ def partitioned_ps(ps_tasks: int = 1, partitions: int | None = None,
     into ``partitions`` shards (default: one per ps task), placed like separate variables."""
     pipeline = ps(ps_tasks, staleness, asynchronous, fetch_mean, fetch_concat, verify, dump_dir)
     shards = ps_tasks if partitions is None else partitions  # 0 reaches the pass, which refuses
-    pipeline.passes.insert(1, PartitionVariables(partitions=shards, min_bytes=partition_min_bytes))
+    pipeline.passes.insert(2, PartitionVariables(partitions=shards, min_bytes=partition_min_bytes))
     return pipeline
 
 
@@ -146,6 +150,7 @@ def hybrid(ps_tasks: int = 1, sparse_as_dense_below: int = 0, placement=None,
     is split along axis 0 into ``partitions`` shards (default: one per ps task)."""
     shards = ps_tasks if partitions is None else partitions  # 0 reaches the pass, which refuses
     return Pipeline([
+        UnpinDevices(),
         StripSaver(),
         ChoosePlacement(sparse_as_dense_below=sparse_as_dense_below,
                         overrides=dict(placement or {})),

@@ -281,3 +281,53 @@ def test_a_loss_a_moving_average_reads_is_fetched_from_every_replica(tmp_path):
         assert f"replica_1/{name}" in ir.value_sources(name), name
     assert "replica_1/avg/AssignMovingAvg/AssignSubVariableOp" not in ir  # replica 0's only
     assert "replica_1/avg/AssignMovingAvg/sub" not in ir
+
+
+def export_pinned(path, device) -> str:
+    """A classifier with an embedding, built (placeholders, variables, optimizer, a Saver) under
+    ``tf.device(device)`` and exported with its devices, as ``export_meta_graph`` keeps them by
+    default (clear_devices=False)."""
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+    graph = tf.Graph()
+    with graph.as_default(), tf.device(device):
+        tf1.set_random_seed(1)
+        x = tf1.placeholder(tf.float32, [None, 8], name="x")
+        y = tf1.placeholder(tf.int64, [None], name="y")
+        ids = tf.cast(tf.abs(x[:, :2]) * 10, tf.int64) % 50
+        emb = tf1.get_variable("emb", [50, 4])
+        h = tf.concat([x, tf.reshape(tf.nn.embedding_lookup(emb, ids), [-1, 8])], 1)
+        w = tf1.get_variable("w", [16, 2])
+        loss = tf1.losses.sparse_softmax_cross_entropy(y, tf.matmul(h, w))
+        step = tf1.train.get_or_create_global_step()
+        tf1.add_to_collection("train_op", tf1.train.AdamOptimizer(0.01).minimize(
+            loss, global_step=step))
+        tf1.train.Saver()
+        tf1.train.export_meta_graph(str(path), graph=graph, clear_devices=False)
+    xs = np.random.RandomState(0).randn(64, 8).astype(np.float32)
+    np.savez(str(path) + ".npz", x=xs, y=(xs[:, 0] > 0).astype(np.int64))
+    return str(path)
+
+
+@pytest.mark.parametrize("strategy, device", [
+    ("ps", "/job:localhost/replica:0/task:0/device:CPU:0"),
+    ("ps", "/device:GPU:0"),
+    ("partitioned-ps", "/job:localhost/replica:0/task:0/device:CPU:0"),
+    ("hybrid", "/job:localhost/replica:0/task:0/device:CPU:0"),
+    ("allreduce", "/job:localhost/replica:0/task:0/device:CPU:0"),
+])
+def test_the_inputs_device_pins_are_dropped_on_a_cluster(run_cli, tmp_path, strategy, device):
+    # the pins name the single machine the input was built on: kept on the nodes the strategy
+    # leaves shared (variable reads, the placeholders, the Saver's constants), the cluster's
+    # session failed to place them (verify: "internal error: ... Cannot assign a device")
+    model = export_pinned(tmp_path / "m.meta", device)
+    spec = SPEC if strategy != "allreduce" else {"worker": SPEC["worker"]}
+    path = tmp_path / "cluster.json"
+    path.write_text(json.dumps(spec))
+    code, out, err = run_cli("verify", model, "--strategy", strategy, "--cluster", path,
+                             "--feeds", model + ".npz", "--batch-size", 16, "--steps", 3)
+    assert code == 0, out + err
+    assert "PASS" in out
+    ir = metagraph.load(model)
+    strategies.transform(ir, strategy, cluster=cluster.Cluster(spec))
+    assert not {ir.node(n)["device"] for n in ir.nodes()} & {device, "/device:CPU:0"}
