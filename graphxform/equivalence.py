@@ -284,7 +284,8 @@ def _random_ops(ir: GraphIR, tg, from_inputs: set) -> tuple[list, list]:
     for name in sorted(tg.train_closure):
         op = ir.op(name)
         attrs = ir.attrs(name)
-        has_seed = "seed" in attrs and "seed2" in attrs
+        has_seed = ("seed" in attrs and "seed2" in attrs
+                    and op not in training.SEEDED_DETERMINISTIC_OPS)
         if not (has_seed or op in training.RANDOM_OPS or op.startswith(RANDOM_PREFIXES)):
             continue
         if has_seed and attrs["seed"].i == 0 and attrs["seed2"].i == 0:

@@ -35,6 +35,11 @@ RANDOM_OPS = {"RandomUniform", "RandomUniformInt", "RandomStandardNormal", "Trun
               "Multinomial", "RandomShuffle", "RandomGamma", "RandomPoisson", "RandomPoissonV2",
               "StatelessRandomUniform", "StatelessRandomNormal", "StatelessTruncatedNormal",
               "StatelessRandomUniformV2", "StatelessRandomNormalV2", "RandomShuffleQueueV2"}
+# ops with seed and seed2 attrs that draw nothing: tf.nn.compute_accidental_hits (which
+# sampled_softmax_loss runs by default beside its sampler), cuDNN RNN parameter conversions
+SEEDED_DETERMINISTIC_OPS = {"ComputeAccidentalHits", "CudnnRNNParamsSize",
+                            "CudnnRNNParamsToCanonical", "CudnnRNNParamsToCanonicalV2",
+                            "CudnnRNNCanonicalToParams", "CudnnRNNCanonicalToParamsV2"}
 GRADIENT_ARGS = ("grad", "delta", "indices")  # input args of Apply ops that carry the gradient
 REPLICA_SCOPE = re.compile(r"^replica_\d+/")
 # tf.gradients' scope, or that of tf.GradientTape.gradient in graph mode

@@ -190,6 +190,27 @@ def test_unseeded_dropout_cannot_match_even_on_one_device():
     assert "RandomUniform" in text and "--consistent-random" in text
 
 
+def sampled_softmax(x, seed):
+    """sampled_softmax_loss as its docs call it: remove_accidental_hits=True by default, so a
+    ComputeAccidentalHits (seed attrs, but deterministic) beside the candidate sampler."""
+    if seed:
+        tf1.set_random_seed(seed)
+    h = tf.reshape(x, [-1, 32])
+    w = tf1.get_variable("softmax_w", [20, 32])
+    b = tf1.get_variable("softmax_b", [20], initializer=tf1.zeros_initializer())
+    labels = tf.reshape(tf.cast(tf.abs(h[:, :1]) * 10, tf.int64) % 20, [-1, 1])
+    return tf.nn.sampled_softmax_loss(w, b, labels, h, num_sampled=5, num_classes=20)
+
+
+def test_accidental_hits_are_not_named_as_a_random_op():
+    # ComputeAccidentalHits was named as an unseeded random op beside the sampler, and, seeded,
+    # as a random op drawing per example (verify said "may not match" on a graph that matches)
+    text = reasons_for(lambda x: sampled_softmax(x, seed=0))
+    assert "seed=seed2=0" in text and "LogUniformCandidateSampler" in text
+    assert "ComputeAccidentalHits" not in text
+    assert reasons_for(lambda x: sampled_softmax(x, seed=7)) == ""
+
+
 @pytest.mark.parametrize("name", sorted(load_manifest()))
 def test_every_corpus_graph_names_what_keeps_it_from_matching(name):
     entry = load_manifest()[name]
