@@ -291,6 +291,16 @@ def _check_write(ir: GraphIR, var, write: str, spread: ReplicaSpread) -> None:
         if ir.op(src) in VARIABLE_OPS:
             continue
         if src in spread.differs:
+            drawn = spread.unseeded_source(src)
+            if drawn is not None:
+                name = REPLICA_SCOPE.sub("", drawn)
+                raise ContractError(
+                    f"variable '{var.name}': '{write}' updates it from '{src}:{port}', which "
+                    f"reads the unseeded random op '{name}' ({ir.op(drawn)}, seed = seed2 = 0): "
+                    "every replica draws different numbers, so the replicas would train apart; "
+                    "set a graph seed (tf.compat.v1.set_random_seed) or the op's own, and each "
+                    "replica draws what one device draws (--consistent-random, for a draw "
+                    "shaped like the batch)")
             loop = (_first_ancestor(ir, [src], lambda n: ir.op(n) in WHILE_OPS)
                     if var.gradient is None else None)
             loop = loop and REPLICA_SCOPE.sub("", loop, count=1)

@@ -80,6 +80,20 @@ class ReplicaSpread:
         mask = self.coverage.get(node, 0)
         return [i for i in range(self.all.bit_length()) if mask >> i & 1]
 
+    def unseeded_source(self, node: str) -> str | None:
+        """The unseeded random op (of the step) nearest ``node`` along data edges through
+        differing values, when one is why ``node`` differs; else None."""
+        pred, unseeded = self.ir.g._pred, self._unseeded
+        seen, frontier = {node}, [node]
+        while frontier:
+            found = sorted(n for n in frontier if n in unseeded)
+            if found:
+                return found[0]
+            frontier = [src for n in frontier for src, keyed in data_pairs(pred[n])
+                        if src in self.differs and src not in seen and not seen.add(src)
+                        and (len(keyed) > 1 or CONTROL_KEY not in keyed)]
+        return None
+
     def _needed(self, asked) -> set:
         """The nodes the values of ``asked`` depend on: data inputs, and for a variable the
         step's writes of it; a cross-replica op that a slice of the batch reaches along data

@@ -115,6 +115,37 @@ def test_refuses_an_update_from_a_variable_each_replica_writes_from_its_slice():
         strategies.transform(metagraph.from_metagraph(meta), "allreduce", devices=DEVICES)
 
 
+
+def gradient_noise_graph(seed):
+    """Gradient noise as its recipe adds it: grads + tf.random.normal before apply_gradients."""
+    g = tf.Graph()
+    with g.as_default():
+        if seed:
+            v1.set_random_seed(seed)
+        x = v1.placeholder(tf.float32, [None, 3], name="x")
+        w = v1.get_variable("w", [3, 1])
+        loss = tf.reduce_mean(tf.square(tf.matmul(x, w)), name="loss")
+        opt = v1.train.GradientDescentOptimizer(0.1)
+        noisy = [(grad + tf.random.normal(tf.shape(grad), stddev=0.01, name="noise"), var)
+                 for grad, var in opt.compute_gradients(loss)]
+        v1.add_to_collection(v1.GraphKeys.TRAIN_OP, opt.apply_gradients(noisy))
+        return v1.train.export_meta_graph(graph=g)
+
+
+def test_refuses_gradient_noise_from_an_unseeded_random_op_naming_it(run_cli, tmp_path):
+    # the refusal said "each replica computes from its own slice of the batch": the noise
+    # differs because the op has no seed, which a graph seed fixes
+    model, out = tmp_path / "m.meta", tmp_path / "out.meta"
+    model.write_bytes(gradient_noise_graph(seed=0).SerializeToString())
+    code, _, err = run_cli("apply", "--replicas", 2, model, "-o", out)
+    assert code == 1 and len(err.strip().splitlines()) == 1 and not out.exists()
+    assert "unseeded random op 'noise/RandomStandardNormal'" in err
+    assert "tf.compat.v1.set_random_seed" in err and "--consistent-random" in err
+    assert "own slice" not in err and "internal error" not in err
+    strategies.transform(metagraph.from_metagraph(gradient_noise_graph(seed=5)), "allreduce",
+                         devices=DEVICES)  # seeded: every replica draws the same noise
+
+
 def test_refuses_an_update_that_only_some_replicas_reach():
     """pscpu sums the replicas' gradients outside every replica: summing replica 0's twice
     leaves replica 1's data out, although nothing differs between replicas."""
