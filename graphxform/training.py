@@ -593,6 +593,10 @@ def _link_optimizer(ir, variables, writers) -> Optimizer | None:
             if (other not in var.slots.values()
                     and any(c.startswith(scope) for c, _ in writers[other])):
                 _link_slot(variables, var, other, other[len(name) + 1:])
+        if scope.endswith(f"/update_{bare}/"):  # tf_keras names them '<optimizer>/<var>/<slot>'
+            for other in _written_under(scope, writers):
+                if other != name and other not in var.slots.values() and f"/{bare}/" in other:
+                    _link_slot(variables, var, other, other.rsplit(f"/{bare}/", 1)[1])
         apply_ops = {c for c, _ in applies}
         for owner in [name, *var.slots.values()]:
             for op_name, _ in writers[owner]:
@@ -602,6 +606,13 @@ def _link_optimizer(ir, variables, writers) -> Optimizer | None:
         if fallback is None:
             fallback = Optimizer(_optimizer_kind(var), scope.split("/", 1)[0] + "/", {})
     return optimizer or fallback
+
+
+def _written_under(scope: str, writers: dict) -> list[str]:
+    """The variables an op of ``scope`` writes: a sparse update's slots, which tf_keras' legacy
+    optimizers scatter into (no Apply op names them) and name outside the variable's scope."""
+    return sorted(owner for owner, found in writers.items()
+                  if any(c.startswith(scope) for c, _ in found))
 
 
 def _link_own_optimizer(ir, var, writes) -> None:

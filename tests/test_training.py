@@ -155,3 +155,37 @@ def test_each_gradient_through_an_identity_n_is_its_own(run_cli, tmp_path):
                              "--batch-size", 16)
     assert code == 0, err
     assert "PASS" in out
+
+
+def keras_legacy_adam_embedding_step(x, y):
+    """A tf_keras Embedding under tf_keras' legacy Adam in graph mode (``get_updates``): its
+    sparse update scatters into slots named ``Adam/<var>/m`` and assigns the variable from
+    them, with no Apply op."""
+    import tensorflow as tf
+    import tf_keras
+    tf1 = tf.compat.v1
+    ids = tf.cast(tf.abs(x[:, :4]) * 10, tf.int64) % 30
+    embedding, dense = tf_keras.layers.Embedding(30, 4), tf_keras.layers.Dense(2)
+    logits = dense(tf_keras.layers.Flatten()(embedding(ids)))
+    loss = tf.reduce_mean(tf_keras.losses.sparse_categorical_crossentropy(y, logits,
+                                                                          from_logits=True))
+    tf1.add_to_collection(tf1.GraphKeys.LOSSES, loss)
+    optimizer = tf_keras.optimizers.legacy.Adam(0.01)
+    return tf.group(*optimizer.get_updates(loss, embedding.trainable_weights
+                                           + dense.trainable_weights))
+
+
+def test_a_keras_legacy_adam_sparse_update_finds_its_gradient_and_slots(run_cli, tmp_path):
+    """The update reads only the slots, and the slots (outside the variable's name scope) were
+    not linked, so the embedding's gradient was not found and allreduce refused the graph."""
+    from conftest import export_classifier
+    model = export_classifier(tmp_path / "m.meta", keras_legacy_adam_embedding_step)
+    var = training.analyze(metagraph.load(model)).variables["embedding/embeddings"]
+    assert var.gradient.kind == "sparse"
+    assert var.gradient.values.startswith("Adam/gradients/gradients/embedding/embedding_lookup")
+    assert var.slots == {"m": "Adam/embedding/embeddings/m", "v": "Adam/embedding/embeddings/v"}
+    for replicas in (2, 4):
+        code, out, err = run_cli("verify", "--replicas", replicas, model, "--feeds",
+                                 model + ".npz", "--batch-size", 16, "--steps", 3)
+        assert code == 0, out + err
+        assert "PASS" in out
