@@ -188,6 +188,8 @@ def split_filled_batches(ir, build, rebatched: list, batch: int, replicas: int) 
         original = name[len("replica_0/"):]
         if training.gradient_scope(original) or original in ir:
             continue
+        if ir.control_inputs(name) or any(ir.control_inputs(src) for src, _ in ir.inputs(name)):
+            continue  # inside a loop's or cond's frame (its constants wait on the frame)
         shape, value = _filled(ir, name)
         if shape is None or not shape or shape[0] * replicas != batch:
             continue
