@@ -593,7 +593,9 @@ def _link_optimizer(ir, variables, writers) -> Optimizer | None:
             if (other not in var.slots.values()
                     and any(c.startswith(scope) for c, _ in writers[other])):
                 _link_slot(variables, var, other, other[len(name) + 1:])
-        if scope.endswith(f"/update_{bare}/"):  # tf_keras names them '<optimizer>/<var>/<slot>'
+        # a sparse update with no Apply op (tf_keras' legacy optimizers) names its slots
+        # '<optimizer>/<var>/<slot>'; an Apply op names its slots itself
+        if not applies and scope.endswith(f"/update_{bare}/"):
             for other in _written_under(scope, writers):
                 if other != name and other not in var.slots.values() and f"/{bare}/" in other:
                     _link_slot(variables, var, other, other.rsplit(f"/{bare}/", 1)[1])

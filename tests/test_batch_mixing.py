@@ -19,6 +19,14 @@ def _step(loss):
         loss, global_step=tf1.train.get_or_create_global_step())
 
 
+def _assert_verify_passes(run_cli, model: str) -> None:
+    """allreduce over 2 replicas trains ``model`` as one device does."""
+    code, out, err = run_cli("verify", "--replicas", 2, model, "--feeds", model + ".npz",
+                             "--batch-size", 16)
+    assert code == 0, err
+    assert "PASS" in out
+
+
 def _xent(y, logits):
     import tensorflow as tf
     return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y,
@@ -377,9 +385,7 @@ def test_loops_within_each_example_are_not_mixing(run_cli, tmp_path, build):
     ir = metagraph.load(model)
     tg = training.analyze(ir)
     assert batch_mixing.mixing_in(ir, tg.steps[0].loss, tg.batch_sources) is None
-    code, out, err = run_cli("verify", "--replicas", 2, model, "--feeds", model + ".npz",
-                             "--batch-size", 16)
-    assert code == 0 and "PASS" in out, err
+    _assert_verify_passes(run_cli, model)
 
 
 def test_per_example_lookalikes_are_not_mixing(tmp_path):
@@ -392,10 +398,7 @@ def test_per_example_lookalikes_are_not_mixing(tmp_path):
 
 def test_per_example_lookalikes_train_like_one_device(run_cli, tmp_path):
     model = _export(tmp_path / "m.meta", per_example_lookalikes)
-    code, out, err = run_cli("verify", "--replicas", 2, model, "--feeds", model + ".npz",
-                             "--batch-size", 16)
-    assert code == 0, err
-    assert "PASS" in out
+    _assert_verify_passes(run_cli, model)
 
 
 @pytest.mark.parametrize("build", [b for b, _, _ in MIXING], ids=[b.__name__ for b, _, _ in
@@ -439,10 +442,7 @@ def statistics_used_linearly(x, y):
 
 def test_statistics_used_linearly_train_like_one_device(run_cli, tmp_path):
     model = _export(tmp_path / "m.meta", statistics_used_linearly)
-    code, out, err = run_cli("verify", "--replicas", 2, model, "--feeds", model + ".npz",
-                             "--batch-size", 16)
-    assert code == 0, err
-    assert "PASS" in out
+    _assert_verify_passes(run_cli, model)
 
 
 def per_example_functions(x, y):
@@ -466,10 +466,7 @@ def test_per_example_functions_train_like_one_device(run_cli, tmp_path):
     ir = metagraph.load(model)
     tg = training.analyze(ir)
     assert batch_mixing.mixing_in(ir, tg.steps[0].loss, tg.batch_sources) is None
-    code, out, err = run_cli("verify", "--replicas", 2, model, "--feeds", model + ".npz",
-                             "--batch-size", 16)
-    assert code == 0, err
-    assert "PASS" in out
+    _assert_verify_passes(run_cli, model)
 
 
 def fgsm_sign(x, y):
@@ -488,10 +485,7 @@ def test_a_perturbation_that_does_not_scale_with_the_batch_trains_like_one_devic
     """The gradient of a mean loss is each example's over the batch's size, so a slice's is
     N times larger; its sign and its direction are the same, and those are not refused."""
     model = _export(tmp_path / "m.meta", build)
-    code, out, err = run_cli("verify", "--replicas", 2, model, "--feeds", model + ".npz",
-                             "--batch-size", 16)
-    assert code == 0, err
-    assert "PASS" in out
+    _assert_verify_passes(run_cli, model)
 
 
 def center_loss(x, y):
@@ -551,10 +545,7 @@ def per_example_sum_loop(x, y):
 
 def test_a_loop_summing_each_examples_loss_trains_like_one_device(run_cli, tmp_path):
     model = _export(tmp_path / "m.meta", per_example_sum_loop)
-    code, out, err = run_cli("verify", "--replicas", 2, model, "--feeds", model + ".npz",
-                             "--batch-size", 16)
-    assert code == 0, err
-    assert "PASS" in out
+    _assert_verify_passes(run_cli, model)
 
 
 def discounted_loop(x, y):
