@@ -388,6 +388,7 @@ def _check_losses_are_means(ir: GraphIR, tg: TrainingGraph) -> None:
                 "replica would divide by its own slice's, so the averaged gradients are not "
                 "one device's (allreduce, replicated and hybrid divide by the replicas' mean "
                 "total instead, when it reads no variable); divide by the batch size instead")
+        _check_batch_extremes(ir, tg, step)
         learnt = next(iter(batch_denominators(ir, (copy, port), reading_variables=True)), None)
         if learnt is not None:
             raise ContractError(
@@ -397,6 +398,30 @@ def _check_losses_are_means(ir: GraphIR, tg: TrainingGraph) -> None:
                 "the averaged gradients are not one device's, and no all-reduce of it can "
                 "stand in (it reads the variables being trained); divide by a constant or by "
                 "a total of the data alone")
+
+
+def _check_batch_extremes(ir: GraphIR, tg: TrainingGraph, step) -> None:
+    """A loss shaped by the batch's longest sequence (graphxform/batch_extremes.py) must read
+    the whole batch's: global-extremes makes it so where replicas exchange collectives."""
+    from graphxform.batch_extremes import batch_extremes
+    prefix = replica_prefix(0)
+    from_data, from_variables = batch_extremes(ir, tg, step)
+    for found, learnt in [(n, False) for n in from_data] + [(n, True) for n in from_variables]:
+        name = found[len(prefix):]
+        largest = "largest" if ir.op(found) == "Max" else "smallest"
+        if learnt:
+            raise ContractError(
+                f"step '{step.name}' minimises '{step.loss}', which is shaped by '{name}' "
+                f"({ir.op(found)}), the batch's {largest} value of something computed from the "
+                "model's variables: each replica would take its own slice's, and no all-reduce "
+                "can stand in for it (its gradient would be wrong); give it a fixed bound")
+        raise ContractError(
+            f"step '{step.name}' minimises '{step.loss}', which is shaped by '{name}' "
+            f"({ir.op(found)}), the batch's {largest} value of its examples (as "
+            "tf.sequence_mask takes the longest length when given no maxlen): each replica "
+            "would take its own slice's, so its loss is not its share of one device's; use "
+            "--strategy allreduce, replicated or hybrid (which take the whole batch's in every "
+            "replica), or give it a fixed bound (tf.sequence_mask's maxlen)")
 
 
 _AGGREGATING = re.compile(r"ConditionalAccumulator|AccumulatorApplyGradient|^Collective|^Nccl")

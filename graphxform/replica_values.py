@@ -38,6 +38,9 @@ Every replica runs the same step from equal variables on its own even slice of t
   multiples of these). Served: the sum.
 - ``count``: how many examples or elements the slice has (``Size`` of a batch tensor, its
   ``Shape[0]``, the sum of a batch_fill of ones): equal on every replica, served summed.
+- ``max``, ``min``: the single-device value is the largest (smallest) of the replicas': a Max
+  (Min) over axis 0 of a batch tensor, as ``tf.sequence_mask`` takes the batch's longest
+  length, and casts of it. Served: the Max (Min) of the replicas'.
 - ``batch_shape``: the ``Shape`` of a batch tensor: its first element is a count, the rest are
   identical. It has no merge of its own (served as unknown), but slicing it gives those.
 - ``unknown``: nothing above can be shown: batch norm in training mode (statistics of the slice
@@ -80,7 +83,10 @@ from graphxform.training import RANDOM_OPS, VARIABLE_OPS, is_mutating_op
 
 IDENTICAL, SAME, BATCH, BATCH_FILL, MEAN, SUM, COUNT, BATCH_SHAPE, UNKNOWN = (
     "identical", "same", "batch", "batch_fill", "mean", "sum", "count", "batch_shape", "unknown")
+MAX, MIN = "max", "min"
 BATCHED = frozenset({BATCH, BATCH_FILL})
+EXTREMES = frozenset({MAX, MIN})
+_EXTREME_OF = {"Max": MAX, "Min": MIN}
 # on a constant split-inputs rewrote from the global batch's value to the slice's (a folded
 # shape, size or mean divisor): the class it stands for (batch_shape, count, batch_fill); on
 # global-denominators' number of replicas: same (the single-device graph has none)
@@ -529,8 +535,12 @@ def _read(n: _Node):
 
 
 def _linear_unary(n: _Node):
-    """Ops that pass their input's value through (or negate it): every class survives."""
-    return (n.cls[0] if n.others_identical(0) else UNKNOWN,), (n.rank[0],)
+    """Ops that pass their input's value through (or negate it): every class survives (a
+    negated largest value is the smallest)."""
+    c = n.cls[0] if n.others_identical(0) else UNKNOWN
+    if n.op == "Neg" and c in EXTREMES:
+        c = MIN if c == MAX else MAX
+    return (c,), (n.rank[0],)
 
 
 def _cast(n: _Node):
@@ -653,6 +663,8 @@ def _reduce(n: _Node):
         return (IDENTICAL,), (out_rank,)
     if c in LINEAR:
         return (c if n.op in ("Sum", "Mean") else UNKNOWN,), (out_rank,)
+    if c in EXTREMES:
+        return (c if _EXTREME_OF.get(n.op) == c else UNKNOWN,), (out_rank,)
     if c == BATCH_SHAPE and n.op == "Prod" and (axes == _ALL or axes == [0]):
         return (COUNT,), (out_rank,)  # the number of elements
     if c not in BATCHED or axes is None:
@@ -665,6 +677,8 @@ def _reduce(n: _Node):
         return (SUM if c == BATCH else COUNT,), (out_rank,)
     if c == BATCH_FILL and n.op in ("Max", "Min", "All", "Any"):
         return (IDENTICAL,), (out_rank,)
+    if c == BATCH and n.op in _EXTREME_OF:
+        return (_EXTREME_OF[n.op],), (out_rank,)
     return (UNKNOWN,), (out_rank,)
 
 
@@ -1055,8 +1069,10 @@ def _cross_replica(n: _Node):
     attr = n.attr("final_op")
     final = attr.s.decode() if attr is not None else None
     if n.op.startswith("CollectiveReduce"):
+        merge = n.attr("merge_op").s.decode()
         exact = (final == "Div" and c in (MEAN, IDENTICAL)
-                 or final == "Id" and n.attr("merge_op").s == b"Add" and c in (SUM, COUNT))
+                 or final == "Id" and merge == "Add" and c in (SUM, COUNT)
+                 or final == "Id" and c in EXTREMES and _EXTREME_OF.get(merge) == c)
     elif n.op.startswith("CollectiveGather"):
         exact = c in BATCHED
     else:  # an accumulator's take_grad averages every worker's born gradients

@@ -8,6 +8,7 @@ from graphxform.passes.all_reduce import DEFAULT_BUCKET_BYTES, AllReduce
 from graphxform.passes.consistent_random import ConsistentRandom
 from graphxform.passes.drop_in_saver import DropInSaver
 from graphxform.passes.global_denominators import GlobalDenominators
+from graphxform.passes.global_extremes import GlobalExtremes
 from graphxform.passes.hybrid import (PARTITION_MIN_BYTES, ChoosePlacement,
                                      HybridWorkerSteps, OnSide, PartitionPsSide,
                                      UnshareReplicated)
@@ -51,6 +52,7 @@ def allreduce(bucket_bytes: int = DEFAULT_BUCKET_BYTES, sparse_as_dense: bool = 
         *([SyncBatchNorm()] if sync_batch_norm else []),
         *([ConsistentRandom()] if consistent_random else []),
         GlobalDenominators(),
+        GlobalExtremes(),
         AllReduce(bucket_bytes=bucket_bytes, sparse_as_dense=sparse_as_dense,
                   hierarchical=hierarchical),
         RewireConsumers(),
@@ -85,7 +87,8 @@ def independent(fetch_mean=(), fetch_concat=(), verify: bool = True,
     pipeline = allreduce(fetch_mean=fetch_mean, fetch_concat=fetch_concat, verify=verify,
                          dump_dir=dump_dir)
     pipeline.passes = [p for p in pipeline.passes  # each replica's own mean is its own
-                       if not isinstance(p, (AllReduce, RewireConsumers, GlobalDenominators))]
+                       if not isinstance(p, (AllReduce, RewireConsumers, GlobalDenominators,
+                                             GlobalExtremes))]
     return pipeline
 
 
@@ -162,6 +165,7 @@ def hybrid(ps_tasks: int = 1, sparse_as_dense_below: int = 0, placement=None,
         Replicate(),
         SplitInputs(),
         GlobalDenominators(),
+        GlobalExtremes(),
         OnSide(AllReduce(bucket_bytes=bucket_bytes, sparse_as_dense=True), side="allreduce"),
         RewireConsumers(),
         OnSide(InsertAccumulators(), side="ps"),

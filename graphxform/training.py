@@ -196,6 +196,8 @@ class TrainingGraph:
     saved: dict | None = None
     # the tf.data iterator or input queue the steps read (graphxform/input_pipeline.py)
     pipeline: object = None
+    # the graph's Max and Min nodes: where graphxform/batch_extremes.py looks
+    max_min_nodes: list = dataclasses.field(default_factory=list)
 
     def require_train_op(self, what: str = "this pass") -> str:
         if self.train_op is None:
@@ -231,10 +233,12 @@ def analyze(ir: GraphIR, train_op=None) -> TrainingGraph:
     closure = set().union(*closures.values()) if closures else set()
     train_op = parse_tensor(step_names[0])[0] if step_names else None
     var_defs = _variable_defs(ir)
-    variables, noops, placeholders, users = {}, [], [], {}
+    variables, noops, placeholders, users, extremes = {}, [], [], {}, []
     for name, data in ir.node_items():  # the one sweep over all nodes
         op = data["op"]
-        if op in VARIABLE_OPS:
+        if op in ("Max", "Min"):
+            extremes.append(name)
+        elif op in VARIABLE_OPS:
             users[name] = ir.consumers(name, 0)
             variables[name] = _variable(ir, name, data, var_defs, users[name])
         elif op == "NoOp":
@@ -271,7 +275,7 @@ def analyze(ir: GraphIR, train_op=None) -> TrainingGraph:
                          global_step=global_step, optimizer=optimizer, saver_scope=saver_scope,
                          saved=_saved_by_saver(ir, saver_scope),
                          train_closure=closure, extra_updates=extra, noop_sinks=sinks,
-                         steps=steps, pipeline=pipeline)
+                         steps=steps, pipeline=pipeline, max_min_nodes=extremes)
 
 
 def find_steps(ir: GraphIR, given=None) -> list[str]:

@@ -10,6 +10,7 @@ graphxform/replica_values.py finds for its output (its docstring has the rules),
 - batch: ConcatV2 of the copies along axis 0, in replica order;
 - mean: Pack of the copies, then Mean over them;
 - sum (and count): AddN of the copies;
+- max, min: Pack of the copies, then Max (Min) over them;
 - unknown, or a class its dtype cannot be merged in: Identity of replica 0's copy, and the name
   is listed in the summary's `unmerged`.
 
@@ -36,7 +37,8 @@ from graphxform.errors import GraphxformError
 from graphxform.ir import parse_tensor
 from graphxform.nodes import Builder, replica_prefix
 from graphxform.pipeline import Pass, PassResult
-from graphxform.replica_values import BATCHED, COUNT, IDENTICAL, MEAN, SUM, UNKNOWN
+from graphxform.replica_values import (BATCHED, COUNT, EXTREMES, IDENTICAL, MAX, MEAN, SUM,
+                                       UNKNOWN)
 
 SCOPE = "merge_fetches/"
 _FLOATS = frozenset({1, 2, 8, 14, 18, 19})  # float double complex64 bfloat16 complex128 half
@@ -280,18 +282,19 @@ class _Merge:
 
     def _merged(self, name: str, copies: list, kind: str, dtype: int,
                 count: bool = True) -> bool:
-        """Add ``name``: the ConcatV2, Mean or AddN of the tensors ``copies`` that ``kind``
-        asks for; False when it asks for none (or the dtype allows none). ``count``: count
-        ``name`` as served (not an output of a node served whole)."""
+        """Add ``name``: the ConcatV2, Mean, AddN, Max or Min of the tensors ``copies`` that
+        ``kind`` asks for; False when it asks for none (or the dtype allows none). ``count``:
+        count ``name`` as served (not an output of a node served whole)."""
         if kind in BATCHED and dtype not in _NOT_CONCATENABLE:
             self._add(self.groups, "ConcatV2", {"N": len(copies), "T": dtype}, name,
                       copies + [self.axis()])
             how = "batch"
-        elif kind == MEAN and dtype in _FLOATS:
+        elif kind == MEAN and dtype in _FLOATS or kind in EXTREMES and dtype in _NUMBERS:
             stack = name + "/stack" if name.startswith(SCOPE) else SCOPE + name + "/stack"
             self._add(self.stacks, "Pack", {"N": len(copies), "T": dtype}, stack, copies)
-            self._add(self.groups, "Mean", {"T": dtype}, name, [stack, self.axis()])
-            how = "mean"
+            how = "mean" if kind == MEAN else kind
+            op = {MEAN: "Mean", MAX: "Max"}.get(kind, "Min")
+            self._add(self.groups, op, {"T": dtype}, name, [stack, self.axis()])
         elif kind in (SUM, COUNT) and dtype in _NUMBERS:
             self._add(self.groups, "AddN", {"N": len(copies), "T": dtype}, name, copies)
             how = "sum"

@@ -42,7 +42,7 @@ def fetch_graph():
             tf.reduce_mean(tf.square(logits))  # loss/Mean
         tf.reduce_sum(xent, name="xent_sum")  # a sum
         tf.reduce_sum(tf.square(w), name="w_norm")  # from variables only: identical
-        tf.reduce_max(logits, name="batch_max")  # no merge shown: unknown
+        tf.reduce_max(logits, name="batch_max")  # the largest of the replicas' largest
         tf.split(logits, [1, 2], axis=1, name="halves")  # two outputs, each batch
         tf.pad(x, [[0, 0], [1, 2]], name="padded")  # the sides of each example: batch
         tf.pad(x, [[1, 0], [0, 0]], name="padded_rows")  # a row more per slice: unknown
@@ -128,11 +128,19 @@ def test_a_node_with_several_outputs_merges_each(single_and_transformed):
 
 def test_unknown_is_listed_and_served_from_replica_0(single_and_transformed):
     _, out, summary, start, feeds = single_and_transformed
-    assert "batch_max" in summary["unmerged"] and "padded_rows" in summary["unmerged"]
-    assert out.op("batch_max") == "Identity" and out.inputs("batch_max") == [
-        ("replica_0/batch_max", 0)]
-    got, _ = session_run(out, ["batch_max:0", "replica_0/logits:0"], feeds, restore=start)
-    assert got[0] == pytest.approx(got[1].max())
+    assert "padded_rows" in summary["unmerged"] and "batch_max" not in summary["unmerged"]
+    assert out.op("padded_rows") == "Identity" and out.inputs("padded_rows") == [
+        ("replica_0/padded_rows", 0)]
+    got, _ = session_run(out, "padded_rows:0", feeds, restore=start)
+    assert got.shape[0] == len(feeds["x:0"]) // 2 + 1  # replica 0's slice, and its padding
+
+
+def test_the_batch_extreme_is_the_extreme_of_the_replicas(single_and_transformed):
+    single, out, _, start, feeds = single_and_transformed
+    assert out.op("batch_max") == "Max"
+    expected, _ = session_run(single, "batch_max:0", feeds, restore=start)
+    got, _ = session_run(out, ["batch_max:0", "replica_0/batch_max:0"], feeds, restore=start)
+    assert got[0] == pytest.approx(expected, rel=1e-6) and got[0] >= got[1]
 
 
 def test_op_without_outputs_runs_every_replica(single_and_transformed):
@@ -197,7 +205,7 @@ def test_classes_of_replica_copies():
     assert values.of("replica_0/probs") == replica_values.BATCH
     assert values.of("replica_0/xent_sum") == replica_values.SUM
     assert values.of("replica_0/w_norm") == replica_values.IDENTICAL
-    assert values.of("replica_0/batch_max") == replica_values.UNKNOWN
+    assert values.of("replica_0/batch_max") == replica_values.MAX
     assert "replica_0/counter_after" in values.effects
     assert "replica_0/probs" not in values.effects
 

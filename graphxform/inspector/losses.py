@@ -100,9 +100,9 @@ def check(ir: GraphIR, view=None) -> CheckResult:
     return result
 
 
-# all-reduces of the batch's statistics, not of gradients: sync-batch-norm's sums, and the
-# totals global-denominators reduces (weights, masks, counts)
-STATISTICS_SCOPES = ("sync_batch_norm/", "global_denominators/")
+# all-reduces of the batch's statistics, not of gradients: sync-batch-norm's sums, the totals
+# global-denominators reduces (weights, masks, counts), global-extremes' longest lengths
+STATISTICS_SCOPES = ("sync_batch_norm/", "global_denominators/", "global_extremes/")
 
 
 def _check_gradients(ir, result, averaged: bool) -> int:

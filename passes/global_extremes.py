@@ -1,0 +1,65 @@
+"""global-extremes: the batch's longest sequence, where a step's loss is shaped by it, is the
+whole batch's in every replica.
+
+``tf.sequence_mask(lengths)`` with no ``maxlen`` is as wide as the batch's longest length, a
+Max over the examples (graphxform/batch_extremes.py finds those that reach a loss). A replica
+computes it from its slice, so it pads to another width: a mean over the padded tokens divides
+by another count, and a mask meant to match the fed sequences no longer does. The whole
+batch's Max is the Max of the replicas' Maxes, so each replica's copy gets a
+CollectiveReduceV2 (merge Max, or Min for a Min) and everything in the replica that read it,
+forward and gradient, reads that instead: every replica then pads exactly as one device does,
+and its per-example terms are one device's."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import numpy as np
+
+from graphxform import opdefs
+from graphxform.batch_extremes import batch_extremes
+from graphxform.nodes import Builder, replica_prefix
+from graphxform.passes.all_reduce import GROUP_KEY
+from graphxform.pipeline import Pass, PassResult
+
+SCOPE = "global_extremes/"
+INSTANCE_KEYS = 1 << 20  # apart from all-reduce's (1, 2, ..., 1 << 24 on) and the other passes'
+
+
+@dataclasses.dataclass
+class GlobalExtremes(Pass):
+    name = "global-extremes"
+
+    def run(self, ir, ctx):
+        if len(ctx.devices) < 2:
+            return PassResult(modified=False)
+        found = []
+        for step in ctx.training.steps:
+            found += [n for n in batch_extremes(ir, ctx.training, step)[0] if n not in found]
+        if not found:
+            return PassResult(modified=False)
+        build = Builder(ir, self.name)
+        first = replica_prefix(0)
+        for key, node in zip(itertools.count(INSTANCE_KEYS), found):
+            _reduce_each(ir, build, ctx.devices, node[len(first):], key)
+        return PassResult(modified=True, summary={
+            "the whole batch's": [n[len(first):] for n in found]})
+
+
+def _reduce_each(ir, build, devices: list, node: str, instance: int) -> None:
+    """Every replica's copy of ``node`` (a Max or Min) reduced across the replicas by the same
+    op; what the replica read it from reads the result."""
+    merge = ir.op(replica_prefix(0) + node)
+    dtype = opdefs.output_dtype(ir, replica_prefix(0) + node, 0)
+    for i, device in enumerate(devices):
+        prefix = replica_prefix(i)
+        where = f"{SCOPE}{instance - INSTANCE_KEYS}/{prefix}"
+        size = build.const(where + "group_size", len(devices), np.int32, device=device)
+        key = build.const(where + "group_key", GROUP_KEY, np.int32, device=device)
+        instance_key = build.const(where + "instance_key", instance, np.int32, device=device)
+        reduced = build.op(where + "reduced", "CollectiveReduceV2",
+                           [prefix + node, size, key, instance_key], device=device, T=dtype,
+                           merge_op=merge, final_op="Id")
+        ir.replace_all_uses_with(prefix + node + ":0", reduced + ":0",
+                                 where=lambda n, p=prefix: n.startswith(p))

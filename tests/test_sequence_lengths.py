@@ -1,0 +1,100 @@
+"""A loss shaped by the batch's longest sequence: ``tf.sequence_mask(lengths)`` without a
+``maxlen`` is as wide as the longest length in the batch, and the tokens are cut to that width.
+One device pads to the whole batch's longest; a replica, to its slice's. ``reduce_mean(ce *
+mask)`` then divides by another number of tokens, and the transformed graph trained
+differently (apply exited 0, verify failed: 7e-02). allreduce, replicated and hybrid now take
+the whole batch's longest in every replica (passes/global_extremes.py); ps refuses, naming it.
+A longest length that only bounds a loop (dynamic_rnn's) changes no value and is left alone."""
+
+import numpy as np
+import pytest
+
+TIME, VOCAB = 12, 7
+
+
+def padded_graph(path, form="mean_over_padding"):
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+    graph = tf.Graph()
+    with graph.as_default():
+        tokens = tf1.placeholder(tf.int32, [None, TIME], name="tokens")
+        targets = tf1.placeholder(tf.int32, [None, TIME], name="targets")
+        lengths = tf1.placeholder(tf.int32, [None], name="lengths")
+        longest = tf.reduce_max(lengths)
+        embedded = tf.nn.embedding_lookup(tf1.get_variable("emb", [VOCAB, 6]),
+                                          tokens[:, :longest])
+        logits = tf.einsum("btd,dv->btv", embedded, tf1.get_variable("out", [6, VOCAB]))
+        ce = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=targets[:, :longest],
+                                                            logits=logits)
+        if form == "mean_over_padding":
+            mask = tf.sequence_mask(lengths, dtype=tf.float32)
+            loss = tf.reduce_mean(ce * mask, name="loss")
+        else:  # "per_token_of_the_longest": the same count, written out
+            loss = tf.identity(tf.reduce_sum(ce) / tf.cast(tf.size(ce), tf.float32),
+                               name="loss")
+        train = tf1.train.GradientDescentOptimizer(0.5).minimize(loss, name="train")
+        tf1.add_to_collection("train_op", train)
+        tf1.add_to_collection("losses", loss)
+        tf1.train.export_meta_graph(str(path), graph=graph)
+    return str(path)
+
+
+def _feeds(tmp_path):
+    """Lengths whose longest differs between the slices of every batch of 16."""
+    rng = np.random.RandomState(0)
+    lengths = rng.randint(1, 4, 64)
+    lengths[8::16] = TIME  # only the second slice of each batch (of two) has a full sequence
+    np.savez(tmp_path / "f.npz", tokens=rng.randint(0, VOCAB, (64, TIME)).astype(np.int32),
+             targets=rng.randint(0, VOCAB, (64, TIME)).astype(np.int32),
+             lengths=lengths.astype(np.int32))
+    return tmp_path / "f.npz"
+
+
+@pytest.mark.parametrize("form", ["mean_over_padding", "per_token_of_the_longest"])
+@pytest.mark.parametrize("strategy", ["allreduce", "replicated"])
+def test_a_loss_padded_to_the_longest_sequence_trains_like_one_device(run_cli, tmp_path,
+                                                                      form, strategy):
+    code, out, err = run_cli("verify", "--strategy", strategy, "--replicas", 2,
+                             padded_graph(tmp_path / "m.meta", form), "--feeds",
+                             _feeds(tmp_path), "--batch-size", 16, "--steps", 4)
+    assert code == 0, err
+    assert "PASS" in out, out
+
+
+def test_every_replica_pads_to_the_whole_batchs_longest(tmp_path):
+    from graphxform import metagraph, strategies
+    ir = metagraph.load(padded_graph(tmp_path / "m.meta"))
+    pipeline = strategies.transform(ir, "allreduce", devices=["/cpu:0", "/cpu:1"])
+    done = {t.name: t.summary for t in pipeline.timings}["global-extremes"]
+    assert done == {"the whole batch's": ["Max", "SequenceMask/Max"]}  # the mask takes its own
+    for i in range(2):
+        reduced = f"global_extremes/0/replica_{i}/reduced"
+        assert ir.op(reduced) == "CollectiveReduceV2"
+        assert ir.attrs(reduced)["merge_op"].s == b"Max"
+        readers = {dst for dst, _ in ir.consumers(f"replica_{i}/Max")}
+        assert reduced in readers and not [r for r in readers if r.startswith("replica_")]
+
+
+def test_a_strategy_without_collectives_refuses_it(run_cli, tmp_path):
+    cluster = tmp_path / "cluster.json"
+    cluster.write_text('{"ps": ["127.0.0.1:2222"], "worker": ["127.0.0.1:2224", '
+                       '"127.0.0.1:2225"]}')
+    code, _, err = run_cli("apply", "--strategy", "ps", "--cluster", cluster,
+                           padded_graph(tmp_path / "m.meta"), "-o", tmp_path / "o.meta")
+    assert code == 1, err
+    assert "is shaped by 'Max' (Max), the batch's largest value of its examples" in err
+    assert "tf.sequence_mask's maxlen" in err
+    assert len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "o.meta").exists()
+
+
+def test_a_longest_length_that_only_bounds_a_loop_is_left_alone():
+    """The corpus' dynamic_rnn tagger: its min and max sequence lengths tell the loop when to
+    copy state through, which changes no value; no collective is spent on them."""
+    from conftest import FIXTURES
+    from graphxform import metagraph, strategies
+    ir = metagraph.load(str(FIXTURES / "recipes" / "dynamic_rnn_tagger.meta"))
+    assert any(ir.op(n) == "Max" for n in ir.g)
+    pipeline = strategies.transform(ir, "allreduce", devices=["/cpu:0", "/cpu:1"])
+    assert not {t.name: t for t in pipeline.timings}["global-extremes"].modified
+    assert not [n for n in ir.g if n.startswith("global_extremes/")]
