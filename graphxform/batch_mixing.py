@@ -327,7 +327,9 @@ def _curved(n: _Node):
     if n.op in _BILINEAR_OPS and sum(statistics[:2]) > 1:
         return Curved(n.name, n.op)
     if n.op in _DIVISIONS and len(states) == 2 and statistics == [False, True]:
-        return Curved(n.name, n.op)  # 1 / sum
+        # 1 / sum; over a numerator no rule here knows (a sum after a loop, most likely: a
+        # masked mean), unknown: global-denominators' case if it is a sum
+        return UNKNOWN if states[0] == UNKNOWN else Curved(n.name, n.op)
     return None
 
 
@@ -397,7 +399,8 @@ def _reduce(n: _Node):
             return NORM if n.name.endswith(_MOMENTS) else AGGREGATE
         if n.op in ("Max", "Min") and n.attr("T") is not None and \
                 n.attr("T").type in _INTEGER_DTYPES:
-            return UNKNOWN  # the batch's longest sequence: a loop bound, padding (dynamic_rnn)
+            return None  # the batch's longest sequence: global-extremes makes it the whole
+            # batch's in every replica (where it shapes the loss; ps refuses it there)
         return n.mixed(f"takes the {n.op} over the batch: each replica would take its own "
                        "slice's")
     return state if n.flag("keep_dims") else state - sum(a < state for a in axes)
@@ -749,12 +752,27 @@ def _gather(n: _Node):
                        "(per-class centroids or counts of the batch, "
                        "tf.math.unsorted_segment_mean, gathered back by label)")
     if type(params) is int:
+        if params == axis == 0 and _picked_by_mask(n):
+            return 0  # tf.boolean_mask: the rows a per-example mask keeps, in order
         if params == axis:
             return n.mixed("picks or reorders the examples of the batch by index (a gather "
                            "along the batch axis)")
         if indices is None and ri is not None:
             return params if params < axis else params + ri - 1
     return UNKNOWN
+
+
+def _picked_by_mask(n: _Node) -> bool:
+    """Whether a gather's indices are where a per-example mask holds, in order, as
+    tf.boolean_mask takes them (squeeze(where(mask))): each row it keeps is still one
+    example's. (A mean over them divides by how many the mask keeps: graphxform/selections.py
+    refuses that.)"""
+    ir, src = n.flow.ir, n.inputs[1][0]
+    while ir.op(src) in ("Squeeze", "Reshape", "Identity", "Cast"):
+        src = ir.inputs(src)[0][0]
+    inputs = ir.inputs(src)
+    return (ir.op(src) == "Where" and len(inputs) == 1
+            and type(_port(n.flow.states.get(inputs[0][0], UNKNOWN), inputs[0][1])) is int)
 
 
 def _one_hot(n: _Node):

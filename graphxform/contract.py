@@ -47,6 +47,7 @@ def check_input(ir: GraphIR, tg: TrainingGraph) -> None:
     _check_batch_state_feeds_losses(ir, tg)
     _check_gradients_kept_between_runs(ir, tg)
     _check_distributed_already(ir, tg)
+    _check_selected_means(ir, tg)
     for step in tg.steps:
         found = mixing_in(ir, step.loss, sources) if step.loss and sources else None
         if found is not None:
@@ -56,6 +57,31 @@ def check_input(ir: GraphIR, tg: TrainingGraph) -> None:
                 "it on its own slice alone, which is not the loss one device computes (batch "
                 "norm is the one exception this tool makes, see --sync-batch-norm): make the "
                 "loss a mean of per-example terms, or train on one device")
+
+
+def _check_selected_means(ir: GraphIR, tg: TrainingGraph) -> None:
+    """A loss that averages over the elements a mask of the batch selects
+    (graphxform/selections.py): each replica would divide by its own slice's count."""
+    from graphxform.selections import loss_means, selected_rows
+    sources = set(tg.batch_sources)
+    if not sources:
+        return
+    for step in tg.steps:
+        if not step.loss:
+            continue
+        for mean in loss_means(ir, step.loss):
+            selection = selected_rows(ir, mean, sources)
+            if selection is not None:
+                raise ContractError(
+                    f"step '{step.name}' minimises '{step.loss}', which averages ('{mean}') over "
+                    f"the elements that '{selection}' ({ir.op(selection)}) picks with a mask of "
+                    "the batch (tf.boolean_mask, or a gather of tf.where's indices): each replica "
+                    "would divide by its own slice's count of selected elements, so the "
+                    "averaged gradients are not one device's; divide their sum by the mask's "
+                    "sum instead (tf.reduce_sum(tf.boolean_mask(l, m)) / "
+                    "tf.reduce_sum(tf.cast(m, tf.float32)), which allreduce makes the whole "
+                    "batch's), or train on one device")
+
 
 
 def _check_batch_axis(tg: TrainingGraph) -> None:

@@ -98,3 +98,86 @@ def test_a_longest_length_that_only_bounds_a_loop_is_left_alone():
     pipeline = strategies.transform(ir, "allreduce", devices=["/cpu:0", "/cpu:1"])
     assert not {t.name: t for t in pipeline.timings}["global-extremes"].modified
     assert not [n for n in ir.g if n.startswith("global_extremes/")]
+
+
+def tagger_graph(path, form):
+    """A sequence tagger's loss as guillaumegenthial/sequence_tagging writes it: per-token
+    cross entropy, padding dropped by tf.boolean_mask(losses, tf.sequence_mask(lengths)),
+    then the mean over what is left (``mean_of_selected``; ``recurrent_`` runs a recurrence
+    over time first, a while loop the mixing analysis does not see through, where `apply`
+    exited 0 and verify failed: 2e-02); the mask applied to the logits
+    and labels first (``selected_first``); the selection's sum over the mask's sum
+    (``sum_over_mask``); and a mean over weights a mask of the weights picks, beside a mean
+    over the tokens (``weights_selected``)."""
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+    graph = tf.Graph()
+    with graph.as_default():
+        words = tf1.placeholder(tf.int32, [None, None], name="word_ids")
+        labels = tf1.placeholder(tf.int32, [None, None], name="labels")
+        lengths = tf1.placeholder(tf.int32, [None], name="sequence_lengths")
+        embedded = tf.nn.embedding_lookup(tf1.get_variable("emb", [VOCAB, 6]), words)
+        out = tf1.get_variable("out", [6, 5])
+        if form.startswith("recurrent"):  # a recurrence over time (tf.scan: a while loop)
+            cell = tf1.get_variable("cell", [6, 6])
+            states = tf.scan(lambda h, x: tf.tanh(x + tf.matmul(h, cell)),
+                             tf.transpose(embedded, [1, 0, 2]),
+                             initializer=tf.zeros_like(embedded[:, 0]))
+            embedded = tf.transpose(states, [1, 0, 2])
+            form = form[len("recurrent_"):]
+        logits = tf.einsum("btd,dc->btc", tf.tanh(embedded), out)
+        mask = tf.sequence_mask(lengths)
+        xent = tf.nn.sparse_softmax_cross_entropy_with_logits
+        if form == "mean_of_selected":
+            loss = tf.reduce_mean(tf.boolean_mask(xent(labels=labels, logits=logits), mask))
+        elif form == "selected_first":
+            loss = tf.reduce_mean(xent(labels=tf.boolean_mask(labels, mask),
+                                       logits=tf.boolean_mask(logits, mask)))
+        elif form == "sum_over_mask":
+            loss = (tf.reduce_sum(tf.boolean_mask(xent(labels=labels, logits=logits), mask))
+                    / tf.reduce_sum(tf.cast(mask, tf.float32)))
+        else:  # weights_selected
+            loss = (tf.reduce_mean(xent(labels=labels, logits=logits))
+                    + 0.01 * tf.reduce_mean(tf.boolean_mask(out, tf.abs(out) > 0.1)))
+        loss = tf.identity(loss, name="loss")
+        train = tf1.train.GradientDescentOptimizer(0.5).minimize(loss, name="train")
+        tf1.add_to_collection("train_op", train)
+        tf1.add_to_collection("losses", loss)
+        tf1.train.export_meta_graph(str(path), graph=graph)
+    return str(path)
+
+
+def _tagger_feeds(tmp_path):
+    """Sentences padded to the longest of all, each slice of a batch selecting a different
+    number of tokens."""
+    rng = np.random.RandomState(1)
+    lengths = rng.randint(1, 4, 64)
+    lengths[8::16] = TIME
+    np.savez(tmp_path / "t.npz", word_ids=rng.randint(0, VOCAB, (64, TIME)).astype(np.int32),
+             labels=rng.randint(0, 5, (64, TIME)).astype(np.int32),
+             sequence_lengths=lengths.astype(np.int32))
+    return tmp_path / "t.npz"
+
+
+@pytest.mark.parametrize("form, selection", [("mean_of_selected", "boolean_mask/GatherV2"),
+                                             ("recurrent_mean_of_selected",
+                                              "boolean_mask/GatherV2"),
+                                             ("selected_first", "boolean_mask/GatherV2")])
+def test_a_mean_over_the_tokens_a_mask_selects_is_refused(run_cli, tmp_path, form, selection):
+    code, _, err = run_cli("apply", "--replicas", 2, tagger_graph(tmp_path / "m.meta", form),
+                           "-o", tmp_path / "o.meta")
+    assert code == 1, err
+    assert f"over the elements that '{selection}' (GatherV2) picks with a mask of the batch" in err
+    assert "divide their sum by the mask's sum" in err
+    assert len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "o.meta").exists()
+
+
+@pytest.mark.parametrize("form", ["sum_over_mask", "recurrent_sum_over_mask",
+                                  "weights_selected"])
+def test_a_selection_divided_by_the_masks_sum_trains_like_one_device(run_cli, tmp_path, form):
+    code, out, err = run_cli("verify", "--replicas", 2, tagger_graph(tmp_path / "m.meta", form),
+                             "--feeds", _tagger_feeds(tmp_path), "--batch-size", 16,
+                             "--steps", 4)
+    assert code == 0, err
+    assert "PASS" in out, out

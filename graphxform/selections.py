@@ -1,0 +1,64 @@
+"""A loss that averages over the elements a mask of the batch selects: tf.boolean_mask, or a
+gather of tf.where's indices, as sequence taggers drop their padding before the mean.
+
+One device divides by how many elements the whole batch's mask selects; a replica, by how many
+its slice's selects, and the average of the replicas' means is not the batch's (nor is the
+average of their gradients) unless every slice selects as many. No pass rewrites such a Mean,
+whose gradient divides by the count too, so the contract refuses it, naming the selection; the
+sum over the selection divided by the mask's sum is global-denominators' case, and trains like
+one device."""
+
+from __future__ import annotations
+
+from graphxform.ir import parse_tensor
+from graphxform.replica_values import (CROSS_ENTROPY_OPS, ELEMENTWISE_OPS, ELEMENTWISE_UNARY_OPS,
+                                       LINEAR_UNARY_OPS)
+
+# how a loss's value passes on from its terms (contract's _THROUGH)
+_TERMS = frozenset({"Identity", "AddV2", "Add", "Sub", "Mul", "AddN", "Neg"})
+
+
+def loss_means(ir, loss: str) -> list[str]:
+    """The Means the value of ``loss`` (a tensor name) is a sum or multiple of."""
+    found, seen, stack = [], set(), [parse_tensor(loss)[0]]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        op = ir.op(node)
+        if op == "Mean":
+            found.append(node)
+        elif op in _TERMS:
+            stack.extend(src for src, _ in ir.inputs(node))
+    return found
+
+
+# ops whose output's rows are their (first) inputs' rows: where a selection's count carries on
+_ROWS_KEPT = frozenset({
+    *LINEAR_UNARY_OPS, *ELEMENTWISE_UNARY_OPS, *ELEMENTWISE_OPS, *CROSS_ENTROPY_OPS, "Cast",
+    "Softmax", "LogSoftmax", "MatMul", "Select", "Sum", "Mean", "Max", "Min", "ExpandDims",
+    "Squeeze"})
+_GATHERS = frozenset({"Gather", "GatherV2", "GatherNd", "ResourceGather"})
+_INDEX_OPS = frozenset({"Squeeze", "Reshape", "Cast", "Identity", "StridedSlice"})
+
+
+def selected_rows(ir, mean: str, sources: set):
+    """A gather by the indices tf.where finds in a mask computed from the batch, whose rows
+    reach ``mean``'s input through ops that keep rows; None when there is none."""
+    seen, stack = set(), [ir.inputs(mean)[0][0]]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        op = ir.op(node)
+        if op in _GATHERS:
+            where = ir.inputs(node)[1][0]
+            while ir.op(where) in _INDEX_OPS:
+                where = ir.inputs(where)[0][0]
+            if ir.op(where) == "Where" and not sources.isdisjoint(ir.value_sources(where)):
+                return node
+        elif op in _ROWS_KEPT:
+            stack.extend(src for src, _ in ir.inputs(node))
+    return None
