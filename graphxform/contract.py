@@ -69,8 +69,8 @@ def _check_selected_means(ir: GraphIR, tg: TrainingGraph) -> None:
     for step in tg.steps:
         if not step.loss:
             continue
-        for mean in loss_means(ir, step.loss):
-            selection = selected_rows(ir, mean, sources)
+        for mean, counted in loss_means(ir, step.loss):
+            selection = selected_rows(ir, counted, sources)
             if selection is not None:
                 raise ContractError(
                     f"step '{step.name}' minimises '{step.loss}', which averages ('{mean}') over "

@@ -18,19 +18,29 @@ from graphxform.replica_values import (CROSS_ENTROPY_OPS, ELEMENTWISE_OPS, ELEME
 _TERMS = frozenset({"Identity", "AddV2", "Add", "Sub", "Mul", "AddN", "Neg"})
 
 
-def loss_means(ir, loss: str) -> list[str]:
-    """The Means the value of ``loss`` (a tensor name) is a sum or multiple of."""
+def loss_means(ir, loss: str) -> list[tuple[str, str]]:
+    """The averages the value of ``loss`` (a tensor name) is a sum or multiple of, each as
+    (the averaging node, the tensor it counts the elements of): Means, and divisions by the
+    Size of a tensor (``reduce_sum(x) / tf.size(x)``)."""
+    from graphxform.replica_values import DIVIDE_OPS
     found, seen, stack = [], set(), [parse_tensor(loss)[0]]
     while stack:
         node = stack.pop()
         if node in seen:
             continue
         seen.add(node)
-        op = ir.op(node)
+        op, inputs = ir.op(node), ir.inputs(node)
         if op == "Mean":
-            found.append(node)
+            found.append((node, inputs[0][0]))
+        elif op in DIVIDE_OPS and len(inputs) == 2:
+            count = inputs[1][0]
+            while ir.op(count) in ("Cast", "Identity") and ir.inputs(count):
+                count = ir.inputs(count)[0][0]
+            if ir.op(count) == "Size":
+                found.append((node, ir.inputs(count)[0][0]))
+            stack.append(inputs[0][0])
         elif op in _TERMS:
-            stack.extend(src for src, _ in ir.inputs(node))
+            stack.extend(src for src, _ in inputs)
     return found
 
 
@@ -43,10 +53,10 @@ _GATHERS = frozenset({"Gather", "GatherV2", "GatherNd", "ResourceGather"})
 _INDEX_OPS = frozenset({"Squeeze", "Reshape", "Cast", "Identity", "StridedSlice"})
 
 
-def selected_rows(ir, mean: str, sources: set):
+def selected_rows(ir, counted: str, sources: set):
     """A gather by the indices tf.where finds in a mask computed from the batch, whose rows
-    reach ``mean``'s input through ops that keep rows; None when there is none."""
-    seen, stack = set(), [ir.inputs(mean)[0][0]]
+    reach ``counted`` through ops that keep rows; None when there is none."""
+    seen, stack = set(), [counted]
     while stack:
         node = stack.pop()
         if node in seen:

@@ -106,7 +106,8 @@ def tagger_graph(path, form):
     then the mean over what is left (``mean_of_selected``; ``recurrent_`` runs a recurrence
     over time first, a while loop the mixing analysis does not see through, where `apply`
     exited 0 and verify failed: 2e-02); the mask applied to the logits
-    and labels first (``selected_first``); the selection's sum over the mask's sum
+    and labels first (``selected_first``); the selection's sum over its size
+    (``sum_over_size``, the same mean); the selection's sum over the mask's sum
     (``sum_over_mask``); and a mean over weights a mask of the weights picks, beside a mean
     over the tokens (``weights_selected``)."""
     import tensorflow as tf
@@ -133,6 +134,9 @@ def tagger_graph(path, form):
         elif form == "selected_first":
             loss = tf.reduce_mean(xent(labels=tf.boolean_mask(labels, mask),
                                        logits=tf.boolean_mask(logits, mask)))
+        elif form == "sum_over_size":
+            selected = tf.boolean_mask(xent(labels=labels, logits=logits), mask)
+            loss = tf.reduce_sum(selected) / tf.cast(tf.size(selected), tf.float32)
         elif form == "sum_over_mask":
             loss = (tf.reduce_sum(tf.boolean_mask(xent(labels=labels, logits=logits), mask))
                     / tf.reduce_sum(tf.cast(mask, tf.float32)))
@@ -162,7 +166,9 @@ def _tagger_feeds(tmp_path):
 @pytest.mark.parametrize("form, selection", [("mean_of_selected", "boolean_mask/GatherV2"),
                                              ("recurrent_mean_of_selected",
                                               "boolean_mask/GatherV2"),
-                                             ("selected_first", "boolean_mask/GatherV2")])
+                                             ("selected_first", "boolean_mask/GatherV2"),
+                                             ("recurrent_sum_over_size",
+                                              "boolean_mask/GatherV2")])
 def test_a_mean_over_the_tokens_a_mask_selects_is_refused(run_cli, tmp_path, form, selection):
     code, _, err = run_cli("apply", "--replicas", 2, tagger_graph(tmp_path / "m.meta", form),
                            "-o", tmp_path / "o.meta")
