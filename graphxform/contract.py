@@ -83,7 +83,6 @@ def _check_selected_means(ir: GraphIR, tg: TrainingGraph) -> None:
                     "batch's), or train on one device")
 
 
-
 def _check_batch_axis(tg: TrainingGraph) -> None:
     """The batch is split on axis 0 of inputs whose axis 0 is unknown. An input the step reads
     whole whose unknown dimension is another axis most likely holds the batch there (a
@@ -432,23 +431,27 @@ def _check_batch_extremes(ir: GraphIR, tg: TrainingGraph, step) -> None:
     from graphxform.batch_extremes import batch_extremes
     prefix = replica_prefix(0)
     from_data, from_variables = batch_extremes(ir, tg, step)
-    for found, learnt in [(n, False) for n in from_data] + [(n, True) for n in from_variables]:
-        name = found[len(prefix):]
-        largest = "largest" if ir.op(found) == "Max" else "smallest"
-        if learnt:
-            raise ContractError(
-                f"step '{step.name}' minimises '{step.loss}', which is shaped by '{name}' "
-                f"({ir.op(found)}), the batch's {largest} value of something computed from the "
-                "model's variables: each replica would take its own slice's, and no all-reduce "
-                "can stand in for it (its gradient would be wrong); give it a fixed bound")
+    if from_data:
+        found = from_data[0]
         raise ContractError(
-            f"step '{step.name}' minimises '{step.loss}', which is shaped by '{name}' "
-            f"({ir.op(found)}), the batch's {largest} value of its examples (as "
-            "tf.sequence_mask takes the longest length when given no maxlen): each replica "
-            "would take its own slice's, so its loss is not its share of one device's; use "
-            "--strategy allreduce, replicated or hybrid (which take the whole batch's in every "
-            "replica), or give it a fixed bound (tf.sequence_mask's maxlen)")
+            f"step '{step.name}' minimises '{step.loss}', which is shaped by "
+            f"'{found[len(prefix):]}' ({ir.op(found)}), the batch's {_EXTREME[ir.op(found)]} "
+            "value of its examples (as tf.sequence_mask takes the longest length when given no "
+            "maxlen): each replica would take its own slice's, so its loss is not its share of "
+            "one device's; use --strategy allreduce, replicated or hybrid (which take the "
+            "whole batch's in every replica), or give it a fixed bound (tf.sequence_mask's "
+            "maxlen)")
+    if from_variables:
+        found = from_variables[0]
+        raise ContractError(
+            f"step '{step.name}' minimises '{step.loss}', which is shaped by "
+            f"'{found[len(prefix):]}' ({ir.op(found)}), the batch's {_EXTREME[ir.op(found)]} "
+            "value of something computed from the model's variables: each replica would take "
+            "its own slice's, and no all-reduce can stand in for it (its gradient would be "
+            "wrong); give it a fixed bound")
 
+
+_EXTREME = {"Max": "largest", "Min": "smallest"}
 
 _AGGREGATING = re.compile(r"ConditionalAccumulator|AccumulatorApplyGradient|^Collective|^Nccl")
 _FLOATS = frozenset({1, 2, 14, 19})  # float double bfloat16 half: what a collective reduces
