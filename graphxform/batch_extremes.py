@@ -21,8 +21,9 @@ from graphxform.nodes import replica_prefix
 from graphxform.replica_spread import CROSS_REPLICA_OPS
 from graphxform.training import VARIABLE_OPS
 
-# where a value enters a loop's frame: what the loop does with it changes no value here
-_LOOP_ENTRIES = frozenset({"Enter", "RefEnter", *WHILE_OPS})
+# where a value enters a loop's frame (what the loop does with it changes no value here), or
+# becomes every replica's
+_STOPS = frozenset({"Enter", "RefEnter", *WHILE_OPS, *CROSS_REPLICA_OPS})
 
 
 def batch_extremes(ir, tg, step) -> tuple[list[str], list[str]]:
@@ -59,7 +60,7 @@ def _reaches(ir, source: str, target: str) -> bool:
         if name == target:
             return True
         for dst, _ in ir.consumers(name):
-            if dst not in seen and ir.op(dst) not in _LOOP_ENTRIES | CROSS_REPLICA_OPS:
+            if dst not in seen and ir.op(dst) not in _STOPS:
                 seen.add(dst)
                 stack.append(dst)
     return False

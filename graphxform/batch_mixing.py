@@ -767,12 +767,9 @@ def _picked_by_mask(n: _Node) -> bool:
     tf.boolean_mask takes them (squeeze(where(mask))): each row it keeps is still one
     example's. (A mean over them divides by how many the mask keeps: graphxform/selections.py
     refuses that.)"""
-    ir, src = n.flow.ir, n.inputs[1][0]
-    while ir.op(src) in ("Squeeze", "Reshape", "Identity", "Cast"):
-        src = ir.inputs(src)[0][0]
-    inputs = ir.inputs(src)
-    return (ir.op(src) == "Where" and len(inputs) == 1
-            and type(_port(n.flow.states.get(inputs[0][0], UNKNOWN), inputs[0][1])) is int)
+    from graphxform.selections import mask_of
+    mask = mask_of(n.flow.ir, n.inputs[1][0])
+    return mask is not None and type(_port(n.flow.states.get(mask[0], UNKNOWN), mask[1])) is int
 
 
 def _one_hot(n: _Node):

@@ -455,8 +455,6 @@ _EXTREME = {"Max": "largest", "Min": "smallest"}
 
 _AGGREGATING = re.compile(r"ConditionalAccumulator|AccumulatorApplyGradient|^Collective|^Nccl")
 _FLOATS = frozenset({1, 2, 14, 19})  # float double bfloat16 half: what a collective reduces
-# how a loss's value passes on to what the user minimises
-_THROUGH = frozenset({"Identity", "AddV2", "Add", "Sub", "Mul", "AddN", "Neg"})
 
 
 def batch_denominators(ir: GraphIR, loss: tuple, reading_variables: bool = False) -> list[str]:
@@ -466,7 +464,7 @@ def batch_denominators(ir: GraphIR, loss: tuple, reading_variables: bool = False
     slice's. passes/global_denominators.py replaces them by that mean; the rest is refused.
     ``reading_variables``: those that do depend on a variable instead (a mean of the model's
     own outputs under stop_gradient), which no pass can make global."""
-    from graphxform.replica_values import DIVIDE_OPS
+    from graphxform.replica_values import DIVIDE_OPS, LOSS_TERM_OPS
     found, seen, stack = [], set(), [loss]
     sources = None  # the batch's splits, found when a division asks
     while stack:
@@ -489,7 +487,7 @@ def batch_denominators(ir: GraphIR, loss: tuple, reading_variables: bool = False
                     and any(ir.op(n) in VARIABLE_OPS for n in reads) == reading_variables):
                 found.append(tensor_name(*bottom))
             stack.append(inputs[0])
-        elif op in _THROUGH:
+        elif op in LOSS_TERM_OPS:
             stack.extend(inputs)
         elif op in ("Sum", "Mean"):  # of per-class ratios (tf.math.unsorted_segment_mean)
             stack.append(inputs[0])

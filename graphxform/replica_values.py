@@ -589,6 +589,8 @@ def _broadcast(classes, ranks) -> str:
 _ADDITIVE = frozenset({"Add", "AddV2", "Sub", "AddN"})
 _MULTIPLY = frozenset({"Mul", "MulNoNan"})
 DIVIDE_OPS = frozenset({"RealDiv", "Div", "DivNoNan", "TrueDiv"})
+# how a loss's value passes on from its terms to what the user minimises
+LOSS_TERM_OPS = frozenset({"Identity", "AddV2", "Add", "Sub", "Mul", "AddN", "Neg"})
 
 
 def _linear_combination(op: str, classes) -> str:

@@ -11,18 +11,14 @@ one device."""
 from __future__ import annotations
 
 from graphxform.ir import parse_tensor
-from graphxform.replica_values import (CROSS_ENTROPY_OPS, ELEMENTWISE_OPS, ELEMENTWISE_UNARY_OPS,
-                                       LINEAR_UNARY_OPS)
-
-# how a loss's value passes on from its terms (contract's _THROUGH)
-_TERMS = frozenset({"Identity", "AddV2", "Add", "Sub", "Mul", "AddN", "Neg"})
+from graphxform.replica_values import (CROSS_ENTROPY_OPS, DIVIDE_OPS, ELEMENTWISE_OPS,
+                                       ELEMENTWISE_UNARY_OPS, LINEAR_UNARY_OPS, LOSS_TERM_OPS)
 
 
 def loss_means(ir, loss: str) -> list[tuple[str, str]]:
     """The averages the value of ``loss`` (a tensor name) is a sum or multiple of, each as
     (the averaging node, the tensor it counts the elements of): Means, and divisions by the
     Size of a tensor (``reduce_sum(x) / tf.size(x)``)."""
-    from graphxform.replica_values import DIVIDE_OPS
     found, seen, stack = [], set(), [parse_tensor(loss)[0]]
     while stack:
         node = stack.pop()
@@ -39,7 +35,7 @@ def loss_means(ir, loss: str) -> list[tuple[str, str]]:
             if ir.op(count) == "Size":
                 found.append((node, ir.inputs(count)[0][0]))
             stack.append(inputs[0][0])
-        elif op in _TERMS:
+        elif op in LOSS_TERM_OPS:
             stack.extend(src for src, _ in inputs)
     return found
 
@@ -50,7 +46,18 @@ _ROWS_KEPT = frozenset({
     "Softmax", "LogSoftmax", "MatMul", "Select", "Sum", "Mean", "Max", "Min", "ExpandDims",
     "Squeeze"})
 _GATHERS = frozenset({"Gather", "GatherV2", "GatherNd", "ResourceGather"})
-_INDEX_OPS = frozenset({"Squeeze", "Reshape", "Cast", "Identity", "StridedSlice"})
+# what tf.boolean_mask and tf.where(mask)[:, 0] put between tf.where and the gather
+MASK_INDEX_OPS = frozenset({"Squeeze", "Reshape", "Cast", "Identity"})
+_INDEX_OPS = MASK_INDEX_OPS | {"StridedSlice"}
+
+
+def mask_of(ir, indices: str, through=MASK_INDEX_OPS):
+    """The (node, port) of the mask whose true entries ``indices`` (a node) are, back through
+    ``through`` ops to a one-input tf.where; None when they are something else."""
+    while ir.op(indices) in through:
+        indices = ir.inputs(indices)[0][0]
+    inputs = ir.inputs(indices)
+    return inputs[0] if ir.op(indices) == "Where" and len(inputs) == 1 else None
 
 
 def selected_rows(ir, counted: str, sources: set):
@@ -64,10 +71,8 @@ def selected_rows(ir, counted: str, sources: set):
         seen.add(node)
         op = ir.op(node)
         if op in _GATHERS:
-            where = ir.inputs(node)[1][0]
-            while ir.op(where) in _INDEX_OPS:
-                where = ir.inputs(where)[0][0]
-            if ir.op(where) == "Where" and not sources.isdisjoint(ir.value_sources(where)):
+            mask = mask_of(ir, ir.inputs(node)[1][0], through=_INDEX_OPS)
+            if mask is not None and not sources.isdisjoint(ir.value_sources(mask[0])):
                 return node
         elif op in _ROWS_KEPT:
             stack.extend(src for src, _ in ir.inputs(node))

@@ -37,12 +37,13 @@ from graphxform.errors import GraphxformError
 from graphxform.ir import parse_tensor
 from graphxform.nodes import Builder, replica_prefix
 from graphxform.pipeline import Pass, PassResult
-from graphxform.replica_values import (BATCHED, COUNT, EXTREMES, IDENTICAL, MAX, MEAN, SUM,
+from graphxform.replica_values import (BATCHED, COUNT, EXTREMES, IDENTICAL, MAX, MEAN, MIN, SUM,
                                        UNKNOWN)
 
 SCOPE = "merge_fetches/"
 _FLOATS = frozenset({1, 2, 8, 14, 18, 19})  # float double complex64 bfloat16 complex128 half
 _NUMBERS = _FLOATS | {3, 9, 4, 6, 5, 17, 22, 23}  # and the integer types
+_REDUCE_OP = {MEAN: "Mean", MAX: "Max", MIN: "Min"}  # over the stacked copies
 _REALS = _NUMBERS - {8, 18}  # not complex
 _NOT_CONCATENABLE = frozenset({20, 21})  # resource, variant
 _IDENTICAL, _UNKNOWN = (IDENTICAL,), (UNKNOWN,)
@@ -292,9 +293,8 @@ class _Merge:
         elif kind == MEAN and dtype in _FLOATS or kind in EXTREMES and dtype in _NUMBERS:
             stack = name + "/stack" if name.startswith(SCOPE) else SCOPE + name + "/stack"
             self._add(self.stacks, "Pack", {"N": len(copies), "T": dtype}, stack, copies)
-            how = "mean" if kind == MEAN else kind
-            op = {MEAN: "Mean", MAX: "Max"}.get(kind, "Min")
-            self._add(self.groups, op, {"T": dtype}, name, [stack, self.axis()])
+            self._add(self.groups, _REDUCE_OP[kind], {"T": dtype}, name, [stack, self.axis()])
+            how = kind
         elif kind in (SUM, COUNT) and dtype in _NUMBERS:
             self._add(self.groups, "AddN", {"N": len(copies), "T": dtype}, name, copies)
             how = "sum"

@@ -12,6 +12,25 @@ import pytest
 TIME, VOCAB = 12, 7
 
 
+def _export_sgd(graph, loss, path) -> str:
+    """Train ``loss`` by SGD as the step 'train', list it as the loss, export to ``path``."""
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+    train = tf1.train.GradientDescentOptimizer(0.5).minimize(loss, name="train")
+    tf1.add_to_collection("train_op", train)
+    tf1.add_to_collection("losses", loss)
+    tf1.train.export_meta_graph(str(path), graph=graph)
+    return str(path)
+
+
+def _lengths(rng):
+    """64 lengths, short but for one full sequence in the second slice (of two) of every
+    batch of 16: the slices' longest differ."""
+    lengths = rng.randint(1, 4, 64)
+    lengths[8::16] = TIME
+    return lengths.astype(np.int32)
+
+
 def padded_graph(path, form="mean_over_padding"):
     import tensorflow as tf
     tf1 = tf.compat.v1
@@ -32,21 +51,16 @@ def padded_graph(path, form="mean_over_padding"):
         else:  # "per_token_of_the_longest": the same count, written out
             loss = tf.identity(tf.reduce_sum(ce) / tf.cast(tf.size(ce), tf.float32),
                                name="loss")
-        train = tf1.train.GradientDescentOptimizer(0.5).minimize(loss, name="train")
-        tf1.add_to_collection("train_op", train)
-        tf1.add_to_collection("losses", loss)
-        tf1.train.export_meta_graph(str(path), graph=graph)
-    return str(path)
+        return _export_sgd(graph, loss, path)
 
 
 def _feeds(tmp_path):
     """Lengths whose longest differs between the slices of every batch of 16."""
     rng = np.random.RandomState(0)
-    lengths = rng.randint(1, 4, 64)
-    lengths[8::16] = TIME  # only the second slice of each batch (of two) has a full sequence
+    lengths = _lengths(rng)
     np.savez(tmp_path / "f.npz", tokens=rng.randint(0, VOCAB, (64, TIME)).astype(np.int32),
              targets=rng.randint(0, VOCAB, (64, TIME)).astype(np.int32),
-             lengths=lengths.astype(np.int32))
+             lengths=lengths)
     return tmp_path / "f.npz"
 
 
@@ -144,22 +158,17 @@ def tagger_graph(path, form):
             loss = (tf.reduce_mean(xent(labels=labels, logits=logits))
                     + 0.01 * tf.reduce_mean(tf.boolean_mask(out, tf.abs(out) > 0.1)))
         loss = tf.identity(loss, name="loss")
-        train = tf1.train.GradientDescentOptimizer(0.5).minimize(loss, name="train")
-        tf1.add_to_collection("train_op", train)
-        tf1.add_to_collection("losses", loss)
-        tf1.train.export_meta_graph(str(path), graph=graph)
-    return str(path)
+        return _export_sgd(graph, loss, path)
 
 
 def _tagger_feeds(tmp_path):
     """Sentences padded to the longest of all, each slice of a batch selecting a different
     number of tokens."""
     rng = np.random.RandomState(1)
-    lengths = rng.randint(1, 4, 64)
-    lengths[8::16] = TIME
+    lengths = _lengths(rng)
     np.savez(tmp_path / "t.npz", word_ids=rng.randint(0, VOCAB, (64, TIME)).astype(np.int32),
              labels=rng.randint(0, 5, (64, TIME)).astype(np.int32),
-             sequence_lengths=lengths.astype(np.int32))
+             sequence_lengths=lengths)
     return tmp_path / "t.npz"
 
 
