@@ -9,7 +9,10 @@ same. Dividing by mean_j M_j instead makes replica i's loss S_i / (M / N), whose
 replicas is S / M, and whose gradient (M does not depend on the variables) averages to the
 single-device one. So each such denominator gets a CollectiveReduceV2 (mean) per replica, and
 everything in the replica that read it, the forward division and the gradient's, reads the
-mean instead.
+mean instead. A numerator that is a mean A over the batch (A_i / M_i) needs the replicas' sum
+M instead: A_i / M averages to A / M. Where the rules cannot tell a sum from a mean (a loop's
+outputs), the reduction that makes the numerator a scalar says; failing that, the graph is
+refused rather than guessed.
 
 A denominator that is a function of the batch's totals but not one itself (a guarded count,
 max(sum(w), 1); sum(w) + eps; per-class counts from tf.math.unsorted_segment_mean) is not
@@ -67,9 +70,11 @@ class GlobalDenominators(Pass):
         recomputed = []
         for k, (tensor, loss) in enumerate(found):
             scope = f"{SCOPE}{k}/"
-            plan = _recompute_plan(ir, values, tensor, loss)
-            if plan is None:  # a total (or what no plan reaches): its replicas' mean
-                _reduce_each(ir, build, ctx.devices, tensor, next(keys), "Div", scope,
+            top = _numerator_kind(ir, values, tensor, loss)
+            plan = _recompute_plan(ir, values, tensor, top)
+            if plan is None:  # a total (or what no plan reaches): its replicas' mean or sum
+                _reduce_each(ir, build, ctx.devices, tensor, next(keys),
+                             _total_reduction(values, tensor, top), scope,
                              consumers=lambda n, p: n.startswith(p))
                 continue
             leaves, interior, scale = plan
@@ -93,12 +98,12 @@ def _classes(ir, first: str, losses: list):
     return replica_values.classify(ir, first, copies=sorted(copies))
 
 
-def _recompute_plan(ir, values, tensor: str, loss: tuple):
-    """How to make replica 0's ``tensor``, a denominator of ``loss`` that is not itself a
-    total, the whole batch's: (its totals and how each is reduced, the nodes between them and
-    it, whether it is then divided by the number of replicas); None for a total (a sum, mean or
-    count: averaged as it is), and for what is not computed from totals alone by nodes nothing
-    else reads."""
+def _recompute_plan(ir, values, tensor: str, top: str):
+    """How to make replica 0's ``tensor``, a denominator of a loss whose numerator is of class
+    ``top`` and that is not itself a total, the whole batch's: (its totals and how each is
+    reduced, the nodes between them and it, whether it is then divided by the number of
+    replicas); None for a total (a sum, mean or count: reduced as it is), and for what is not
+    computed from totals alone by nodes nothing else reads."""
     from graphxform.replica_values import BATCHED, COUNT, IDENTICAL, MEAN, SUM
     first = replica_prefix(0)
     node, port = parse_tensor(tensor)
@@ -126,11 +131,61 @@ def _recompute_plan(ir, values, tensor: str, loss: tuple):
         stack.extend(inputs)
     read_elsewhere = any(dst not in interior for n in interior - {node}
                          for dst in ir.g._succ[n])
-    numerator = _numerator(ir, tensor, ir.ancestors(loss[0]))
-    top = None if numerator is None else values.of(*numerator)
-    if not leaves or read_elsewhere or top not in (SUM, COUNT, MEAN):
+    if not leaves or read_elsewhere:
         return None
     return leaves, {n[len(first):] for n in interior}, top != MEAN
+
+
+def _total_reduction(values, tensor: str, top: str) -> str:
+    """How the replicas' copies of ``tensor``, a total, combine so that the mean of the
+    replicas' losses is one device's: S_i / (M / N) averages to S / M for a sum S over the
+    batch (the replicas' mean of the denominator), A_i / M to A / M for a mean A (their
+    sum); a mean over a mean is the mean of both."""
+    from graphxform.replica_values import MEAN
+    if top == MEAN and values.of(*parse_tensor(tensor)) != MEAN:
+        return "Id"
+    return "Div"
+
+
+def _numerator_kind(ir, values, denominator: str, loss: tuple) -> str:
+    """Whether what the loss's division by ``denominator`` divides is a sum (or count) or a
+    mean over the batch: its class, or, where the rules cannot tell (read from a loop's
+    outputs), the reduction that makes it a scalar, seen through ops that only scale it.
+    Anything else is refused: dividing it by the wrong total would train silently wrong."""
+    from graphxform.replica_values import COUNT, IDENTICAL, MEAN, SUM
+    found = _numerator(ir, denominator, ir.ancestors(loss[0]))
+    current = found
+    while current is not None:
+        kind = values.of(*current)
+        if kind in (SUM, COUNT, MEAN):
+            return SUM if kind == COUNT else kind
+        node = current[0]
+        op, inputs = ir.op(node), ir.inputs(node)
+        if op in ("Sum", "Mean") and _scalar(ir, node):
+            return SUM if op == "Sum" else MEAN
+        scaled = [t for t in inputs if values.of(*t) != IDENTICAL]
+        divides = op in _DIVIDE_OPS and scaled[:1] != inputs[:1]  # a constant over it
+        current = scaled[0] if op in _SCALING_OPS and len(scaled) == 1 and not divides else None
+    from graphxform.contract import ContractError
+    what = "nothing" if found is None else f"'{tensor_name(*found)[len(replica_prefix(0)):]}'"
+    raise ContractError(
+        f"the loss '{tensor_name(*loss)[len(replica_prefix(0)):]}' divides {what} by "
+        f"'{denominator[len(replica_prefix(0)):]}', a total of the batch, and {what} cannot be "
+        "shown to be a sum or a mean over the batch, so which total of the replicas' stands in "
+        "for the whole batch's cannot be told; write the loss as "
+        "tf.reduce_sum(losses * mask) / tf.reduce_sum(mask)")
+
+
+_DIVIDE_OPS = frozenset({"RealDiv", "Div", "DivNoNan"})
+_SCALING_OPS = frozenset({"Identity", "Neg", "Cast", "Mul", "StopGradient", "CheckNumerics",
+                          "Snapshot", *_DIVIDE_OPS})
+
+
+def _scalar(ir, node: str) -> bool:
+    """Whether ``node``'s output is recorded as a scalar (a reduction over every axis)."""
+    shapes = ir.attrs(node).get("_output_shapes")
+    return (shapes is not None and len(shapes.list.shape) > 0
+            and not shapes.list.shape[0].unknown_rank and not shapes.list.shape[0].dim)
 
 
 def _numerator(ir, denominator: str, forward: set):

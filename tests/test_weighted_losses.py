@@ -29,6 +29,19 @@ def weighted_graph(path, form):
             per = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
             loss = tf.identity(tf.reduce_sum(per * weights) / tf.reduce_sum(weights) + 0.0,
                                name="loss")
+        elif form in ("mean_over_mask_sum", "scan_over_mask_sum"):
+            # a mean over the batch divided by a sum: all-reducing the sum, not its mean
+            per = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
+            if form == "scan_over_mask_sum":  # through a loop whose output the rules can't tell
+                per = tf.map_fn(lambda e: 2.0 * e, per)
+            loss = tf.identity(-tf.reduce_mean(per * weights) / tf.reduce_sum(weights),
+                               name="loss")
+            loss = -loss
+        elif form == "dot_over_mask_sum":  # the sum of a loop's output, not by a reduce_sum
+            per = tf.map_fn(lambda e: 2.0 * e, tf.nn.sparse_softmax_cross_entropy_with_logits(
+                labels=y, logits=logits))
+            loss = tf.identity(tf.tensordot(per, weights, 1) / tf.reduce_sum(weights),
+                               name="loss")
         else:  # Reduction.MEAN divides by the weights' sum; SUM_OVER_BATCH_SIZE by the count
             reduction = {"weighted_mean": tf1.losses.Reduction.MEAN,
                          "sum_over_batch_size": tf1.losses.Reduction.SUM_OVER_BATCH_SIZE}[form]
@@ -54,7 +67,8 @@ def _feeds(tmp_path):
 
 @pytest.mark.parametrize("replicas", [2, 4])
 @pytest.mark.parametrize("form", ["tf1_losses", "weighted_mean", "masked_mean",
-                                  "sum_over_batch_size"])
+                                  "sum_over_batch_size", "mean_over_mask_sum",
+                                  "scan_over_mask_sum"])
 def test_weighted_losses_train_like_one_device(run_cli, tmp_path, form, replicas):
     model = weighted_graph(tmp_path / "m.meta", form)
     code, out, err = run_cli("verify", "--replicas", replicas, model, "--feeds",
@@ -85,6 +99,21 @@ def test_a_denominator_not_made_global_is_refused(run_cli, tmp_path, form, strat
                            weighted_graph(tmp_path / "m.meta", form), "-o", tmp_path / "o.meta")
     assert code == 1
     assert f"which divides by '{denominator}', a sum over the batch" in err
+    assert len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "o.meta").exists()
+
+
+def test_a_numerator_neither_sum_nor_mean_is_refused(run_cli, tmp_path):
+    """A total of the batch divides what no rule shows a sum or a mean (a dot product with
+    a loop's outputs): the replicas' mean of the total is right for the one and their sum for
+    the other, and guessing wrong trains silently wrong (a mean over a sum failed verify by
+    1e0 when every numerator was taken for a sum)."""
+    code, _, err = run_cli("apply", "--replicas", 2,
+                           weighted_graph(tmp_path / "m.meta", "dot_over_mask_sum"),
+                           "-o", tmp_path / "o.meta")
+    assert code == 1, err
+    assert "divides 'Tensordot:0' by 'Sum:0', a total of the batch" in err
+    assert "cannot be shown to be a sum or a mean over the batch" in err
     assert len(err.strip().splitlines()) == 1
     assert not (tmp_path / "o.meta").exists()
 
@@ -141,6 +170,8 @@ def guarded_graph(path, form):
         per = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
         if form == "guarded_masked_mean":
             loss = tf.reduce_sum(per * weights) / tf.maximum(tf.reduce_sum(weights), 1.0)
+        elif form == "guarded_mean_over_mask_sum":
+            loss = tf.reduce_mean(per * weights) / tf.maximum(tf.reduce_sum(weights), 1.0)
         else:
             loss = tf.reduce_mean(tf.math.unsorted_segment_mean(per, y, 2)) + \
                 0.0 * tf.reduce_sum(weights)
@@ -152,7 +183,8 @@ def guarded_graph(path, form):
     return str(path)
 
 
-@pytest.mark.parametrize("form", ["guarded_masked_mean", "per_class_mean"])
+@pytest.mark.parametrize("form", ["guarded_masked_mean", "guarded_mean_over_mask_sum",
+                                  "per_class_mean"])
 def test_a_denominator_that_is_a_function_of_totals_is_recomputed(run_cli, tmp_path, form):
     """The replicas' mean of max(sum(w_i), 1) is not max(sum(w), 1) when a slice has no
     weight: the totals are reduced and the function applied to them instead."""
