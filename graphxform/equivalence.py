@@ -362,7 +362,9 @@ def compare(original: GraphIR, transformed: GraphIR, feeds_path: str | None = No
     if transformed.has_scope("model_average/"):
         reasons.append("model-average: the workers' copies train apart between averaging "
                        "rounds (and optimizer slots are never averaged); only --interval 1 with "
-                       "plain SGD is synchronous data parallelism")
+                       "plain SGD on a mean of per-example terms is synchronous data "
+                       "parallelism (each replica divides by its own slice's totals and takes "
+                       "its own slice's longest sequence)")
     elif _exchanges_nothing(transformed):
         reasons.append("the replicas never exchange gradients (--strategy independent): each "
                        "trains on its own slice of the batch, a ceiling for scaling, not a "
