@@ -402,8 +402,8 @@ def _check_losses_are_means(ir: GraphIR, tg: TrainingGraph) -> None:
                 f"step '{step.name}' minimises '{step.loss}', {what}; gradients are averaged "
                 "across replicas (right for a mean over the batch), so this step would train "
                 "with 1/N of its gradient: use tf.reduce_mean over the batch instead")
-        ratio = _ratio_of_sums(ir, values, copy) or next(iter(batch_denominators(ir, (copy, port))),
-                                                          None)
+        ratio = _ratio_of_sums(ir, values, copy) or next(
+            iter(batch_denominators(ir, (copy, port), lambda: values)), None)
         if ratio is not None:
             ratio = parse_tensor(ratio)[0]
             raise ContractError(
@@ -414,7 +414,8 @@ def _check_losses_are_means(ir: GraphIR, tg: TrainingGraph) -> None:
                 "one device's (allreduce, replicated and hybrid divide by the replicas' mean "
                 "total instead, when it reads no variable); divide by the batch size instead")
         _check_batch_extremes(ir, tg, step)
-        learnt = next(iter(batch_denominators(ir, (copy, port), reading_variables=True)), None)
+        learnt = next(iter(batch_denominators(ir, (copy, port), lambda: values,
+                                              reading_variables=True)), None)
         if learnt is not None:
             raise ContractError(
                 f"step '{step.name}' minimises '{step.loss}', which divides by "
@@ -457,14 +458,18 @@ _AGGREGATING = re.compile(r"ConditionalAccumulator|AccumulatorApplyGradient|^Col
 _FLOATS = frozenset({1, 2, 14, 19})  # float double bfloat16 half: what a collective reduces
 
 
-def batch_denominators(ir: GraphIR, loss: tuple, reading_variables: bool = False) -> list[str]:
+def batch_denominators(ir: GraphIR, loss: tuple, classes,
+                       reading_variables: bool = False) -> list[str]:
     """The denominators the value of ``loss`` (node, port) divides by that are totals of the
     batch's values (a weighted mean, a masked mean) and depend on no variable, and that are not
     the replicas' mean already (a cross-replica op): each replica would divide by its own
     slice's. passes/global_denominators.py replaces them by that mean; the rest is refused.
-    ``reading_variables``: those that do depend on a variable instead (a mean of the model's
-    own outputs under stop_gradient), which no pass can make global."""
-    from graphxform.replica_values import DIVIDE_OPS, LOSS_TERM_OPS
+    ``classes()``: replica_values' classes of replica 0's copies (asked for only when a
+    division's divisor reads the batch); a per-example divisor (each sequence's length) is no
+    total and stays the slice's own. ``reading_variables``: those
+    that do depend on a variable instead (a mean of the model's own outputs under
+    stop_gradient), which no pass can make global."""
+    from graphxform.replica_values import BATCHED, DIVIDE_OPS, LOSS_TERM_OPS
     found, seen, stack = [], set(), [loss]
     sources = None  # the batch's splits, found when a division asks
     while stack:
@@ -484,7 +489,8 @@ def batch_denominators(ir: GraphIR, loss: tuple, reading_variables: bool = False
             if (ir.op(bottom[0]) not in CROSS_REPLICA_OPS
                     and opdefs.output_dtype(ir, *bottom) in _FLOATS
                     and not reads.isdisjoint(sources)
-                    and any(ir.op(n) in VARIABLE_OPS for n in reads) == reading_variables):
+                    and any(ir.op(n) in VARIABLE_OPS for n in reads) == reading_variables
+                    and classes().of(*bottom) not in BATCHED):
                 found.append(tensor_name(*bottom))
             stack.append(inputs[0])
         elif op in LOSS_TERM_OPS:

@@ -29,6 +29,7 @@ what is left."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 
 import numpy as np
@@ -55,18 +56,19 @@ class GlobalDenominators(Pass):
         first = replica_prefix(0)
         if replicas < 2:
             return PassResult(modified=False)
+        losses = [(first + node, port) for node, port in
+                  (parse_tensor(step.loss) for step in tg.steps if step.loss)
+                  if first + node in ir]
+        classes = functools.cache(lambda: _classes(ir, first, losses))
         found = []  # (denominator, loss) in replica 0
-        for step in tg.steps:
-            node, port = parse_tensor(step.loss) if step.loss else (None, 0)
-            if node and first + node in ir:
-                found += [(d, (first + node, port))
-                          for d in batch_denominators(ir, (first + node, port))
-                          if d not in (seen for seen, _ in found)]
+        for loss in losses:
+            found += [(d, loss) for d in batch_denominators(ir, loss, classes)
+                      if d not in (seen for seen, _ in found)]
         if not found:
             return PassResult(modified=False)
         build = Builder(ir, self.name)
         keys = itertools.count(INSTANCE_KEYS)
-        values = _classes(ir, first, [loss for _, loss in found])
+        values = classes()
         recomputed = []
         for k, (tensor, loss) in enumerate(found):
             scope = f"{SCOPE}{k}/"

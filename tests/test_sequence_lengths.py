@@ -48,9 +48,13 @@ def padded_graph(path, form="mean_over_padding"):
         if form == "mean_over_padding":
             mask = tf.sequence_mask(lengths, dtype=tf.float32)
             loss = tf.reduce_mean(ce * mask, name="loss")
-        else:  # "per_token_of_the_longest": the same count, written out
+        elif form == "per_token_of_the_longest":  # the same count, written out
             loss = tf.identity(tf.reduce_sum(ce) / tf.cast(tf.size(ce), tf.float32),
                                name="loss")
+        else:  # "mean_per_sequence": each sequence over its own length, then the batch's mean
+            mask = tf.sequence_mask(lengths, longest, dtype=tf.float32)
+            loss = tf.reduce_mean(tf.reduce_sum(ce * mask, axis=1) /
+                                  tf.cast(lengths, tf.float32), name="loss")
         return _export_sgd(graph, loss, path)
 
 
@@ -64,7 +68,8 @@ def _feeds(tmp_path):
     return tmp_path / "f.npz"
 
 
-@pytest.mark.parametrize("form", ["mean_over_padding", "per_token_of_the_longest"])
+@pytest.mark.parametrize("form", ["mean_over_padding", "per_token_of_the_longest",
+                                  "mean_per_sequence"])
 @pytest.mark.parametrize("strategy", ["allreduce", "replicated"])
 def test_a_loss_padded_to_the_longest_sequence_trains_like_one_device(run_cli, tmp_path,
                                                                       form, strategy):

@@ -37,6 +37,9 @@ def weighted_graph(path, form):
             loss = tf.identity(-tf.reduce_mean(per * weights) / tf.reduce_sum(weights),
                                name="loss")
             loss = -loss
+        elif form == "per_example_divisor":  # each example's own weight: no total at all
+            per = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
+            loss = tf.reduce_mean(per / (1.0 + weights), name="loss")
         elif form == "dot_over_mask_sum":  # the sum of a loop's output, not by a reduce_sum
             per = tf.map_fn(lambda e: 2.0 * e, tf.nn.sparse_softmax_cross_entropy_with_logits(
                 labels=y, logits=logits))
@@ -68,7 +71,7 @@ def _feeds(tmp_path):
 @pytest.mark.parametrize("replicas", [2, 4])
 @pytest.mark.parametrize("form", ["tf1_losses", "weighted_mean", "masked_mean",
                                   "sum_over_batch_size", "mean_over_mask_sum",
-                                  "scan_over_mask_sum"])
+                                  "scan_over_mask_sum", "per_example_divisor"])
 def test_weighted_losses_train_like_one_device(run_cli, tmp_path, form, replicas):
     model = weighted_graph(tmp_path / "m.meta", form)
     code, out, err = run_cli("verify", "--replicas", replicas, model, "--feeds",
