@@ -23,6 +23,10 @@ input-pipeline reads) to each step's loss, along data edges, giving every tensor
 - a ``Curved``: a non-linear function of sums or means over the batch (``square(mean)``, a
   variance beside the mean): mixing where it reaches the loss or meets an example, except as
   the denominator of a sum (a guarded weighted mean);
+- ``RATIO``: a count of the batch's elements over a total of its values (Keras weights a
+  masked loss by size(mask) / sum(mask)): read as holding nothing of the batch where it weights
+  examples, since global-denominators makes it the whole batch's ratio (and the contract
+  refuses it where no pass does); a Curved anywhere else;
 - ``UNKNOWN``: no rule here says (loops, function calls, ops without a rule): not followed;
 - a ``Mixed``: examples met here, first at ``node``, for ``reason``; whatever reads it is
   mixed too.
@@ -46,6 +50,10 @@ from graphxform.replica_values import (BATCH_NORM_OPS, CROSS_ENTROPY_OPS, ELEMEN
 from graphxform.training import RANDOM_OPS
 
 SIZE, AGGREGATE, NORM, UNKNOWN = "size", "aggregate", "norm", "unknown"
+# a count of the batch's elements over a total of its values (Keras rescales a masked loss's
+# weights by size(mask) / sum(mask)): global-denominators makes it the whole batch's ratio in
+# every replica, and the contract refuses it where no pass does (see _through_ratio)
+RATIO = "ratio"
 _MOMENTS = ("moments/mean", "moments/variance")  # tf.nn.moments: sync-batch-norm's
 _INTEGER_DTYPES = (3, 9)  # int32, int64: lengths, counts
 
@@ -165,6 +173,12 @@ class _Flow:
             return UNKNOWN if any(s is not None for s in found) else None
         if all(s is None for s in found):
             return None
+        if RATIO in found:
+            found = _through_ratio(name, op, inputs, found)
+            if not isinstance(found, list):
+                return found
+            if all(s is None for s in found):
+                return RATIO
         curved = _curved(_Node(self, name, op, inputs, found))
         if curved is not None:
             return curved
@@ -329,8 +343,25 @@ def _curved(n: _Node):
     if n.op in _DIVISIONS and len(states) == 2 and statistics == [False, True]:
         # 1 / sum; over a numerator no rule here knows (a sum after a loop, most likely: a
         # masked mean), unknown: global-denominators' case if it is a sum
-        return UNKNOWN if states[0] == UNKNOWN else Curved(n.name, n.op)
+        return UNKNOWN if states[0] == UNKNOWN else RATIO if states[0] == SIZE else \
+            Curved(n.name, n.op)
     return None
+
+
+def _through_ratio(name: str, op: str, inputs: list, states: list):
+    """``states`` with each RATIO read as holding nothing of the batch, where ``op`` carries
+    the ratio the way the contract's search for denominators follows a loss's terms
+    (graphxform.contract.batch_denominators): added, multiplied, as a dividend, summed, or
+    reshaped and cast as a weight; elsewhere a Curved, so what no pass can make global is
+    never taken for linear."""
+    from graphxform.replica_values import LOSS_TERM_OPS, WEIGHT_OPS
+    at = [k for k, s in enumerate(states) if s == RATIO]
+    if op in LOSS_TERM_OPS or (at == [0] and (op in _DIVISIONS or op in WEIGHT_OPS
+                                              or op in ("Sum", "Mean"))):
+        return [None if s == RATIO else s for s in states]
+    source = inputs[at[0]][0]
+    return Curved(name, op, f"applies {op} to '{source}', a count of the batch over a total of "
+                  "its values, other than as a weight of its examples")
 
 
 def _norm_source(flow: _Flow, name: str) -> str:

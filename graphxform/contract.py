@@ -469,7 +469,7 @@ def batch_denominators(ir: GraphIR, loss: tuple, classes,
     total and stays the slice's own. ``reading_variables``: those
     that do depend on a variable instead (a mean of the model's own outputs under
     stop_gradient), which no pass can make global."""
-    from graphxform.replica_values import BATCHED, DIVIDE_OPS, LOSS_TERM_OPS
+    from graphxform.replica_values import BATCHED, DIVIDE_OPS, LOSS_TERM_OPS, WEIGHT_OPS
     found, seen, stack = [], set(), [loss]
     sources = None  # the batch's splits, found when a division asks
     while stack:
@@ -495,8 +495,8 @@ def batch_denominators(ir: GraphIR, loss: tuple, classes,
             stack.append(inputs[0])
         elif op in LOSS_TERM_OPS:
             stack.extend(inputs)
-        elif op in ("Sum", "Mean"):  # of per-class ratios (tf.math.unsorted_segment_mean)
-            stack.append(inputs[0])
+        elif op in ("Sum", "Mean") or op in WEIGHT_OPS:  # of per-class ratios
+            stack.append(inputs[0])  # (tf.math.unsorted_segment_mean), or a weight's way
     return found
 
 

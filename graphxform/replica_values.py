@@ -591,6 +591,10 @@ _MULTIPLY = frozenset({"Mul", "MulNoNan"})
 DIVIDE_OPS = frozenset({"RealDiv", "Div", "DivNoNan", "TrueDiv"})
 # how a loss's value passes on from its terms to what the user minimises
 LOSS_TERM_OPS = frozenset({"Identity", "AddV2", "Add", "Sub", "Mul", "AddN", "Neg"})
+# how a per-example weight reaches the losses it multiplies (from its input 0): Keras squeezes,
+# expands and casts its sample weights
+WEIGHT_OPS = frozenset({"Reshape", "ExpandDims", "Squeeze", "Cast", "StopGradient",
+                        "BroadcastTo", "Tile"})
 
 
 def _linear_combination(op: str, classes) -> str:

@@ -282,7 +282,18 @@ def loss_plus_batch_variance(x, y):
     return _step(tf.reduce_mean(per) + 0.5 * variance)
 
 
+def ratio_under_sqrt(x, y):
+    """Keras's rescaling of a masked loss, size / sum(mask), put through a square root: no
+    longer a weight global-denominators can make the whole batch's."""
+    import tensorflow as tf
+    per = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=dense(x, 2, "out"))
+    positives = tf.reduce_sum(tf.cast(tf.equal(y, 1), tf.float32))
+    ratio = tf.cast(tf.size(y), tf.float32) / positives
+    return _step(tf.reduce_mean(per * tf.sqrt(ratio)))
+
+
 MIXING = [(infonce, "MatMul", "pairs every example with every other"),
+          (ratio_under_sqrt, "Mul", "made at 'Sqrt' (Sqrt)"),
           (squared_batch_mean, "Square", "non-linear function to a sum or mean"),
           (log_mean_exp, "Log", "non-linear function to a sum or mean"),
           (sharpe_ratio, "Mean", "statistics of the batch (tf.nn.moments) that the loss is"),

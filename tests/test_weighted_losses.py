@@ -196,3 +196,61 @@ def test_a_denominator_that_is_a_function_of_totals_is_recomputed(run_cli, tmp_p
                              _guarded_feeds(tmp_path), "--batch-size", 16, "--steps", 4)
     assert code == 0, err
     assert "PASS" in out, out
+
+
+def keras_masked_sequence_graph(path):
+    """tf_keras as its guide writes a masked sequence model: Embedding(mask_zero=True), an RNN
+    and a Dense per step, compile() with a sparse cross-entropy. Keras weights each token by
+    mask * size(mask) / sum(mask) inside the per-example weights, then takes the mean: each
+    replica would divide by its own slice's count of tokens."""
+    import tensorflow as tf
+    import tf_keras
+    tf1 = tf.compat.v1
+    graph = tf.Graph()
+    with graph.as_default():
+        tf1.set_random_seed(1)
+        tokens = tf_keras.Input(shape=(6,), dtype="int32", name="tokens")
+        h = tf_keras.layers.Embedding(12, 6, mask_zero=True)(tokens)
+        h = tf_keras.layers.SimpleRNN(6, return_sequences=True)(h)
+        model = tf_keras.Model(tokens, tf_keras.layers.Dense(4)(h))
+        model.compile(optimizer=tf_keras.optimizers.legacy.SGD(0.5),
+                      loss=tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model._make_train_function()
+        tf1.add_to_collection("train_op", tf.group(model.train_function.updates_op,
+                                                   name="train"))
+        tf1.add_to_collection("losses", model.total_loss)
+        tf1.train.export_meta_graph(str(path), graph=graph)
+    return str(path)
+
+
+def _keras_feeds(tmp_path):
+    """Sequences of 1 to 6 tokens, then padding (0): slices of every batch of 16 hold
+    different counts of tokens."""
+    rng = np.random.RandomState(0)
+    tokens = rng.randint(1, 12, (64, 6))
+    lengths = rng.randint(1, 7, 64)
+    lengths[:8] = 1
+    tokens[np.arange(6)[None, :] >= lengths[:, None]] = 0
+    np.savez(tmp_path / "k.npz", tokens=tokens.astype(np.int32),
+             dense_target=rng.randint(0, 4, (64, 6, 1)).astype(np.float32))
+    return tmp_path / "k.npz"
+
+
+def test_a_keras_masked_sequence_loss_trains_like_one_device(run_cli, tmp_path):
+    code, out, err = run_cli("verify", "--replicas", 2,
+                             keras_masked_sequence_graph(tmp_path / "m.meta"), "--feeds",
+                             _keras_feeds(tmp_path), "--batch-size", 16, "--steps", 3)
+    assert code == 0, err
+    assert "PASS" in out, out
+
+
+def test_a_keras_masked_sequence_loss_is_refused_without_collectives(run_cli, tmp_path):
+    cluster = tmp_path / "cluster.json"
+    cluster.write_text('{"ps": ["127.0.0.1:2222"], "worker": ["127.0.0.1:2224", '
+                       '"127.0.0.1:2225"]}')
+    code, _, err = run_cli("apply", "--strategy", "ps", "--cluster", cluster,
+                           keras_masked_sequence_graph(tmp_path / "m.meta"),
+                           "-o", tmp_path / "o.meta")
+    assert code == 1, err
+    assert "which divides by 'loss/dense_loss/Sum', a sum over the batch" in err
+    assert len(err.strip().splitlines()) == 1
