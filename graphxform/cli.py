@@ -392,9 +392,14 @@ def apply(model, output, no_verify, dump_dir, explain, debug, **options):
     click.echo(f"wrote {output}: {strategy}, {summary.get('replicas')} replicas, "
                f"{len(ir)} nodes")
     if "buckets" in summary:
+        gradients = next(t.summary.get("collectives_per_replica", 0)
+                         for t in pipeline.timings if "buckets" in t.summary)
+        others = [(t.name, t.summary["collectives_per_replica"]) for t in pipeline.timings
+                  if t.summary.get("collectives_per_replica") and "buckets" not in t.summary]
         click.echo(f"  collectives per replica per step: "
-                   f"{summary.get('collectives_per_replica', 0)} ({summary['buckets']} dense "
-                   f"buckets, {summary.get('sparse_gathers', 0)} sparse gathers x3)")
+                   f"{gradients + sum(n for _, n in others)} ({summary['buckets']} dense "
+                   f"buckets, {summary.get('sparse_gathers', 0)} sparse gathers x3"
+                   + "".join(f", {n} {name}" for name, n in others) + ")")
         click.echo(f"  dense bytes all-reduced per replica per step: "
                    f"{summary.get('dense_bytes_reduced', 0)}")
     if "workers" in summary:

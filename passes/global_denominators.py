@@ -69,7 +69,7 @@ class GlobalDenominators(Pass):
         build = Builder(ir, self.name)
         keys = itertools.count(INSTANCE_KEYS)
         values = classes()
-        recomputed = []
+        recomputed, reduced = [], 0
         for k, (tensor, loss) in enumerate(found):
             scope = f"{SCOPE}{k}/"
             top = _numerator_kind(ir, values, tensor, loss)
@@ -78,17 +78,20 @@ class GlobalDenominators(Pass):
                 _reduce_each(ir, build, ctx.devices, tensor, next(keys),
                              _total_reduction(values, tensor, top), scope,
                              consumers=lambda n, p: n.startswith(p))
+                reduced += 1
                 continue
             leaves, interior, scale = plan
             for leaf, final in leaves:
                 _reduce_each(ir, build, ctx.devices, leaf, next(keys), final, scope,
                              consumers=lambda n, p: n.startswith(p) and n[len(p):] in interior)
+            reduced += len(leaves)
             if scale:
                 _divide_each(ir, build, ctx.devices, tensor, scope)
             recomputed.append(tensor[len(first):])
         return PassResult(modified=True, summary={
             "denominators": [d[len(first):] for d, _ in found],
-            "recomputed from the batch's totals": recomputed})
+            "recomputed from the batch's totals": recomputed,
+            "collectives_per_replica": reduced})
 
 
 def _classes(ir, first: str, losses: list):

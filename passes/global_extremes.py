@@ -44,7 +44,8 @@ class GlobalExtremes(Pass):
         for key, node in zip(itertools.count(INSTANCE_KEYS), found):
             _reduce_each(ir, build, ctx.devices, node[len(first):], key)
         return PassResult(modified=True, summary={
-            "the whole batch's": [n[len(first):] for n in found]})
+            "the whole batch's": [n[len(first):] for n in found],
+            "collectives_per_replica": len(found)})
 
 
 def _reduce_each(ir, build, devices: list, node: str, instance: int) -> None:

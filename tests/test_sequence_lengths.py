@@ -85,7 +85,8 @@ def test_every_replica_pads_to_the_whole_batchs_longest(tmp_path):
     ir = metagraph.load(padded_graph(tmp_path / "m.meta"))
     pipeline = strategies.transform(ir, "allreduce", devices=["/cpu:0", "/cpu:1"])
     done = {t.name: t.summary for t in pipeline.timings}["global-extremes"]
-    assert done == {"the whole batch's": ["Max", "SequenceMask/Max"]}  # the mask takes its own
+    assert done == {"the whole batch's": ["Max", "SequenceMask/Max"],  # the mask takes its own
+                    "collectives_per_replica": 2}
     for i in range(2):
         reduced = f"global_extremes/0/replica_{i}/reduced"
         assert ir.op(reduced) == "CollectiveReduceV2"

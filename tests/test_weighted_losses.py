@@ -254,3 +254,13 @@ def test_a_keras_masked_sequence_loss_is_refused_without_collectives(run_cli, tm
     assert code == 1, err
     assert "which divides by 'loss/dense_loss/Sum', a sum over the batch" in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_apply_counts_the_denominators_collectives(run_cli, tmp_path):
+    """The summary's collectives per replica per step include the denominators' own."""
+    code, out, err = run_cli("apply", "--replicas", 2,
+                             weighted_graph(tmp_path / "m.meta", "masked_mean"),
+                             "-o", tmp_path / "o.meta")
+    assert code == 0, err
+    assert ("collectives per replica per step: 2 (1 dense buckets, 0 sparse gathers x3, "
+            "1 global-denominators)") in out
