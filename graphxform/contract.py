@@ -490,7 +490,8 @@ def batch_denominators(ir: GraphIR, loss: tuple, classes,
                     and opdefs.output_dtype(ir, *bottom) in _FLOATS
                     and not reads.isdisjoint(sources)
                     and any(ir.op(n) in VARIABLE_OPS for n in reads) == reading_variables
-                    and classes().of(*bottom) not in BATCHED):
+                    and classes().of(*bottom) not in BATCHED
+                    and not _rows_of_the_batch(ir, *bottom)):
                 found.append(tensor_name(*bottom))
             stack.append(inputs[0])
         elif op in LOSS_TERM_OPS:
@@ -498,6 +499,17 @@ def batch_denominators(ir: GraphIR, loss: tuple, classes,
         elif op in ("Sum", "Mean") or op in WEIGHT_OPS:  # of per-class ratios
             stack.append(inputs[0])  # (tf.math.unsorted_segment_mean), or a weight's way
     return found
+
+
+def _rows_of_the_batch(ir: GraphIR, node: str, port: int) -> bool:
+    """Whether export_meta_graph recorded ``node:port`` with a leading dimension of unknown
+    size, as it records one value per example (a total over the batch is a scalar): a divisor
+    the rules could not class (read from a loop, or shaped by the batch's longest length)."""
+    shapes = ir.attrs(node).get("_output_shapes")
+    if shapes is None or port >= len(shapes.list.shape):
+        return False
+    shape = shapes.list.shape[port]
+    return not shape.unknown_rank and len(shape.dim) >= 1 and shape.dim[0].size < 0
 
 
 def _constant_denominator(ir: GraphIR, node: str):

@@ -513,10 +513,20 @@ def _non_negative(axis: int, rank):
 # than the outputs repeats its last entry.
 
 def _default(n: _Node):
-    """Unknown ops: identical from identical inputs when deterministic, otherwise unknown."""
+    """Unknown ops: identical from identical inputs when deterministic, otherwise unknown; the
+    rank export_meta_graph recorded (tf.sequence_mask's Range is a vector that broadcasts
+    against each example's length)."""
     pure = n.sweep.op_flags(n.op)[1]
     identical = pure and all(c == IDENTICAL for c in n.cls)
-    return (IDENTICAL if identical else UNKNOWN,), (None,)
+    return (IDENTICAL if identical else UNKNOWN,), _recorded_ranks(n)
+
+
+def _recorded_ranks(n: _Node) -> tuple:
+    """The rank of each output in ``_output_shapes`` (None where unknown)."""
+    shapes = n.attr("_output_shapes")
+    if shapes is None or not shapes.list.shape:
+        return (None,)
+    return tuple(None if shape.unknown_rank else len(shape.dim) for shape in shapes.list.shape)
 
 
 def _source(n: _Node):

@@ -74,9 +74,10 @@ class GlobalDenominators(Pass):
             scope = f"{SCOPE}{k}/"
             top = _numerator_kind(ir, values, tensor, loss)
             plan = _recompute_plan(ir, values, tensor, top)
-            if plan is None:  # a total (or what no plan reaches): its replicas' mean or sum
+            if plan is None:  # a total: its replicas' mean or sum
+                _require_total(ir, values, tensor, loss)
                 _reduce_each(ir, build, ctx.devices, tensor, next(keys),
-                             _total_reduction(values, tensor, top), scope,
+                             _total_reduction(ir, values, tensor, top), scope,
                              consumers=lambda n, p: n.startswith(p))
                 reduced += 1
                 continue
@@ -112,7 +113,7 @@ def _recompute_plan(ir, values, tensor: str, top: str):
     from graphxform.replica_values import BATCHED, COUNT, IDENTICAL, MEAN, SUM
     first = replica_prefix(0)
     node, port = parse_tensor(tensor)
-    if values.of(node, port) in (SUM, MEAN, COUNT) or \
+    if _total_kind(ir, values, (node, port)) is not None or \
             opdefs.output_dtype(ir, node, port) not in _NUMPY_FLOATS:
         return None
     leaves, interior, seen, stack = [], set(), set(), [(node, port)]
@@ -121,7 +122,7 @@ def _recompute_plan(ir, values, tensor: str, top: str):
         if current in seen:
             continue
         seen.add(current)
-        kind = values.of(*current)
+        kind = _total_kind(ir, values, current) or values.of(*current)
         if kind in (SUM, COUNT, MEAN):
             if opdefs.output_dtype(ir, *current) not in _NUMPY_FLOATS:
                 return None  # a count of ints: collectives here reduce floats
@@ -141,13 +142,13 @@ def _recompute_plan(ir, values, tensor: str, top: str):
     return leaves, {n[len(first):] for n in interior}, top != MEAN
 
 
-def _total_reduction(values, tensor: str, top: str) -> str:
+def _total_reduction(ir, values, tensor: str, top: str) -> str:
     """How the replicas' copies of ``tensor``, a total, combine so that the mean of the
     replicas' losses is one device's: S_i / (M / N) averages to S / M for a sum S over the
     batch (the replicas' mean of the denominator), A_i / M to A / M for a mean A (their
     sum); a mean over a mean is the mean of both."""
     from graphxform.replica_values import MEAN
-    if top == MEAN and values.of(*parse_tensor(tensor)) != MEAN:
+    if top == MEAN and _total_kind(ir, values, parse_tensor(tensor)) != MEAN:
         return "Id"
     return "Div"
 
@@ -157,17 +158,15 @@ def _numerator_kind(ir, values, denominator: str, loss: tuple) -> str:
     mean over the batch: its class, or, where the rules cannot tell (read from a loop's
     outputs), the reduction that makes it a scalar, seen through ops that only scale it.
     Anything else is refused: dividing it by the wrong total would train silently wrong."""
-    from graphxform.replica_values import COUNT, IDENTICAL, MEAN, SUM
+    from graphxform.replica_values import COUNT, IDENTICAL, SUM
     found = _numerator(ir, denominator, ir.ancestors(loss[0]))
     current = found
     while current is not None:
-        kind = values.of(*current)
-        if kind in (SUM, COUNT, MEAN):
+        kind = _total_kind(ir, values, current)
+        if kind is not None:
             return SUM if kind == COUNT else kind
         node = current[0]
         op, inputs = ir.op(node), ir.inputs(node)
-        if op in ("Sum", "Mean") and _scalar(ir, node):
-            return SUM if op == "Sum" else MEAN
         scaled = [t for t in inputs if values.of(*t) != IDENTICAL]
         divides = op in _DIVIDE_OPS and scaled[:1] != inputs[:1]  # a constant over it
         current = scaled[0] if op in _SCALING_OPS and len(scaled) == 1 and not divides else None
@@ -179,6 +178,36 @@ def _numerator_kind(ir, values, denominator: str, loss: tuple) -> str:
         "shown to be a sum or a mean over the batch, so which total of the replicas' stands in "
         "for the whole batch's cannot be told; write the loss as "
         "tf.reduce_sum(losses * mask) / tf.reduce_sum(mask)")
+
+
+def _require_total(ir, values, tensor: str, loss: tuple) -> None:
+    """Refuse a denominator that is neither a total of the batch (a sum, mean or count, or a
+    scalar Sum or Mean of what the rules cannot class) nor recomputed from totals: the
+    replicas' mean of max(sum(w_i), 1) is not max(sum(w), 1) where a slice has no weight."""
+    from graphxform.contract import ContractError
+    node, port = parse_tensor(tensor)
+    if _total_kind(ir, values, (node, port)) is not None:
+        return
+    first = len(replica_prefix(0))
+    raise ContractError(
+        f"the loss '{tensor_name(*loss)[first:]}' divides by '{node[first:]}' ({ir.op(node)}), "
+        "a function of the batch's totals that cannot be recomputed from them here (its "
+        "totals are not shown to be sums or means, or something else reads its parts): the "
+        "replicas' mean of it is not its value on the whole batch; divide by "
+        "tf.reduce_sum(mask) itself, or by a constant")
+
+
+def _total_kind(ir, values, tensor: tuple):
+    """SUM, MEAN or COUNT for a total of the batch: its class, or, where the rules cannot
+    tell (what a loop read), a Sum or Mean recorded as a scalar; else None."""
+    from graphxform.replica_values import COUNT, MEAN, SUM
+    kind = values.of(*tensor)
+    if kind in (SUM, MEAN, COUNT):
+        return kind
+    op = ir.op(tensor[0])
+    if op in ("Sum", "Mean") and _scalar(ir, tensor[0]):
+        return SUM if op == "Sum" else MEAN
+    return None
 
 
 _DIVIDE_OPS = frozenset({"RealDiv", "Div", "DivNoNan"})

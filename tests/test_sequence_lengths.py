@@ -51,10 +51,14 @@ def padded_graph(path, form="mean_over_padding"):
         elif form == "per_token_of_the_longest":  # the same count, written out
             loss = tf.identity(tf.reduce_sum(ce) / tf.cast(tf.size(ce), tf.float32),
                                name="loss")
-        else:  # "mean_per_sequence": each sequence over its own length, then the batch's mean
+        elif form == "mean_per_sequence":  # each over its own length, then the batch's mean
             mask = tf.sequence_mask(lengths, longest, dtype=tf.float32)
             loss = tf.reduce_mean(tf.reduce_sum(ce * mask, axis=1) /
                                   tf.cast(lengths, tf.float32), name="loss")
+        else:  # "sequence_loss_per_row": seq2seq's sequence_loss(average_across_batch=False)
+            mask = tf.sequence_mask(lengths, longest, dtype=tf.float32)
+            loss = tf.reduce_mean(tf.reduce_sum(ce * mask, axis=1) /
+                                  (tf.reduce_sum(mask, axis=1) + 1e-12), name="loss")
         return _export_sgd(graph, loss, path)
 
 
@@ -69,7 +73,7 @@ def _feeds(tmp_path):
 
 
 @pytest.mark.parametrize("form", ["mean_over_padding", "per_token_of_the_longest",
-                                  "mean_per_sequence"])
+                                  "mean_per_sequence", "sequence_loss_per_row"])
 @pytest.mark.parametrize("strategy", ["allreduce", "replicated"])
 def test_a_loss_padded_to_the_longest_sequence_trains_like_one_device(run_cli, tmp_path,
                                                                       form, strategy):

@@ -175,6 +175,11 @@ def guarded_graph(path, form):
             loss = tf.reduce_sum(per * weights) / tf.maximum(tf.reduce_sum(weights), 1.0)
         elif form == "guarded_mean_over_mask_sum":
             loss = tf.reduce_mean(per * weights) / tf.maximum(tf.reduce_sum(weights), 1.0)
+        elif form in ("guarded_loop_total", "guarded_dot_total"):  # totals no rule classes
+            looped = tf.map_fn(lambda e: 1.0 * e, weights)
+            total = tf.reduce_sum(looped) if form == "guarded_loop_total" else \
+                tf.tensordot(looped, looped, 1)
+            loss = tf.reduce_sum(per * weights) / tf.maximum(total, 1.0)
         else:
             loss = tf.reduce_mean(tf.math.unsorted_segment_mean(per, y, 2)) + \
                 0.0 * tf.reduce_sum(weights)
@@ -187,7 +192,7 @@ def guarded_graph(path, form):
 
 
 @pytest.mark.parametrize("form", ["guarded_masked_mean", "guarded_mean_over_mask_sum",
-                                  "per_class_mean"])
+                                  "guarded_loop_total", "per_class_mean"])
 def test_a_denominator_that_is_a_function_of_totals_is_recomputed(run_cli, tmp_path, form):
     """The replicas' mean of max(sum(w_i), 1) is not max(sum(w), 1) when a slice has no
     weight: the totals are reduced and the function applied to them instead."""
@@ -264,3 +269,16 @@ def test_apply_counts_the_denominators_collectives(run_cli, tmp_path):
     assert code == 0, err
     assert ("collectives per replica per step: 2 (1 dense buckets, 0 sparse gathers x3, "
             "1 global-denominators)") in out
+
+
+def test_a_guard_over_what_is_not_shown_a_total_is_refused(run_cli, tmp_path):
+    """max(w . w, 1) over a loop's outputs: the replicas' mean of the guard is not the whole
+    batch's guard, and its parts are not shown to be totals to recompute it from (it was
+    all-reduced as it was; a guard whose sum no rule classed failed verify by 3e-02)."""
+    code, _, err = run_cli("apply", "--replicas", 2,
+                           guarded_graph(tmp_path / "m.meta", "guarded_dot_total"),
+                           "-o", tmp_path / "o.meta")
+    assert code == 1, err
+    assert "divides by 'Maximum' (Maximum), a function of the batch's totals" in err
+    assert len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "o.meta").exists()
