@@ -9,7 +9,9 @@ control flow v2, that reads one example per iteration and carries a value to the
 normalises them by a statistic of the batch computes something else on a slice, and nothing in
 the averaged gradients says so. Batch norm is the one documented exception
 (``--sync-batch-norm``; `verify` names it): a FusedBatchNorm, and ``tf.nn.moments``' Means
-(``moments/mean``, ``moments/variance``), which sync-batch-norm knows.
+(``moments/mean``, ``moments/variance``) of an activation over all its axes but the
+features, which sync-batch-norm knows; moments of data or of per-example losses (advantage
+normalisation) are statistics of the batch like any other.
 
 This follows the single-device graph forward from its batch (the batched placeholders and
 input-pipeline reads) to each step's loss, along data edges, giving every tensor a state:
@@ -427,7 +429,7 @@ def _reduce(n: _Node):
         return UNKNOWN
     if axes == "all" or state in axes:
         if n.op in ("Sum", "Mean"):
-            return NORM if n.name.endswith(_MOMENTS) else AGGREGATE
+            return NORM if _batch_norm_moments(n, axes, rank) else AGGREGATE
         if n.op in ("Max", "Min") and n.attr("T") is not None and \
                 n.attr("T").type in _INTEGER_DTYPES:
             return None  # the batch's longest sequence: global-extremes makes it the whole
@@ -435,6 +437,28 @@ def _reduce(n: _Node):
         return n.mixed(f"takes the {n.op} over the batch: each replica would take its own "
                        "slice's")
     return state if n.flag("keep_dims") else state - sum(a < state for a in axes)
+
+
+def _batch_norm_moments(n: _Node, axes, rank) -> bool:
+    """Whether ``n`` is tf.nn.moments' mean or variance as batch norm takes them: of an
+    activation the model's variables compute, over every axis but its features (kept). Moments
+    of data (rewards, regression targets) or of per-example losses standardise the examples by
+    the batch, which mixes them: advantage normalisation is no batch norm."""
+    if not n.name.endswith(_MOMENTS) or rank is None or rank < 2 or axes == "all" \
+            or rank - 1 in axes:
+        return False
+    from graphxform.training import VARIABLE_OPS
+    ir = n.flow.ir
+    seen, stack = set(), [n.inputs[0][0]]
+    while stack:
+        node = stack.pop()
+        if ir.op(node) in VARIABLE_OPS:
+            return True
+        for src, _ in ir.inputs(node):
+            if src not in seen:
+                seen.add(src)
+                stack.append(src)
+    return False
 
 
 def _reduction_axes(n: _Node, rank):

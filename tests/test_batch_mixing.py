@@ -274,6 +274,25 @@ def sharpe_ratio(x, y):
     return _step(-mean / tf.sqrt(variance + 1e-6))
 
 
+def advantage_normalised(x, y):
+    """Policy gradient with advantages standardised by the batch's moments: tf.nn.moments
+    and tf.nn.batch_normalization, over returns, not over an activation."""
+    import tensorflow as tf
+    returns = tf.cast(y, tf.float32) * 2.0 + x[:, 0]
+    mean, variance = tf.nn.moments(returns, axes=[0])
+    advantages = tf.nn.batch_normalization(returns, mean, variance, None, None, 1e-8)
+    per = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=dense(x, 2, "out"))
+    return _step(tf.reduce_mean(per * advantages))
+
+
+def standardised_losses(x, y):
+    """Each example's loss z-scored by the batch's moments of the losses."""
+    import tensorflow as tf
+    per = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=dense(x, 2, "out"))
+    mean, variance = tf.nn.moments(per, axes=[0])
+    return _step(tf.reduce_mean(tf.square((per - mean) / tf.sqrt(variance + 1e-3))))
+
+
 def loss_plus_batch_variance(x, y):
     """A mean loss plus the variance of the per-example losses (variance-penalised risk)."""
     import tensorflow as tf
@@ -296,8 +315,10 @@ MIXING = [(infonce, "MatMul", "pairs every example with every other"),
           (ratio_under_sqrt, "Mul", "made at 'Sqrt' (Sqrt)"),
           (squared_batch_mean, "Square", "non-linear function to a sum or mean"),
           (log_mean_exp, "Log", "non-linear function to a sum or mean"),
-          (sharpe_ratio, "Mean", "statistics of the batch (tf.nn.moments) that the loss is"),
-          (loss_plus_batch_variance, "Mean", "that the loss adds to a sum or mean"),
+          (sharpe_ratio, "SquaredDifference", "combines each example with a sum or mean"),
+          (loss_plus_batch_variance, "SquaredDifference", "combines each example with a sum or mean"),
+          (advantage_normalised, "SquaredDifference", "combines each example with a sum or mean"),
+          (standardised_losses, "Sub", "combines each example with a sum or mean"),
           (simclr_tensordot, "MatMul", "pairs every example with every other"),
           (prototypes, "GatherV2", "sum or mean over the batch picked by its own index"),
           (partitioned_mean, "DynamicPartition", "splits the examples of the batch"),
