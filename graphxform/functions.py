@@ -195,12 +195,16 @@ def body_graph(ir, call: str, key: str) -> BodyGraph | None:
     (function_def_to_graph); None when it is not in the library or TF cannot build it (a call
     inside it to another function)."""
     from tensorflow.core.protobuf import meta_graph_pb2
-    from tensorflow.python.framework import function_def_to_graph
 
+    from graphxform import tf_import
     from graphxform.metagraph import from_metagraph
     body = _function(ir, call, key)
     if body is None:
         return None
+    # building a graph makes TF's global default graph; the whole package must be imported
+    # first, or its import later (verify's session) refuses to switch to eager behaviour
+    tf_import.full()
+    from tensorflow.python.framework import function_def_to_graph
     try:
         graph = function_def_to_graph.function_def_to_graph(body)
     except Exception:  # noqa: BLE001  TF's importer raises many kinds; then nothing is known

@@ -104,3 +104,30 @@ def test_no_tensorflow_is_a_one_line_error():
         "print(code, err.getvalue().startswith('graphxform: error: TensorFlow is not "
         "installed'), err.getvalue().count(chr(10)))\n")
     assert printed == ["1", "True", "1"]
+
+
+def _cond_in_the_step(x, y):
+    """A control-flow-v2 cond on the way to the loss (as tf_keras's layers branch on the
+    learning phase): the contract reads its branches as graphs before verify's session."""
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+    w = tf1.get_variable("w", [8, 2])
+    h = tf.cond(tf.reduce_sum(w) < 1e6, lambda: tf.nn.relu(x), lambda: x)
+    loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+        labels=y, logits=tf.matmul(h, w)))
+    return tf1.train.GradientDescentOptimizer(0.1).minimize(loss)
+
+
+def test_verify_runs_a_graph_whose_step_calls_a_function(tmp_path):
+    """Reading a function body builds a graph, which TensorFlow's package must be imported
+    for first: run from a shell, verify then failed to import it for its session ('internal
+    error: ValueError: tf.enable_eager_execution must be called at program startup'). Under
+    pytest the old code happened to pass; this keeps the path run in a fresh process."""
+    from conftest import export_classifier
+    model = export_classifier(tmp_path / "m.meta", _cond_in_the_step)
+    done = subprocess.run([sys.executable, "-m", "graphxform", "verify", "--replicas", "2",
+                           model, "--feeds", model + ".npz", "--batch-size", "16", "--steps",
+                           "2"], capture_output=True, text=True, timeout=TIMEOUT_S,
+                          env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "PASS" in done.stdout, done.stdout
