@@ -449,16 +449,7 @@ def _batch_norm_moments(n: _Node, axes, rank) -> bool:
         return False
     from graphxform.training import VARIABLE_OPS
     ir = n.flow.ir
-    seen, stack = set(), [n.inputs[0][0]]
-    while stack:
-        node = stack.pop()
-        if ir.op(node) in VARIABLE_OPS:
-            return True
-        for src, _ in ir.inputs(node):
-            if src not in seen:
-                seen.add(src)
-                stack.append(src)
-    return False
+    return any(ir.op(src) in VARIABLE_OPS for src in ir.value_sources(n.inputs[0][0]))
 
 
 def _reduction_axes(n: _Node, rank):

@@ -505,11 +505,8 @@ def _rows_of_the_batch(ir: GraphIR, node: str, port: int) -> bool:
     """Whether export_meta_graph recorded ``node:port`` with a leading dimension of unknown
     size, as it records one value per example (a total over the batch is a scalar): a divisor
     the rules could not class (read from a loop, or shaped by the batch's longest length)."""
-    shapes = ir.attrs(node).get("_output_shapes")
-    if shapes is None or port >= len(shapes.list.shape):
-        return False
-    shape = shapes.list.shape[port]
-    return not shape.unknown_rank and len(shape.dim) >= 1 and shape.dim[0].size < 0
+    dims = opdefs.recorded_dims(ir, node, port)
+    return bool(dims) and dims[0] < 0
 
 
 def _constant_denominator(ir: GraphIR, node: str):

@@ -103,3 +103,13 @@ def output_dtype(ir, name: str, port: int) -> int | None:
             return None
         index += count
     return None
+
+
+def recorded_dims(ir, name: str, port: int) -> list[int] | None:
+    """The dimensions (-1: unknown) export_meta_graph recorded for output ``port`` of
+    ``name`` in ``_output_shapes``; None when it recorded none or an unknown rank."""
+    shapes = ir.attrs(name).get("_output_shapes")
+    if shapes is None or port >= len(shapes.list.shape):
+        return None
+    shape = shapes.list.shape[port]
+    return None if shape.unknown_rank else [d.size for d in shape.dim]

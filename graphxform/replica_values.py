@@ -524,9 +524,9 @@ def _default(n: _Node):
 def _recorded_ranks(n: _Node) -> tuple:
     """The rank of each output in ``_output_shapes`` (None where unknown)."""
     shapes = n.attr("_output_shapes")
-    if shapes is None or not shapes.list.shape:
-        return (None,)
-    return tuple(None if shape.unknown_rank else len(shape.dim) for shape in shapes.list.shape)
+    ports = range(len(shapes.list.shape)) if shapes is not None else ()
+    dims = [opdefs.recorded_dims(n.sweep.ir, n.name, port) for port in ports]
+    return tuple(None if d is None else len(d) for d in dims) or (None,)
 
 
 def _source(n: _Node):

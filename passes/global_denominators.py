@@ -168,7 +168,7 @@ def _numerator_kind(ir, values, denominator: str, loss: tuple) -> str:
         node = current[0]
         op, inputs = ir.op(node), ir.inputs(node)
         scaled = [t for t in inputs if values.of(*t) != IDENTICAL]
-        divides = op in _DIVIDE_OPS and scaled[:1] != inputs[:1]  # a constant over it
+        divides = op in replica_values.DIVIDE_OPS and scaled[:1] != inputs[:1]  # c / it
         current = scaled[0] if op in _SCALING_OPS and len(scaled) == 1 and not divides else None
     from graphxform.contract import ContractError
     what = "nothing" if found is None else f"'{tensor_name(*found)[len(replica_prefix(0)):]}'"
@@ -210,16 +210,13 @@ def _total_kind(ir, values, tensor: tuple):
     return None
 
 
-_DIVIDE_OPS = frozenset({"RealDiv", "Div", "DivNoNan"})
 _SCALING_OPS = frozenset({"Identity", "Neg", "Cast", "Mul", "StopGradient", "CheckNumerics",
-                          "Snapshot", *_DIVIDE_OPS})
+                          "Snapshot", *replica_values.DIVIDE_OPS})
 
 
 def _scalar(ir, node: str) -> bool:
     """Whether ``node``'s output is recorded as a scalar (a reduction over every axis)."""
-    shapes = ir.attrs(node).get("_output_shapes")
-    return (shapes is not None and len(shapes.list.shape) > 0
-            and not shapes.list.shape[0].unknown_rank and not shapes.list.shape[0].dim)
+    return opdefs.recorded_dims(ir, node, 0) == []
 
 
 def _numerator(ir, denominator: str, forward: set):

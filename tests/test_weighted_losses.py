@@ -10,16 +10,35 @@ import numpy as np
 import pytest
 
 
+def _classifier():
+    """Inside a graph: the inputs x, labels y and weights w (the batch's), and a linear
+    model's logits."""
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+    x = tf1.placeholder(tf.float32, [None, 8], name="x")
+    y = tf1.placeholder(tf.int64, [None], name="y")
+    weights = tf1.placeholder(tf.float32, [None], name="w")
+    return x, y, weights, tf.matmul(x, tf1.get_variable("w0", [8, 2]))
+
+
+def _export_sgd(graph, loss, path) -> str:
+    """Train ``loss`` by SGD with a global step, list it as the loss, export to ``path``."""
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+    step = tf1.train.get_or_create_global_step()
+    train = tf1.train.GradientDescentOptimizer(0.5).minimize(loss, global_step=step)
+    tf1.add_to_collection("train_op", train)
+    tf1.add_to_collection("losses", loss)
+    tf1.train.export_meta_graph(str(path), graph=graph)
+    return str(path)
+
+
 def weighted_graph(path, form):
     import tensorflow as tf
     tf1 = tf.compat.v1
     graph = tf.Graph()
     with graph.as_default():
-        x = tf1.placeholder(tf.float32, [None, 8], name="x")
-        y = tf1.placeholder(tf.int64, [None], name="y")
-        weights = tf1.placeholder(tf.float32, [None], name="w")
-        w = tf1.get_variable("w0", [8, 2])
-        logits = tf.matmul(x, w)
+        x, y, weights, logits = _classifier()
         if form == "tf1_losses":
             loss = tf1.losses.sparse_softmax_cross_entropy(y, logits, weights=weights)
         elif form == "model_weighted":  # weights from the model's own predictions
@@ -50,12 +69,7 @@ def weighted_graph(path, form):
                          "sum_over_batch_size": tf1.losses.Reduction.SUM_OVER_BATCH_SIZE}[form]
             loss = tf1.losses.sparse_softmax_cross_entropy(y, logits, weights=weights,
                                                            reduction=reduction)
-        step = tf1.train.get_or_create_global_step()
-        train = tf1.train.GradientDescentOptimizer(0.5).minimize(loss, global_step=step)
-        tf1.add_to_collection("train_op", train)
-        tf1.add_to_collection("losses", loss)
-        tf1.train.export_meta_graph(str(path), graph=graph)
-    return str(path)
+        return _export_sgd(graph, loss, path)
 
 
 
@@ -163,13 +177,9 @@ def guarded_graph(path, form):
     a mean of per-class means (tf.math.unsorted_segment_mean, a class-balanced loss): each
     divides by a function of the batch's totals, which is not a total itself."""
     import tensorflow as tf
-    tf1 = tf.compat.v1
     graph = tf.Graph()
     with graph.as_default():
-        x = tf1.placeholder(tf.float32, [None, 8], name="x")
-        y = tf1.placeholder(tf.int64, [None], name="y")
-        weights = tf1.placeholder(tf.float32, [None], name="w")
-        logits = tf.matmul(x, tf1.get_variable("w0", [8, 2]))
+        x, y, weights, logits = _classifier()
         per = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
         if form == "guarded_masked_mean":
             loss = tf.reduce_sum(per * weights) / tf.maximum(tf.reduce_sum(weights), 1.0)
@@ -183,12 +193,7 @@ def guarded_graph(path, form):
         else:
             loss = tf.reduce_mean(tf.math.unsorted_segment_mean(per, y, 2)) + \
                 0.0 * tf.reduce_sum(weights)
-        step = tf1.train.get_or_create_global_step()
-        train = tf1.train.GradientDescentOptimizer(0.5).minimize(loss, global_step=step)
-        tf1.add_to_collection("train_op", train)
-        tf1.add_to_collection("losses", loss)
-        tf1.train.export_meta_graph(str(path), graph=graph)
-    return str(path)
+        return _export_sgd(graph, loss, path)
 
 
 @pytest.mark.parametrize("form", ["guarded_masked_mean", "guarded_mean_over_mask_sum",
