@@ -70,6 +70,11 @@ class Mixed:
     node: str
     op: str
     reason: str
+    # what it means for the replicas, and what to do instead
+    advice: str = ("each replica would compute it on its own slice alone, which is not the "
+                   "loss one device computes (batch norm is the one exception this tool makes, "
+                   "see --sync-batch-norm): make the loss a mean of per-example terms, or train "
+                   "on one device")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -280,6 +285,33 @@ class _Node:
     def mixed(self, reason: str) -> Mixed:
         return Mixed(self.name, self.op, reason)
 
+    def fixed_rows(self, at: list) -> Mixed | None:
+        """Mixed where a batch-free operand lines its rows up with the examples in a number
+        the graph fixes while the batch's size is free (``tf.range(16)`` stacked beside
+        actions fed as ``[None]``): the graph runs with a batch of that size only, and each
+        replica's slice would meet all of those rows. ``at``: (operand, its axis facing the
+        examples) pairs; an operand of one row there broadcasts and is not counted. (With a
+        fixed batch, split-inputs rewrites what TF folded from it, and TF's import check
+        rejects what it could not.)"""
+        flow = self.flow
+        for k, state in enumerate(self.states):
+            if type(state) is int:
+                dims = flow.dims(*self.inputs[k])
+                if dims is None or state >= len(dims) or dims[state] != -1:
+                    return None
+        for k, axis in at:
+            dims = flow.dims(*self.inputs[k])
+            if self.states[k] is None and dims is not None and 0 <= axis < len(dims) \
+                    and dims[axis] > 1:
+                rows, source = dims[axis], self.inputs[k][0]
+                return Mixed(self.name, self.op, f"lines each example up with a row of "
+                             f"'{source}', whose {rows} rows the graph fixes while the batch's "
+                             f"size is free: it runs with a batch of {rows} only",
+                             f"each replica's slice would meet all {rows} rows: build "
+                             f"'{source}' from the batch's size (tf.range(tf.shape(x)[0]) "
+                             f"rather than tf.range({rows})), or train on one device")
+        return None
+
     def axis(self, value: int, rank):
         return value if value >= 0 else None if rank is None else value + rank
 
@@ -405,7 +437,10 @@ def _elementwise(n: _Node):
         if stat == AGGREGATE:
             return n.mixed("combines each example with a sum or mean over the batch (a "
                            "statistic of the batch that is not batch norm's)")
-        return axes.pop()
+        axis = axes.pop()
+        fixed = n.fixed_rows([(k, axis - out + n.rank(k)) for k, s in enumerate(n.states)
+                              if s is None and n.rank(k) is not None])
+        return fixed or axis
     return stat or SIZE
 
 
@@ -691,11 +726,19 @@ def _concat(n: _Node):
     rows = set(n.states[:-1])
     if len(rows) == 1 and type(next(iter(rows))) is int:
         return rows.pop()  # along the batch (batches joined) or beside it
+    batch = _rows(rows)
+    if len(batch) == 1 and rows == {batch[0], None}:  # batch-free parts beside the examples
+        axis = n.ints(len(n.states) - 1)
+        if axis and n.axis(axis[0], n.rank(0)) not in (None, batch[0]):
+            return n.fixed_rows([(k, batch[0]) for k in range(len(n.states) - 1)]) or UNKNOWN
     return UNKNOWN
 
 
 def _pack(n: _Node):
     rows = set(n.states)
+    batch = _rows(rows)
+    if len(batch) == 1 and rows == {batch[0], None}:  # equal shapes: the rows line up
+        return n.fixed_rows([(k, batch[0]) for k in range(len(n.states))]) or UNKNOWN
     if len(rows) != 1 or type(next(iter(rows))) is not int:
         return UNKNOWN
     state = rows.pop()

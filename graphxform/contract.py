@@ -53,10 +53,7 @@ def check_input(ir: GraphIR, tg: TrainingGraph) -> None:
         if found is not None:
             raise ContractError(
                 f"step '{step.name}' minimises '{step.loss}', which mixes the examples of its "
-                f"batch: '{found.node}' ({found.op}) {found.reason}; each replica would compute "
-                "it on its own slice alone, which is not the loss one device computes (batch "
-                "norm is the one exception this tool makes, see --sync-batch-norm): make the "
-                "loss a mean of per-example terms, or train on one device")
+                f"batch: '{found.node}' ({found.op}) {found.reason}; {found.advice}")
 
 
 def _check_selected_means(ir: GraphIR, tg: TrainingGraph) -> None:

@@ -311,6 +311,37 @@ def ratio_under_sqrt(x, y):
     return _step(tf.reduce_mean(per * tf.sqrt(ratio)))
 
 
+def dqn_range_of_the_batch_size(x, y):
+    """DQN as many public repos write it: Q(s, a) picked by tf.gather_nd over
+    tf.stack([tf.range(BATCH_SIZE), actions]) with a Python batch size, while the
+    placeholders take any batch: on 2 replicas every slice of 8 meets all 16 rows (apply
+    exited 0; the graph failed in TensorFlow at its first step)."""
+    import tensorflow as tf
+    q = dense(x, 3, "q")
+    picked = tf.gather_nd(q, tf.stack([tf.range(16, dtype=tf.int64), y], 1))
+    return _step(tf.reduce_mean(tf.square(picked - tf.cast(y, tf.float32))))
+
+
+def position_weights_of_the_batch_size(x, y):
+    """A weight per position of a batch of 16, a constant multiplying each example's loss."""
+    import numpy as np
+    import tensorflow as tf
+    per = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=dense(x, 2, "out"))
+    return _step(tf.reduce_mean(per * tf.constant(np.linspace(0.5, 1.5, 16), tf.float32)))
+
+
+def column_of_the_batch_size(x, y):
+    """A constant column of 16 rows concatenated beside the features."""
+    import tensorflow as tf
+    features = tf.concat([x, tf.ones([16, 1])], axis=1)
+    return _step(_xent(y, dense(features, 2, "out")))
+
+
+FIXED_ROWS = [(dqn_range_of_the_batch_size, "Pack", "tf.range(16)"),
+              (position_weights_of_the_batch_size, "Mul", "whose 16 rows the graph fixes"),
+              (column_of_the_batch_size, "ConcatV2", "whose 16 rows the graph fixes")]
+
+
 MIXING = [(infonce, "MatMul", "pairs every example with every other"),
           (ratio_under_sqrt, "Mul", "made at 'Sqrt' (Sqrt)"),
           (squared_batch_mean, "Square", "non-linear function to a sum or mean"),
@@ -341,7 +372,7 @@ MIXING = [(infonce, "MatMul", "pairs every example with every other"),
           (softmax_over_batch, "Softmax", "normalises over the batch axis"),
           (centred_by_batch_mean, "Sub", "sum or mean over the batch"),
           (scan_over_examples, "TensorArrayScatterV3", "carries"),
-          (scan_over_examples_v2, "StatelessWhile", "carries")]
+          (scan_over_examples_v2, "StatelessWhile", "carries"), *FIXED_ROWS]
 
 
 @pytest.mark.parametrize("build,op,reason", MIXING, ids=[b.__name__ for b, _, _ in MIXING])
