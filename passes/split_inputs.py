@@ -121,11 +121,16 @@ def _split_sparse(ir, build, tg, replicas: int) -> dict:
 
 _SPLIT_NODE = re.compile(r"split_inputs/(.+?)(?:/output_(\d+))?/split\b")
 _SPARSE_CHECK = re.compile(r"split_inputs/(.+?)/divides\b")
+_FAILED_NODE = re.compile(r"\{\{node ([^}]+)\}\}|Detected at node '([^']+)'|Node: '([^']+)'")
 
 
 def uneven_batch(error_text: str) -> str | None:
     """One line for a run that failed in a split of this pass (a batch that does not divide
-    across the replicas); None when it failed elsewhere."""
+    across the replicas); None when it failed elsewhere. Where TF names the failing node, only
+    that name is read: the rest of its text may mention a split that feeds it."""
+    failed = [next(filter(None, found)) for found in _FAILED_NODE.findall(error_text)]
+    if failed:
+        error_text = " ".join(failed)
     sparse = _SPARSE_CHECK.search(error_text)
     if sparse:
         return (f"the batch for sparse input '{sparse.group(1)}' does not divide evenly across "

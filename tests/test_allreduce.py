@@ -466,6 +466,20 @@ def test_run_batch_that_does_not_divide(tmp_path, run_cli):
     assert err.strip().splitlines()[-1].startswith("graphxform: error:")
 
 
+def test_a_failure_downstream_of_a_split_is_not_called_uneven():
+    """TF's error names the failing node; a split that merely feeds it, mentioned elsewhere in
+    the text, is not the failure (a fixed-size stack beside a slice was reported as a batch
+    that does not divide)."""
+    from graphxform.passes.split_inputs import uneven_batch
+    text = ("Graph execution error:\n\nDetected at node 'replica_1/stack' defined at ...\n"
+            "Node: 'replica_1/stack'\nShapes of all inputs must match: values[0].shape = [8] "
+            "!= values[1].shape = [16]\n\t [[{{node replica_1/stack}}]]\n"
+            "input 0: split_inputs/actions/split:1")
+    assert uneven_batch(text) is None
+    assert uneven_batch(text.replace("replica_1/stack", "split_inputs/actions/split")) == (
+        "the batch for input 'actions' does not divide evenly across replicas")
+
+
 def test_run_prints_loss_and_saves(tmp_path, run_cli):
     out = tmp_path / "m.meta"
     run_cli("apply", fixture_path("embedding_adam"), "--replicas", "2", "-o", out)
