@@ -985,6 +985,10 @@ def _strided_slice(n: _Node):
         return (c if whole and strides[0] == 1 and not shrink & 1 else UNKNOWN,), (out_rank,)
     if c == BATCH_SHAPE and not ellipsis & 1 and strides[0] == 1:
         starts_at = 0 if _mask(n, "begin_mask") & 1 else begin[0]
+        if starts_at < 0:  # from the end (tf.shape(x)[-1], as tf_keras's losses take it)
+            starts_at = _non_negative(starts_at, n.shape_length(0))
+            if starts_at is None or starts_at < 0:
+                return (UNKNOWN,), (out_rank,)
         if shrink & 1 and starts_at == 0:
             return (COUNT,), (out_rank,)  # tf.shape(x)[0]
         if starts_at >= 1:

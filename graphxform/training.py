@@ -91,8 +91,9 @@ class Variable:
     slots: dict = dataclasses.field(default_factory=dict)  # slot name -> variable name
     slot_of: str | None = None
     device: str = ""
-    # in local_variables but not the global collection: a metric's total, a loop's counter.
-    # TF's default Saver leaves it out and local_variables_initializer starts it
+    # not in the global collection, in local_variables (a metric's total, a loop's counter,
+    # which local_variables_initializer starts) or, where the graph has collections, in none
+    # (tf_keras metrics' total and count, which Keras starts): TF's default Saver leaves it out
     local: bool = False
     # a part of a variable the user partitioned (get_variable(partitioner=...)): (the whole
     # variable's name, the slice spec) its checkpoint entry has, as TF's Saver writes it
@@ -414,13 +415,22 @@ def _common_consumer(ir: GraphIR, ops: list[str]) -> str | None:
 
 def _unscaled(ir: GraphIR, node: str) -> str:
     """Loss scaling differentiates ``loss * scale``: the user's loss is the factor that is
-    neither a constant nor a variable's value."""
-    if ir.op(node) != "Mul":
+    neither a constant nor a variable's value. A product by a constant 1 is the loss itself
+    (tf_keras's total_loss: a loss weight of 1 times the loss)."""
+    if ir.op(node) != "Mul" or any(_is_one(ir, src) for src, _ in ir.inputs(node)):
         return node
     factors = [src for src, _ in ir.inputs(node)
                if ir.op(src) not in ("Const", "ReadVariableOp", *VARIABLE_OPS)
                and not (ir.op(src) == "Identity" and ir.op(ir.input(src, 0)[0]) in VARIABLE_OPS)]
     return factors[0] if len(factors) == 1 else node
+
+
+def _is_one(ir: GraphIR, node: str) -> bool:
+    if ir.op(node) != "Const":
+        return False
+    from tensorflow.python.framework import tensor_util
+    value = tensor_util.MakeNdarray(ir.attrs(node)["value"].tensor)
+    return value.size == 1 and value.reshape(-1)[0] == 1
 
 
 def _climb_identities(ir: GraphIR, node: str) -> str:
@@ -502,7 +512,9 @@ def _variable(ir, name, data, var_defs, users) -> Variable:
     shape = tuple(d.size for d in attr["shape"].shape.dim) if "shape" in attr else ()
     var = Variable(name=name, kind="resource" if data["op"] == "VarHandleOp" else "ref",
                    dtype=attr["dtype"].type, shape=shape, trainable=False, device=data["device"])
-    if var_defs and name in var_defs:
+    if var_defs and name not in var_defs:
+        var.local = True  # in no collection, as tf_keras metrics' total and count: see local
+    elif var_defs:
         vd, var.trainable, var.local = var_defs[name]
         var.initializer = vd.initializer_name or None
         var.initial_value = vd.initial_value_name or None

@@ -762,6 +762,29 @@ def keras_cnn_bn_dropout(rng):
                  [train_op], [loss])
 
 
+@recipe(note="the tf_keras guide's compile() path in graph mode: a functional Model compiled "
+             "with a legacy Adam, loss='sparse_categorical_crossentropy' and "
+             "metrics=['accuracy']; the step is the training function fit() builds (its "
+             "updates op, which its user puts in the train_op collection), the loss the model's "
+             "total_loss. Keras keeps the metric's total and count in no collection, so TF's "
+             "default Saver leaves them out; fetching the metric (which updates them) is not "
+             "part of the step",
+        has=["tf_keras", "keras_compile", "keras_metrics"])
+def keras_compile_metrics(rng):
+    x = tf_keras.Input(shape=(10,), name="x")
+    hidden = tf_keras.layers.Dense(16, activation="relu", name="hidden")(x)
+    model = tf_keras.Model(x, tf_keras.layers.Dense(3, activation="softmax", name="probs")(hidden))
+    model.compile(optimizer=tf_keras.optimizers.legacy.Adam(0.01),
+                  loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    model._make_train_function()  # what fit() and train_on_batch() build first
+    # Keras's legacy optimizers leave TF's train_op collection empty: its user names the step
+    v1.add_to_collection(v1.GraphKeys.TRAIN_OP, model.train_function.updates_op)
+    xs = _images(rng, [10])
+    labels = _teacher_classes(rng, xs, 3).astype(np.float32)[:, None]
+    return Built({"x": xs, "probs_target": labels}, [model.train_function.updates_op],
+                 [model.total_loss])
+
+
 # ---------------------------------------------------------- build/check
 
 def _deterministic_meta(meta):
@@ -770,9 +793,15 @@ def _deterministic_meta(meta):
     Legacy control-flow contexts are stored pre-serialized and hold maps filled
     in object-id order; re-serialize each with sorted keys.  Control inputs
     gathered from Python sets (create_train_op's update ops) come out in
-    object-id order; sort them by name (their order has no meaning).
+    object-id order; sort them by name (their order has no meaning). A custom
+    gradient's ``_gradient_op_type`` carries a process-wide uid
+    (``CustomGradient-7201``): number them in the graph's order instead.
     """
+    custom = {}
     for node in meta.graph_def.node:
+        kind = node.attr.get("_gradient_op_type")
+        if kind is not None and kind.s.startswith(b"CustomGradient-"):
+            kind.s = custom.setdefault(kind.s, b"CustomGradient-%d" % len(custom))
         control = [name for name in node.input if name.startswith("^")]
         if control:
             data = [name for name in node.input if not name.startswith("^")]
