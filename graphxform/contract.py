@@ -399,6 +399,14 @@ def _check_losses_are_means(ir: GraphIR, tg: TrainingGraph) -> None:
                 f"step '{step.name}' minimises '{step.loss}', {what}; gradients are averaged "
                 "across replicas (right for a mean over the batch), so this step would train "
                 "with 1/N of its gradient: use tf.reduce_mean over the batch instead")
+        summed = _summed_term(ir, values, (copy, port))
+        if summed is not None:
+            raise ContractError(
+                f"step '{step.name}' minimises '{step.loss}', which adds "
+                f"'{summed[len(prefix):]}', a sum over the batch, to terms averaged over it "
+                "(a Keras add_loss of a reduce_sum, say); gradients are averaged across "
+                "replicas, so that term would train with 1/N of its gradient: take its "
+                "tf.reduce_mean over the batch instead")
         ratio = _ratio_of_sums(ir, values, copy) or next(
             iter(batch_denominators(ir, (copy, port), lambda: values)), None)
         if ratio is not None:
@@ -561,6 +569,34 @@ def _check_function_writes(ir: GraphIR, tg: TrainingGraph, closure: set) -> None
             "function (a while loop or cond body with control flow v2, a tf.function) are not "
             "distributed, so each replica would apply its own slice's gradient and the "
             "replicas would train apart; apply the optimizer outside the loop or function")
+
+
+def _summed_term(ir: GraphIR, values, loss: tuple) -> str | None:
+    """A term of ``loss`` (node, port) that is a sum over the batch, reached through
+    additions and multiples by identical values from a loss whose class the rules left
+    unknown (a mean plus a sum is neither) and reading a variable (so it has a gradient), or
+    None. Only what the loss's class did not settle
+    is searched, so a sum turned into a mean (divided by a count) is not one."""
+    from graphxform.replica_values import IDENTICAL, LOSS_TERM_OPS, SUM, UNKNOWN
+    seen, stack = {loss}, [loss]
+    while stack:
+        node, port = stack.pop()
+        kind = values.of(node, port)
+        if kind == SUM and (node, port) != loss:
+            if any(ir.op(n) in VARIABLE_OPS for n in ir.value_sources(node)):
+                return node
+            continue  # of the data alone: no gradient to scale
+        op = ir.op(node)
+        if kind != UNKNOWN or op not in LOSS_TERM_OPS:
+            continue
+        inputs = ir.inputs(node)
+        if op == "Mul" and not any(values.of(*i) == IDENTICAL for i in inputs):
+            continue  # a product of two batch values: no term of the sum
+        for found in inputs:
+            if found not in seen and values.of(*found) != IDENTICAL:
+                seen.add(found)
+                stack.append(found)
+    return None
 
 
 def _ratio_of_sums(ir: GraphIR, values, loss: str) -> str | None:

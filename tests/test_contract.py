@@ -209,6 +209,43 @@ def test_refuses_a_loss_that_is_a_sum_over_the_batch():
         strategies.transform(metagraph.from_metagraph(meta), "allreduce", devices=DEVICES)
 
 
+def _mean_plus_sum_graph(keras: bool):
+    """A mean cross-entropy plus an activity penalty summed over the batch: written with
+    tf ops, or as the tf_keras guide adds one (Model.add_loss) before compile()."""
+    import tf_keras
+    g = tf.Graph()
+    with g.as_default():
+        if keras:
+            x = tf_keras.Input(shape=(3,), name="x")
+            hidden = tf_keras.layers.Dense(4, activation="relu")(x)
+            model = tf_keras.Model(x, tf_keras.layers.Dense(2)(hidden))
+            model.add_loss(1e-3 * tf.reduce_sum(tf.square(hidden)))
+            model.compile(optimizer=tf_keras.optimizers.legacy.SGD(0.1),
+                          loss=tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+            model._make_train_function()
+            v1.add_to_collection("train_op", model.train_function.updates_op)
+        else:
+            x = v1.placeholder(tf.float32, [None, 3], name="x")
+            y = v1.placeholder(tf.int64, [None], name="y")
+            hidden = tf.nn.relu(tf.matmul(x, v1.get_variable("w", [3, 4])))
+            logits = tf.matmul(hidden, v1.get_variable("v", [4, 2]))
+            loss = tf.add(v1.losses.sparse_softmax_cross_entropy(y, logits),
+                          1e-3 * tf.reduce_sum(tf.square(hidden), name="penalty"), name="loss")
+            v1.train.GradientDescentOptimizer(0.1).minimize(
+                loss, global_step=v1.train.get_or_create_global_step())
+        return v1.train.export_meta_graph(graph=g)
+
+
+@pytest.mark.parametrize("keras", [False, True], ids=["tf", "keras_add_loss"])
+def test_refuses_a_loss_adding_a_sum_over_the_batch_to_a_mean(keras):
+    """A mean plus a sum is neither, so the loss's class is unknown, which was taken for a
+    mean: the sum's gradient trained at 1/N (verify failed by 6e-02 on the Keras form)."""
+    meta = _mean_plus_sum_graph(keras)
+    with pytest.raises(ContractError, match="which adds 'mul', a sum over the batch, to terms "
+                                            "averaged over it"):
+        strategies.transform(metagraph.from_metagraph(meta), "allreduce", devices=DEVICES)
+
+
 def test_refuses_compute_average_loss_naming_its_constant():
     """TF's guide for custom training loops divides the sum by the global batch size; under
     averaged gradients that is a sum: refused, saying so."""
