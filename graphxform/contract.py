@@ -202,29 +202,29 @@ def _check_batch_state_feeds_losses(ir: GraphIR, tg: TrainingGraph) -> None:
 
 
 def _check_gradients_kept_between_runs(ir: GraphIR, tg: TrainingGraph) -> None:
-    """Gradient accumulation across session.run calls, the TF1 recipe: an op outside every
-    train op adds each micro-batch's gradients into variables (``acc.assign_add(grad)``, run
-    once per micro-batch), and the train op applies those variables. Only a train op's
-    gradients are all-reduced, so each replica would add its own slice's gradient (into a
-    shared variable: N slices' means, N times the gradient), and apply exited 0. Refuse,
-    naming the variable and the op that writes it."""
-    closure = set().union(*(step.closure for step in tg.steps)) if tg.steps else set()
-    for var in sorted(tg.variables.values(), key=lambda v: v.name):
-        if var.trainable or not any(read in closure for read in var.reads):
-            continue
-        for write, port in ir.consumers(var.name):
-            if port != 0 or write in closure or not is_mutating_op(ir.op(write)):
+    """Gradient accumulation across session.run calls, the TF1 recipe: an op outside the train
+    op adds each micro-batch's gradients into variables (``acc.assign_add(grad)``, run once per
+    micro-batch, alone or as a train op of its own run in turn), and the train op applies those
+    variables. Only the gradients a train op applies are all-reduced, so each replica would add
+    its own slice's gradient (into a shared variable: N slices' means, N times the gradient),
+    and apply exited 0. Refuse, naming the variable and the op that writes it."""
+    for step in tg.steps:
+        for var in sorted(tg.variables.values(), key=lambda v: v.name):
+            if var.trainable or not any(read in step.closure for read in var.reads):
                 continue
-            gradient = _first_ancestor(ir, [src for src, _ in ir.inputs(write)[1:]],
-                                       gradient_scope)
-            if gradient is not None:
-                raise ContractError(
-                    f"variable '{var.name}': '{write}' stores the gradient '{gradient}' in it "
-                    "outside the train op, which applies it (gradient accumulation over "
-                    "several session.run calls); only a train op's gradients are reduced "
-                    "across replicas, so each replica would add its own slice's: accumulate "
-                    "inside the train op, or let the replicas' global batch replace the "
-                    "micro-batches")
+            for write, port in ir.consumers(var.name):
+                if port != 0 or write in step.closure or not is_mutating_op(ir.op(write)):
+                    continue
+                gradient = _first_ancestor(ir, [src for src, _ in ir.inputs(write)[1:]],
+                                           gradient_scope)
+                if gradient is not None:
+                    raise ContractError(
+                        f"variable '{var.name}': '{write}' stores the gradient '{gradient}' in "
+                        f"it outside the train op that applies it ('{step.name}'; gradient "
+                        "accumulation over several session.run calls); only the gradients a "
+                        "train op applies are reduced across replicas, so each replica would "
+                        "add its own slice's: accumulate inside the train op, or let the "
+                        "replicas' global batch replace the micro-batches")
 
 
 def _check_distributed_already(ir: GraphIR, tg: TrainingGraph) -> None:

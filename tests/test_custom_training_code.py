@@ -215,6 +215,33 @@ def test_gradients_accumulated_over_runs_are_refused(run_cli, tmp_path):
     assert not out.exists()
 
 
+def accumulated_by_a_train_op(x, y):
+    """The same recipe with the accumulation a train op of its own: the user runs
+    'accumulate' on each micro-batch, then the train op that applies the sums."""
+    import tensorflow as tf
+    apply = accumulated_over_runs(x, y)
+    tf.compat.v1.add_to_collection("train_op", tf.compat.v1.get_default_graph()
+                                   .get_operation_by_name("accumulate"))
+    return apply
+
+
+@pytest.mark.parametrize("strategy", ["allreduce", "ps"])
+def test_gradients_accumulated_by_another_train_op_are_refused(run_cli, tmp_path, strategy):
+    """allreduce refused it for a gradient it could not find and ps with a pass error about
+    nothing to aggregate: both now name the accumulation."""
+    model = _export(tmp_path / "m.meta", accumulated_by_a_train_op)
+    cluster = tmp_path / "cluster.json"
+    cluster.write_text('{"ps": ["127.0.0.1:2222"], "worker": ["127.0.0.1:2224", '
+                       '"127.0.0.1:2225"]}')
+    where = ["--replicas", 2] if strategy == "allreduce" else ["--cluster", cluster]
+    out = tmp_path / "out.meta"
+    code, _, err = run_cli("apply", "--strategy", strategy, *where, model, "-o", out)
+    assert code == 1 and len(err.strip().splitlines()) == 1, err
+    assert "variable 'hidden/bias_sum'" in err and "stores the gradient" in err
+    assert "outside the train op that applies it ('Momentum'" in err
+    assert not out.exists()
+
+
 def accumulated_in_a_loop(x, y):
     """In-graph gradient accumulation: a while loop (control flow v2) over two micro-batches
     adds up their tf.gradients, and the sum is applied after it."""
