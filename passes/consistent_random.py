@@ -54,8 +54,8 @@ class ConsistentRandom(Pass):
                             if n.startswith(prefix))
         unseeded = [n for n in random_ops if _unseeded(ir.attrs(prefix + n))]
         local = replica_local(ir, len(ctx.devices))
-        batched = [n for n in random_ops if n not in unseeded and ir.input(prefix + n, 0)[0]
-                   in local]
+        batched = [n for n in random_ops if n not in unseeded
+                   and _batch_shaped(ir, ir.input(prefix + n, 0)[0], local)]
         build = Builder(ir, self.name)
         replicas = len(ctx.devices)
         for name in batched:
@@ -65,6 +65,16 @@ class ConsistentRandom(Pass):
                     _draw_whole_batch(ir, build, node, i, replicas, ctx.devices[i])
         return PassResult(modified=bool(batched), summary={
             "random_ops_rewritten": len(batched), "unseeded_random_ops": unseeded})
+
+
+def _batch_shaped(ir, shape: str, local: set) -> bool:
+    """Whether a draw of ``shape`` is the replica's slice's: a shape read from the slice, or
+    a constant split-inputs rewrote from the global batch's size (a fixed batch)."""
+    if shape in local:
+        return True
+    mark = ir.attrs(shape).get(replica_values.REBATCHED_ATTR) if ir.op(shape) == "Const" \
+        else None
+    return mark is not None and mark.s == replica_values.BATCH_SHAPE.encode()
 
 
 def _unseeded(attrs) -> bool:

@@ -150,7 +150,8 @@ def rebatch_constants(ir, build, splits: list[str], batch: int, replicas: int) -
     size. A gradient's constant that is the static shape (or size) of an input of its forward
     op computed from the batch becomes a live Shape (Size) of the replica's tensor. Of the
     rest: integer shapes whose leading entry is the batch (``Shape``, ``shape_as_tensor``, a
-    Mean gradient's Tile multiples, a Reshape of the batch to it), ``Size`` scalars that are a
+    Mean gradient's Tile multiples, a Reshape of the batch to it, a random draw of one value
+    per example), ``Size`` scalars that are a
     multiple of it, a Mean gradient's divisor where that Mean averages over axis 0, and filled
     tensors (``zeros_like`` of a batch) whose leading dimension is the batch. Each rewritten
     constant says what it now holds in ``replica_values.REBATCHED_ATTR`` (the batch's shape, a
@@ -323,7 +324,7 @@ def _rebatched(ir, name: str, value, batch: int, replicas: int, from_batch: set)
     if value.dtype.kind in "iu":
         if value.ndim == 1 and value.size and value[0] == batch and (
                 FOLDED_SHAPE.match(leaf) or _reshapes_the_batch(ir, name, from_batch)
-                or _fills_a_batch(ir, name)):
+                or _fills_a_batch(ir, name) or _draws_for_the_batch(ir, name, from_batch)):
             return (np.concatenate([[batch // replicas], value[1:]]).astype(value.dtype),
                     replica_values.BATCH_SHAPE)
         if value.ndim == 0 and value % batch == 0 and value and FOLDED_SIZE.match(leaf):
@@ -357,6 +358,24 @@ def _fills_a_batch(ir, name: str) -> bool:
                 return True
         elif ir.op(dst) == "Fill" and port == 0:
             return True
+    return False
+
+
+def _draws_for_the_batch(ir, name: str, from_batch: set) -> bool:
+    """Whether ``name`` is the shape a random op draws (port 0), and the draw meets the batch
+    within a few ops: one value per example (WGAN-GP's ``tf.random_uniform([BATCH_SIZE, 1])``
+    interpolating between real and fake examples). A draw that never meets the batch (noise
+    for a generator) keeps its size: every replica draws it alike."""
+    for dst, port in ir.consumers(name):
+        if port != 0 or ir.op(dst) not in training.RANDOM_OPS:
+            continue
+        frontier, seen = [dst], {dst}
+        for _ in range(6):
+            frontier = [user for node in frontier for user, _ in ir.consumers(node)
+                        if user not in seen]
+            seen.update(frontier)
+            if any(src in from_batch for node in frontier for src, _ in ir.inputs(node)):
+                return True
     return False
 
 

@@ -250,3 +250,48 @@ def test_a_fixed_batch_that_does_not_divide_is_refused_naming_it(tmp_path, run_c
     word2vec_like(model)
     code, _, err = run_cli("apply", model, "--replicas", "3")
     assert code == 1 and err.count("\n") == 1 and "fixed batch of 8" in err
+
+
+def wgan_gp_fixed_batch(batch=BATCH):
+    """WGAN-GP as its authors' TF1 code writes it: fixed [BATCH_SIZE, dim] placeholders and
+    one interpolation weight per example, tf.random_uniform([BATCH_SIZE, 1]), between real
+    and generated examples; the critic's gradient penalty at the interpolates."""
+    g = tf.Graph()
+    with g.as_default():
+        tf1.set_random_seed(3)
+        real = tf1.placeholder(tf.float32, [batch, 4], name="real")
+        noise = tf1.placeholder(tf.float32, [batch, 3], name="noise")
+        fake = tf.matmul(noise, tf1.get_variable("g", [3, 4]))
+
+        def critic(points):
+            with tf1.variable_scope("critic", reuse=tf1.AUTO_REUSE):
+                hidden = tf.tanh(tf.matmul(points, tf1.get_variable("w0", [4, 5])))
+                return tf.matmul(hidden, tf1.get_variable("w1", [5, 1]))
+
+        alpha = tf1.random_uniform(shape=[batch, 1], minval=0.0, maxval=1.0)
+        interpolates = real + alpha * (fake - real)
+        slopes = tf.sqrt(tf.reduce_sum(tf.square(tf.gradients(critic(interpolates),
+                                                              [interpolates])[0]), axis=1))
+        cost = tf.reduce_mean(critic(fake)) - tf.reduce_mean(critic(real)) + \
+            10.0 * tf.reduce_mean(tf.square(slopes - 1.0))
+        critic_vars = [v for v in tf1.trainable_variables() if v.name.startswith("critic")]
+        tf1.add_to_collection("train_op", tf1.train.AdamOptimizer(1e-3).minimize(
+            cost, var_list=critic_vars))
+    return export(g)
+
+
+@pytest.mark.parametrize("replicas", [2, 4])
+def test_a_draw_per_example_of_a_fixed_batch_is_the_slice_s_rows(replicas, tmp_path):
+    """TF rejected the output (a draw of [8, 1] against a slice of 4 rows); now each replica
+    draws its slice's rows, and with --consistent-random the single-device draw's."""
+    rng = np.random.default_rng(2)
+    feeds = str(tmp_path / "f.npz")
+    np.savez(feeds, real=rng.standard_normal((32, 4)).astype(np.float32),
+             noise=rng.standard_normal((32, 3)).astype(np.float32))
+    ir = wgan_gp_fixed_batch()
+    strategies.transform(ir, "allreduce", devices=[f"/device:CPU:{i}" for i in range(replicas)],
+                         consistent_random=True)
+    report = equivalence.compare(wgan_gp_fixed_batch(), ir, feeds, steps=3)
+    assert report.ok, equivalence.format_report(report)
+    plain = transformed(wgan_gp_fixed_batch(), replicas)
+    assert not equivalence.compare(wgan_gp_fixed_batch(), plain, feeds, steps=3).ok
