@@ -39,6 +39,7 @@ from graphxform.nodes import Builder, replica_prefix
 from graphxform.pipeline import Pass, PassResult
 from graphxform.replica_values import (BATCHED, COUNT, EXTREMES, IDENTICAL, MAX, MEAN, MIN, SUM,
                                        UNKNOWN)
+from graphxform.training import gradient_scope
 
 SCOPE = "merge_fetches/"
 _FLOATS = frozenset({1, 2, 8, 14, 18, 19})  # float double complex64 bfloat16 complex128 half
@@ -47,6 +48,8 @@ _REDUCE_OP = {MEAN: "Mean", MAX: "Max", MIN: "Min"}  # over the stacked copies
 _REALS = _NUMBERS - {8, 18}  # not complex
 _NOT_CONCATENABLE = frozenset({20, 21})  # resource, variant
 _IDENTICAL, _UNKNOWN = (IDENTICAL,), (UNKNOWN,)
+_PLUMBING_OPS = frozenset({"ReadVariableOp", "VarIsInitializedOp", "IsVariableInitialized",
+                           "Shape", "ShapeN", "Size", "Rank"})
 
 
 @dataclasses.dataclass
@@ -70,7 +73,7 @@ class MergeFetches(Pass):
                                          gradients=_gradient_losses(ir, first, tg),
                                          copies=copies,
                                          single={first + name for name in only_first},
-                                         step={first + name for name in tg.train_closure})
+                                         step=_writes_that_count(first, copies, tg))
         steps = {parse_tensor(step.name)[0] for step in tg.steps}
         tensor_steps = [step.name for step in tg.steps if step.is_tensor]
         _losses_as_means(values, _copies_of(ir, first, [*tg.losses, *tensor_steps]), forced)
@@ -79,6 +82,11 @@ class MergeFetches(Pass):
             merge.node(name, effect=name in steps or first + name in values.effects,
                        only_first=name in only_first)
         merge.flush()
+        # what nothing reads first, the tensors users fetch (a metric's value, a summary),
+        # and gradients' insides, a variable's reads, checks and shapes last
+        merge.unmerged.sort(key=lambda name: (
+            ir.op(first + name) in _PLUMBING_OPS or gradient_scope(name) is not None,
+            any(dst.startswith(first) for dst, _ in ir.consumers(first + name))))
         _restore_collection_names(ir, set(originals))
         return PassResult(modified=True, summary={"merged": dict(merge.counts),
                                                   "unmerged": merge.unmerged})
@@ -99,6 +107,15 @@ class MergeFetches(Pass):
                                           "output can be merged")
                 forced[(first + node, port)] = kind
         return forced
+
+
+def _writes_that_count(first: str, copies: list, tg) -> set:
+    """The copies whose variable writes can move replicas apart: every one but the variables'
+    initializers (sync-init starts every replica from replica 0's values). Not the train step's
+    alone: a fetch may write too (a tf_keras metric's value runs its total's and count's
+    updates, outside the train op, on the replica's own slice)."""
+    initializers = {first + v.initializer for v in tg.variables.values() if v.initializer}
+    return set(copies) - initializers
 
 
 def _replica_copies(ir, first: str) -> list[str]:

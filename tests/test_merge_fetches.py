@@ -135,6 +135,19 @@ def test_unknown_is_listed_and_served_from_replica_0(single_and_transformed):
     assert got.shape[0] == len(feeds["x:0"]) // 2 + 1  # replica 0's slice, and its padding
 
 
+def test_a_metric_a_fetch_updates_is_listed_first(run_cli, tmp_path):
+    """tf_keras's compiled step fetches its metric (total / count), whose updates run with the
+    fetch, outside the train op, on each replica's own slice: its value is replica 0's. It was
+    classed identical (only the train op's writes were counted) and served unlisted; it is now
+    named first in apply's note, ahead of shapes and gradients' insides."""
+    from recipe_loop import recipe_meta
+    code, out, err = run_cli("apply", "--replicas", 2, recipe_meta("keras_compile_metrics"),
+                             "-o", tmp_path / "o.meta")
+    assert code == 0, err
+    note = next(line for line in out.splitlines() if "could not be merged" in line)
+    assert note.split("replica 0's value: ")[1].startswith("metrics/accuracy/Identity, ")
+
+
 def test_the_batch_extreme_is_the_extreme_of_the_replicas(single_and_transformed):
     single, out, _, start, feeds = single_and_transformed
     assert out.op("batch_max") == "Max"
