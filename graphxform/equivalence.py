@@ -133,10 +133,11 @@ MOVING_STATISTIC = re.compile(r"moving_(mean|variance)")
 
 
 def mismatch_reasons(ir: GraphIR, tg: training.TrainingGraph, synced_batch_norm=False,
-                     consistent_random=False) -> list[str]:
+                     consistent_random=False, running_totals=frozenset()) -> list[str]:
     """Why a synchronous replicated graph cannot match the single-device one step for step,
     each naming what it found and the option that would make it match (none for what the
-    transformed graph already synchronised)."""
+    transformed graph already synchronised). ``running_totals``: the metrics' variables whose
+    copies the transformed graph serves added up or averaged (see merged_running_totals)."""
     reasons = []
     from_inputs = fed_from_inputs(ir, tg)
     batch_norm = _batch_norm_evidence(ir, tg, from_inputs)
@@ -153,12 +154,14 @@ def mismatch_reasons(ir: GraphIR, tg: training.TrainingGraph, synced_batch_norm=
                        "slice's own mean and variance and updates the moving averages from it "
                        f"({_some(batch_norm)}); --sync-batch-norm uses the global batch's")
     metrics = sorted(v.name for v in tg.variables.values()
-                     if v.local and any(u in from_inputs for u in v.updates))
+                     if v.local and any(u in from_inputs for u in v.updates)
+                     and v.name not in running_totals)
     if metrics:
         reasons.append("local variables updated from the batch in the step (tf.compat.v1.metrics' "
                        f"totals and counts: {_some(metrics)}) are kept per replica, each from "
-                       "its own slices: fetching them, or a metric's value or update_op, gives "
-                       "replica 0's figure, not the global batch's")
+                       "its own slices, and are not running sums or means of it: fetching them, "
+                       "or a metric's value or update_op, gives replica 0's figure, not the "
+                       "global batch's")
     seeded, unseeded = _random_ops(ir, tg, from_inputs)
     if seeded and not consistent_random:
         reasons.append("random ops run in the step (dropout, sampling) and each replica draws "
@@ -358,7 +361,8 @@ def compare(original: GraphIR, transformed: GraphIR, feeds_path: str | None = No
                               [a.fetches[name] for a in after]) for name in fetches]
     reasons = mismatch_reasons(original, tg,
                                synced_batch_norm=transformed.has_scope("sync_batch_norm/"),
-                               consistent_random=transformed.has_scope("consistent_random/"))
+                               consistent_random=transformed.has_scope("consistent_random/"),
+                               running_totals=merged_running_totals(transformed))
     if transformed.has_scope("model_average/"):
         reasons.append("model-average: the workers' copies train apart between averaging "
                        "rounds (and optimizer slots are never averaged); only --interval 1 with "
@@ -381,6 +385,20 @@ def compare(original: GraphIR, transformed: GraphIR, feeds_path: str | None = No
                        "that size are not the transformation's; try a larger --batch-size or "
                        "fewer --steps")
     return Report(steps, rtol, variables, series, step_losses, reasons, floor)
+
+
+def merged_running_totals(transformed: GraphIR) -> set:
+    """The variables whose replica copies hold running sums or means of the batch (a metric's
+    total and count; graphxform/replica_values.py), which merge-fetches serves added up or
+    averaged: what reads them gives the single-device figure."""
+    from graphxform import replica_values
+    prefix = replica_prefix(0)
+    if not transformed.has_scope(prefix):
+        return set()
+    values = replica_values.classify(transformed, prefix)
+    return {name[len(prefix):] for name in transformed.nodes_of(training.VARIABLE_OPS)
+            if name.startswith(prefix)
+            and values.of(name) in (replica_values.SUM, replica_values.MEAN)}
 
 
 def _reorderable(original: GraphIR, tg) -> bool:

@@ -171,12 +171,27 @@ class Builder:
         """A new node that takes the place of ``name``: same name, and every consumer (data,
         port by port, and control) reads it instead. Passes that rewrite an op into several
         keep its name this way, so fetches and later passes still find it."""
+        return self._replace(name, lambda: self.op(name, op_type, inputs, device=device,
+                                                   **attrs))
+
+    def replace_like(self, name: str, like: str, inputs, *, device: str = "") -> str:
+        """``replace`` by a node with the op type and attrs of node ``like``."""
+        return self._replace(name, lambda: self.ir.add_node(
+            name, self.ir.op(like), inputs, device=device, attr=dict(self.ir.attrs(like)),
+            created_by=self.created_by))
+
+    def _replace(self, name: str, add) -> str:
         origin = self.ir.node(name).get("origin")
+        if not self.ir.g._succ[name]:  # nothing reads it: no consumers to move
+            self.ir.remove_node(name)
+            add()
+            self.ir.node(name)["origin"] = origin
+            return name
         stand_in = self.ir.unique_name(name + "/replaced")
         self.op(stand_in, "NoOp")
         self.ir.replace_all_uses_with(name, stand_in)
         self.ir.remove_node(name)
-        self.op(name, op_type, inputs, device=device, **attrs)
+        add()
         self.ir.node(name)["origin"] = origin  # still the copy of the same original
         self.ir.replace_all_uses_with(stand_in, name)
         self.ir.remove_node(stand_in)

@@ -15,7 +15,9 @@ Every replica runs the same step from equal variables on its own even slice of t
   there that differs from another replica's counterpart is unknown. A variable that the step
   writes with a value that differs between replicas (batch-norm statistics of the slice, an
   update from a local gradient) drifts apart: it and its reads are unknown (the sweep runs
-  again with them so).
+  again with them so), unless it is a running total: it starts at zero and every write adds
+  the slice's sum or count (a metric's total and count), which makes it and its reads
+  ``sum``, or the slice's mean, ``mean``.
 - ``same``: equal on every replica, but not shown to be the single-device value: a collective
   that does not average means, sum sums or gather batch slices (the gradient sums synchronised
   batch norm exchanges), a shared node that combines the replicas' values, and what is
@@ -144,15 +146,38 @@ def classify(ir, prefix: str = "replica_0/", forced=None, gradients=None, copies
         names = list(ir.g._node)
         copies = list(itertools.compress(names, map(str.startswith, names,
                                                     itertools.repeat(prefix))))
-    forced, drifting = dict(forced or {}), set()
+    forced = dict(forced or {})
     while True:
         sweep = _Sweep(ir, prefix, forced, dict(gradients or {}), single)
         values = sweep.run(copies)
-        more = sweep.drifting_variables(step) - drifting
+        # their reads differ (or sum to the single-device value): classify again so; a
+        # variable once unknown stays so, which ends the loop
+        more = {(variable, 0): kind for variable, kind in sweep.drifting_variables(step).items()
+                if forced.get((variable, 0)) not in (kind, UNKNOWN)}
         if not more:
             return values
-        drifting |= more  # their reads differ: classify again with them unknown
-        forced.update({(variable, 0): UNKNOWN for variable in more})
+        forced.update(more)
+
+
+_ADDS = frozenset({"AssignAdd", "AssignAddVariableOp", "AssignSub", "AssignSubVariableOp"})
+_SETS = frozenset({"Assign", "AssignVariableOp"})
+
+
+def _zeros(ir, node: str, depth: int = 0) -> bool:
+    """Whether ``node`` is zeros whatever runs: a Const of zeros, a Fill with zero, ZerosLike,
+    or an Identity of one."""
+    op = ir.op(node)
+    if op == "ZerosLike":
+        return True
+    if op in ("Identity", "Fill") and depth < 8:
+        return _zeros(ir, ir.input(node, 1 if op == "Fill" else 0)[0], depth + 1)
+    if op != "Const":
+        return False
+    from tensorflow.python.framework import tensor_util
+    try:
+        return not tensor_util.MakeNdarray(ir.attrs(node)["value"].tensor).any()
+    except (TypeError, ValueError):  # a string constant
+        return False
 
 
 _I, _S, _U = (IDENTICAL,), (SAME,), (UNKNOWN,)  # shared: ``is`` tells the common cases fast
@@ -334,10 +359,11 @@ class _Sweep:
                 out[port] = self.forced[key]
         return tuple(out)
 
-    def drifting_variables(self, step=None) -> set:
+    def drifting_variables(self, step=None) -> dict:
         """Replica 0's variables that a write (in ``step``, if given) moves by something that
         differs between replicas (batch-norm statistics from the slice, an update from a local
-        gradient): their copies drift apart, so what reads them is not identical."""
+        gradient): their copies drift apart, so what reads them is not identical. Each maps to
+        its class: ``sum`` for a running total (see _running_total), else unknown."""
         found = set()
         for name in self.writes:
             if step is not None and name not in step:
@@ -349,7 +375,30 @@ class _Sweep:
             if (variable.startswith(self.prefix)
                     and self.nodes[variable]["op"] in VARIABLE_OPS):
                 found.add(variable)
-        return found
+        return {variable: self._running_total(variable) for variable in sorted(found)}
+
+    def _running_total(self, variable: str) -> str:
+        """``sum`` when ``variable`` holds a running total of the batch: every write adds (or
+        subtracts) a sum or count over the replica's slice, or sets zeros (its initializer, a
+        reset), as a metric's total and count are kept (tf.compat.v1.metrics, tf_keras
+        metrics). Every replica's copy starts at zero and adds its own slice's part, so the
+        copies add up to what the single-device variable holds. ``mean`` when every addition
+        is a mean over the slice (tf.compat.v1.metrics.mean of the loss): the copies average
+        to it. Else unknown."""
+        added = set()
+        for dst, port in self.ir.consumers(variable):
+            op = self.nodes[dst]["op"]
+            if port != 0 or not is_mutating_op(op):
+                continue
+            value = self.ir.input(dst, 1) if len(self.ir.inputs(dst)) > 1 else None
+            if value is None:
+                return UNKNOWN
+            if op in _ADDS:
+                kind = self.class_of(*value)
+                added.add(SUM if kind == COUNT else kind)
+            elif op not in _SETS or not _zeros(self.ir, value[0]):
+                return UNKNOWN
+        return added.pop() if added in ({SUM}, {MEAN}) else UNKNOWN
 
     def op_flags(self, op: str) -> tuple[bool, bool]:
         """(running it has an effect, its outputs follow from its inputs) for an op type."""
@@ -539,9 +588,10 @@ def _source(n: _Node):
 
 
 def _read(n: _Node):
-    """A variable read: identical; its rank is the variable's (carried by the handle)."""
-    identical = all(c == IDENTICAL for c in n.cls)
-    return (IDENTICAL if identical else UNKNOWN,), (n.rank[0] if n.rank else None,)
+    """A variable read: identical, or a running total's sum or mean; its rank is the
+    variable's (carried by the handle)."""
+    kind = n.cls[0] if n.cls and n.cls[0] in (IDENTICAL, SUM, MEAN) else UNKNOWN
+    return (kind,), (n.rank[0] if n.rank else None,)
 
 
 def _linear_unary(n: _Node):

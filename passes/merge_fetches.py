@@ -11,8 +11,10 @@ graphxform/replica_values.py finds for its output (its docstring has the rules),
 - mean: Pack of the copies, then Mean over them;
 - sum (and count): AddN of the copies;
 - max, min: Pack of the copies, then Max (Min) over them;
-- unknown, or a class its dtype cannot be merged in: Identity of replica 0's copy, and the name
-  is listed in the summary's `unmerged`.
+- unknown, or a class its dtype cannot be merged in: the copy's op run again on the original
+  names of its inputs, when each of those is served right (a metric's value, total / count of
+  two running totals served as sums: see _recompute); else Identity of replica 0's copy, and
+  the name is listed in the summary's `unmerged`.
 
 A node with several outputs is an IdentityN of its outputs, each merged as above under
 ``merge_fetches/<name>/output_<k>`` (listed if one is served from replica 0 unknown). A node without outputs (NoOp, AssignVariableOp, ...) is a NoOp that waits on every
@@ -29,6 +31,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import re
 
 import numpy as np
 
@@ -48,6 +51,11 @@ _REDUCE_OP = {MEAN: "Mean", MAX: "Max", MIN: "Min"}  # over the stacked copies
 _REALS = _NUMBERS - {8, 18}  # not complex
 _NOT_CONCATENABLE = frozenset({20, 21})  # resource, variant
 _IDENTICAL, _UNKNOWN = (IDENTICAL,), (UNKNOWN,)
+_REPLICA = re.compile(r"(?:^|/)replica_\d+/")
+# legacy control flow's ops: their values belong to a frame, not to their inputs alone
+_NOT_RECOMPUTED = frozenset({"Enter", "Exit", "Merge", "Switch", "NextIteration", "LoopCond",
+                             "RefEnter", "RefExit", "RefMerge", "RefSwitch", "RefNextIteration",
+                             "ControlTrigger"})
 _PLUMBING_OPS = frozenset({"ReadVariableOp", "VarIsInitializedOp", "IsVariableInitialized",
                            "Shape", "ShapeN", "Size", "Rank"})
 
@@ -82,6 +90,11 @@ class MergeFetches(Pass):
             merge.node(name, effect=name in steps or first + name in values.effects,
                        only_first=name in only_first)
         merge.flush()
+        recomputed = _recompute(ir, merge.build, first, merge.unmerged)
+        if recomputed:
+            merge.unmerged = [name for name in merge.unmerged if name not in recomputed]
+            merge.counts["replica_0"] -= len(recomputed)
+            merge.counts["recomputed"] = len(recomputed)
         # what nothing reads first, the tensors users fetch (a metric's value, a summary),
         # and gradients' insides, a variable's reads, checks and shapes last
         merge.unmerged.sort(key=lambda name: (
@@ -116,6 +129,45 @@ def _writes_that_count(first: str, copies: list, tg) -> set:
     updates, outside the train op, on the replica's own slice)."""
     initializers = {first + v.initializer for v in tg.variables.values() if v.initializer}
     return set(copies) - initializers
+
+
+def _recompute(ir, build, first: str, unmerged: list) -> set:
+    """Of the names ``unmerged`` (in graph order), those whose op can be run again on the
+    merged values of its inputs: a deterministic op whose every input is served right (or is
+    one instance every replica shares) computes from them what it computes on one device. So
+    a metric's value, ``total / count`` of two running totals served as their sums, is the
+    single-device value, not replica 0's. Each becomes that op (replica 0's copy's op and
+    attrs) reading the original names; its control inputs wait on the original names of the
+    copy's. Returns the names recomputed."""
+    inexact, done = set(unmerged), set()
+    for name in unmerged:
+        copy = first + name
+        op = ir.op(copy)
+        if (op in _NOT_RECOMPUTED or not ir.inputs(copy) or opdefs.is_stateful(ir, op)
+                or replica_values.REBATCHED_ATTR in ir.attrs(copy)):
+            continue
+        inputs = [_served(ir, first, src, inexact) for src, _ in ir.inputs(copy)]
+        waits = [_served(ir, first, src, ()) for src in ir.control_inputs(copy)]
+        if None in inputs or None in waits:
+            continue
+        ports = [port for _, port in ir.inputs(copy)]
+        build.replace_like(name, copy, [f"{src}:{port}" for src, port in zip(inputs, ports)]
+                           + ["^" + src for src in waits], device=ir.node(name)["device"])
+        inexact.discard(name)
+        done.add(name)
+    return done
+
+
+def _served(ir, first: str, src: str, inexact) -> str | None:
+    """The node that serves what ``src`` (an input of replica 0's copy) holds on one device:
+    its original name, when that is served right (not in ``inexact``), or ``src`` itself when
+    every replica shares it (no replica owns it and no pass made it); else None."""
+    if src.startswith(first):
+        original = src[len(first):]
+        return original if original in ir and original not in inexact else None
+    if _REPLICA.search(src) is None and not ir.node(src).get("created_by"):
+        return src
+    return None
 
 
 def _replica_copies(ir, first: str) -> list[str]:

@@ -300,10 +300,14 @@ class Runner:
                 self.saver = tf1.train.Saver(allow_empty=True)
             self.variables = tf1.global_variables()
             # what a TF1 training loop (tf.train.Scaffold) runs after initializing or restoring
-            # the global variables: metrics keep their totals in local variables, feature
-            # columns their vocabularies in tables, and no checkpoint holds either
+            # the global variables: metrics keep their totals in local variables (tf_keras's
+            # in variables of no collection, which Keras starts itself), feature columns their
+            # vocabularies in tables, and no checkpoint holds either
+            uncollected = [self.graph.get_operation_by_name(v.initializer)
+                           for v in self.analysis.variables.values()
+                           if v.local and v.initializer and self.variables]
             self.local_init_op = tf.group(tf1.local_variables_initializer(),
-                                          tf1.tables_initializer())
+                                          tf1.tables_initializer(), *uncollected)
             if self.variables:
                 self.init_op = tf1.global_variables_initializer()
             else:  # no variable collections (a bare GraphDef): run the initializers found
