@@ -139,8 +139,10 @@ def classify(ir, prefix: str = "replica_0/", forced=None, gradients=None, copies
     ``gradients``: {(node, port): (loss node, loss port)}: a born gradient has its loss's class.
     ``single``: copies no other replica has (sync-init's initial values, which every replica
     reads): one instance, identical like a shared node.
-    ``step``: the copies a training step runs; only their variable writes can make replicas
-    drift apart (initializers are sync-init's to make equal). None: every write.
+    ``step``: the copies a training step runs, whose variable writes can make replicas drift
+    apart; a write outside it does only where it writes what the batch makes (a tf_keras
+    metric's update, run by fetching its value), not an initializer (sync-init's to make
+    equal) nor a restore. None: every write.
     """
     if copies is None:
         names = list(ir.g._node)
@@ -360,17 +362,18 @@ class _Sweep:
         return tuple(out)
 
     def drifting_variables(self, step=None) -> dict:
-        """Replica 0's variables that a write (in ``step``, if given) moves by something that
+        """Replica 0's variables that a write (see classify's ``step``) moves by something that
         differs between replicas (batch-norm statistics from the slice, an update from a local
         gradient): their copies drift apart, so what reads them is not identical. Each maps to
         its class: ``sum`` for a running total (see _running_total), else unknown."""
         found = set()
         for name in self.writes:
-            if step is not None and name not in step:
-                continue
             node = self._node(name, self.nodes[name]["op"])
             if not node.inputs or all(c in (IDENTICAL, SAME) for c in node.cls):
                 continue
+            if step is not None and name not in step and all(
+                    c in (IDENTICAL, SAME, UNKNOWN) for c in node.cls):
+                continue  # outside the step, of nothing the batch is known to make
             variable = node.inputs[0][0]
             if (variable.startswith(self.prefix)
                     and self.nodes[variable]["op"] in VARIABLE_OPS):

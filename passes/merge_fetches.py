@@ -81,7 +81,7 @@ class MergeFetches(Pass):
                                          gradients=_gradient_losses(ir, first, tg),
                                          copies=copies,
                                          single={first + name for name in only_first},
-                                         step=_writes_that_count(first, copies, tg))
+                                         step={first + name for name in tg.train_closure})
         steps = {parse_tensor(step.name)[0] for step in tg.steps}
         tensor_steps = [step.name for step in tg.steps if step.is_tensor]
         _losses_as_means(values, _copies_of(ir, first, [*tg.losses, *tensor_steps]), forced)
@@ -120,15 +120,6 @@ class MergeFetches(Pass):
                                           "output can be merged")
                 forced[(first + node, port)] = kind
         return forced
-
-
-def _writes_that_count(first: str, copies: list, tg) -> set:
-    """The copies whose variable writes can move replicas apart: every one but the variables'
-    initializers (sync-init starts every replica from replica 0's values). Not the train step's
-    alone: a fetch may write too (a tf_keras metric's value runs its total's and count's
-    updates, outside the train op, on the replica's own slice)."""
-    initializers = {first + v.initializer for v in tg.variables.values() if v.initializer}
-    return set(copies) - initializers
 
 
 def _recompute(ir, build, first: str, unmerged: list) -> set:
