@@ -54,6 +54,7 @@ class SplitInputs(Pass):
             fixed += [batch] if batch else []
         sparse = _split_sparse(ir, build, ctx.training, replicas)
         split += list(sparse)
+        _uncolocate(ir, split, replicas)
         rebatched, states = [], []
         if fixed:
             rebatched = rebatch_constants(ir, build, splits, fixed[0], replicas)
@@ -79,6 +80,31 @@ def _batches(ir, tg):
             if ir.consumers(read.node, port):
                 yield (f"{read.node}:{port}", f"{SCOPE}{read.node}/output_{port}/",
                        opdefs.output_dtype(ir, read.node, port), read.fixed_batch)
+
+
+def _uncolocate(ir, inputs: list, replicas: int) -> None:
+    """The copies colocated with an input they now read a slice of (``_class: loc:@x``: TF1's
+    map_fn puts the TensorArray its input is scattered into beside that input, as does
+    ``colocate_with(x)``) lose that colocation and keep their own device: a replica's copy on
+    another task than the one the input is fed on cannot be colocated with it (TF refused the
+    ps and hybrid outputs: "Cannot colocate nodes ... incompatible tasks")."""
+    items = {b"loc:@" + name.encode() for name in inputs}
+    first = replica_prefix(0)
+    colocated = [name[len(first):] for name in ir.nodes()
+                 if name.startswith(first) and "_class" in ir.attrs(name)
+                 and not items.isdisjoint(ir.attrs(name)["_class"].list.s)]
+    for original in colocated:
+        for i in range(replicas):
+            copy = replica_prefix(i) + original
+            if copy not in ir:
+                continue
+            attr = ir.node(copy)["attr"]  # the copy's own NodeDef from here on
+            kept = [item for item in attr["_class"].list.s if item not in items]
+            del attr["_class"].list.s[:]
+            if kept:
+                attr["_class"].list.s.extend(kept)
+            else:
+                del attr["_class"]
 
 
 def _split_sparse(ir, build, tg, replicas: int) -> dict:

@@ -375,3 +375,30 @@ def test_inexact_recipe_trains_and_the_reason_is_named(name, strategy):
     for why in entry["inexact_because"]:
         word = "random" if why in ("dropout", "sampled softmax") else why.split()[0]
         assert word in reasons, f"{name}: no reason names {why}: {reasons}"
+
+
+# ------------------------------------------------------------------ colocation with an input
+def map_fn_over_the_input():
+    """TF1's map_fn (legacy control flow) over the fed batch: TF colocates the TensorArray the
+    batch is scattered into with the placeholder (``_class: loc:@x``), and so does a
+    ``colocate_with(x)`` block of preprocessing."""
+    x = v1.placeholder(tf.float32, [None, 6], name="x")
+    y = v1.placeholder(tf.int64, [None], name="y")
+    per_example = tf.map_fn(lambda row: tf.tanh(row) * 2.0, x)
+    with v1.colocate_with(x):
+        scaled = x * 0.5
+    v1.train.GradientDescentOptimizer(0.1).minimize(
+        tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=y, logits=mlp_logits(tf.concat([per_example, scaled], 1)))),
+        colocate_gradients_with_ops=True)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_copies_colocated_with_an_input_run_on_their_own_task(strategy, tmp_path):
+    """A replica's copy kept its colocation with the fed placeholder on worker 0 while pinned
+    to its own worker: apply exited 0 and TensorFlow refused to place the graph ("Cannot
+    colocate nodes ... incompatible tasks"), reported as an internal error."""
+    ir = assert_matches(build(map_fn_over_the_input, legacy=True), strategy,
+                        mlp_data(tmp_path))
+    assert not any(b"loc:@x" in ir.attrs(n).get("_class", v1.AttrValue()).list.s
+                   for n in ir.nodes() if n.startswith("replica_"))

@@ -338,8 +338,8 @@ class Runner:
         self.close()
 
     def initialize(self):
-        self.session.run(self.init_op)
-        self.session.run(self.local_init_op)
+        self._run(self.init_op, None)  # the first run places the graph: its errors are TF's
+        self._run(self.local_init_op, None)
         self.input_threads.start()
 
     def restore(self, prefix: str):
@@ -348,7 +348,7 @@ class Runner:
         import os
 
         import tensorflow as tf
-        self.session.run(self.init_op)
+        self._run(self.init_op, None)
         if os.path.isdir(prefix):
             latest = tf.train.latest_checkpoint(prefix)
             if latest is None:
@@ -359,7 +359,7 @@ class Runner:
                 self.saver.restore(self.session, prefix)
         except (ValueError, tf.errors.OpError) as e:
             raise GraphxformError(f"cannot restore checkpoint {prefix}: {tf_error_line(e)}") from None
-        self.session.run(self.local_init_op)
+        self._run(self.local_init_op, None)
         self.input_threads.start()
 
     def save(self, prefix: str) -> str:
