@@ -162,11 +162,16 @@ def mismatch_reasons(ir: GraphIR, tg: training.TrainingGraph, synced_batch_norm=
                        "its own slices, and are not running sums or means of it: fetching them, "
                        "or a metric's value or update_op, gives replica 0's figure, not the "
                        "global batch's")
-    seeded, unseeded = _random_ops(ir, tg, from_inputs)
+    seeded, out_of_reach, unseeded = _random_ops(ir, tg, from_inputs)
     if seeded and not consistent_random:
         reasons.append("random ops run in the step (dropout, sampling) and each replica draws "
                        f"its own numbers for its slice ({_some(seeded)}); --consistent-random "
                        "gives each replica its slice of the single-device draw")
+    if out_of_reach:
+        reasons.append("random ops run in the step where each replica draws its own numbers for "
+                       "its slice and --consistent-random cannot reach them: inside a legacy "
+                       "while loop over the batch, afresh at every iteration, or from values of "
+                       f"each example (as tf.random.categorical) ({_some(out_of_reach)})")
     if unseeded:
         reasons.append("random ops without a seed (seed=seed2=0) run in the step and draw "
                        f"different numbers in every session, so they cannot match even on one "
@@ -274,16 +279,22 @@ def _moments_over_batch(ir: GraphIR, name: str) -> bool:
     return axes is None or 0 in axes.reshape(-1).tolist()
 
 
-def _random_ops(ir: GraphIR, tg, from_inputs: set) -> tuple[list, list]:
-    """Random ops in the step that make replicas differ from one device: (seeded, unseeded).
-    An op with seed and seed2 attrs both 0 is seeded afresh by every session, so it differs
-    even between two runs of one graph. A seeded op differs only when what it draws depends on
-    the batch (dropout's mask, shaped like the slice): each replica then draws the first numbers
-    of the sequence for its slice. A candidate sampler (nce_loss) draws ``num_sampled`` ids
-    whatever the batch, the same in every replica as on one device."""
+def _random_ops(ir: GraphIR, tg, from_inputs: set) -> tuple[list, list, list]:
+    """Random ops in the step that make replicas differ from one device: (seeded, out of
+    reach, unseeded). An op with seed and seed2 attrs both 0 is seeded afresh by every
+    session, so it differs even between two runs of one graph. A seeded op differs only when
+    what it draws depends on the batch (dropout's mask, shaped like the slice): each replica
+    then draws the first numbers of the sequence for its slice. Out of reach of
+    --consistent-random (and not among the seeded): a draw inside a legacy while loop over the
+    batch (map_fn, dynamic_rnn), afresh at every iteration, and one from values of each
+    example (tf.random.categorical's logits). A candidate sampler (nce_loss) draws
+    ``num_sampled`` ids whatever the batch, the same in every replica as on one device."""
+    from graphxform.passes.consistent_random import SHAPED_RANDOM_OPS
     fixed = {i.fixed_batch for i in tg.inputs if i.fixed_batch}
-    seeded, unseeded = [], []
+    seeded, out_of_reach, unseeded = [], [], []
     ahead = _ahead_of_defaults(ir, tg)
+    looped = set().union(*[members for members in functions.legacy_loop_frames(ir)
+                           if not members.isdisjoint(from_inputs)])
     for name in sorted(tg.train_closure):
         op = ir.op(name)
         attrs = ir.attrs(name)
@@ -293,10 +304,13 @@ def _random_ops(ir: GraphIR, tg, from_inputs: set) -> tuple[list, list]:
             continue
         if has_seed and attrs["seed"].i == 0 and attrs["seed2"].i == 0:
             unseeded.append(name)
-        elif (not op.endswith("CandidateSampler") and (ahead is None or name in ahead)
-              and _drawn_per_example(ir, name, from_inputs, fixed)):
-            seeded.append(name)
-    return seeded, unseeded
+        elif op.endswith("CandidateSampler") or (ahead is not None and name not in ahead):
+            continue
+        elif name in looped:
+            out_of_reach.append(name)
+        elif _drawn_per_example(ir, name, from_inputs, fixed):
+            (seeded if op in SHAPED_RANDOM_OPS else out_of_reach).append(name)
+    return seeded, out_of_reach, unseeded
 
 
 def _ahead_of_defaults(ir: GraphIR, tg) -> set | None:
@@ -405,8 +419,8 @@ def _reorderable(original: GraphIR, tg) -> bool:
     """Whether reversing each fed batch changes nothing but float rounding: no random ops in
     the step (a mask drawn per position would fall on other examples) and no input pipeline
     (its batches are not fed)."""
-    seeded, unseeded = _random_ops(original, tg, fed_from_inputs(original, tg))
-    return not (seeded or unseeded or tg.pipeline
+    seeded, out_of_reach, unseeded = _random_ops(original, tg, fed_from_inputs(original, tg))
+    return not (seeded or out_of_reach or unseeded or tg.pipeline
                 or functions.random_in_function(original, tg.train_closure))
 
 

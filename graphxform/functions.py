@@ -16,6 +16,10 @@ iteration from a TensorList and carries a value from one example to the next
 (``carried_from_list``), unless that value only adds up a term of each example
 (``sums_each_element``: the sum of per-example losses a loop over the examples computes).
 
+A legacy while loop (control flow v1: ``tf.while_loop``, ``dynamic_rnn``, ``map_fn`` under
+``disable_control_flow_v2``) keeps its body in the graph, in a frame from its Enter ops to its
+Exit ops (``legacy_loop_frames``); a random op there draws afresh at every iteration.
+
 A call's inputs are its function's arguments in order (``If``, ``Case``: after the branch
 selector), so a write to an argument is a write to the graph node that feeds it; nested calls
 map their arguments the same way.
@@ -54,6 +58,23 @@ def random_in_function(ir, closure: set) -> list[tuple[str, str]]:
     """(call, op type) for each random op inside the functions the calls in ``closure`` run."""
     return sorted({(call, node.op) for call, _, node, _ in called_nodes(ir, closure)
                    if node.op in RANDOM_OPS})
+
+
+def legacy_loop_frames(ir) -> list[set]:
+    """The nodes of each legacy while loop, by frame: what its Enter ops reach before its Exit
+    ops (a nested loop's nodes belong to the loops around it too)."""
+    frames = {}
+    for enter in ir.nodes_of(("Enter", "RefEnter")):
+        members = frames.setdefault(ir.attrs(enter)["frame_name"].s, set())
+        stack = [enter]
+        while stack:
+            node = stack.pop()
+            if node in members:
+                continue
+            members.add(node)
+            if ir.op(node) not in ("Exit", "RefExit"):
+                stack.extend(ir.successors(node))
+    return list(frames.values())
 
 
 def called_nodes(ir, closure: set):

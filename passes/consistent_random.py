@@ -22,7 +22,8 @@ import numpy as np
 from graphxform import opdefs, replica_values
 from graphxform.contract import replica_local
 from graphxform.errors import GraphxformError
-from graphxform.functions import random_in_function
+from graphxform.functions import legacy_loop_frames, random_in_function
+from graphxform.training import RANDOM_OPS
 from graphxform.nodes import Builder, replica_prefix
 from graphxform.pipeline import Pass, PassResult
 
@@ -54,6 +55,7 @@ class ConsistentRandom(Pass):
                             if n.startswith(prefix))
         unseeded = [n for n in random_ops if _unseeded(ir.attrs(prefix + n))]
         local = replica_local(ir, len(ctx.devices))
+        _refuse_out_of_reach(ir, prefix, local)
         batched = [n for n in random_ops if n not in unseeded
                    and _batch_shaped(ir, ir.input(prefix + n, 0)[0], local)]
         build = Builder(ir, self.name)
@@ -65,6 +67,34 @@ class ConsistentRandom(Pass):
                     _draw_whole_batch(ir, build, node, i, replicas, ctx.devices[i])
         return PassResult(modified=bool(batched), summary={
             "random_ops_rewritten": len(batched), "unseeded_random_ops": unseeded})
+
+
+def _refuse_out_of_reach(ir, prefix: str, local: set) -> None:
+    """Refuse what the pass cannot give the single-device draws: a random op in a legacy
+    while loop whose frame reads the replica's slice (dropout inside dynamic_rnn, a random
+    flip per example in map_fn), which draws afresh at every iteration (a whole-batch draw
+    hoisted out of its frame cannot run there; left alone, each replica replays replica 0's
+    draws), and a random op drawing from values of the slice's examples (tf.random.categorical
+    from each example's logits), which only a gather of every replica's values could draw as
+    one device does. Unseeded ones are left to verify (they differ run to run anyway)."""
+    frames = [members for members in legacy_loop_frames(ir)
+              if any(n.startswith(prefix) for n in members) and not members.isdisjoint(local)]
+    looped = set().union(*frames) if frames else set()
+    for name in sorted(ir.nodes_of(RANDOM_OPS)):
+        if not name.startswith(prefix) or _unseeded(ir.attrs(name)):
+            continue
+        op, original = ir.op(name), name[len(prefix):]
+        if name in looped:
+            raise GraphxformError(
+                f"--consistent-random: '{original}' ({op}) draws random numbers inside a "
+                "legacy while loop over the batch (tf.while_loop, dynamic_rnn or map_fn with "
+                "control flow v1), afresh at every iteration, which the pass cannot give each "
+                "replica's slice as one device draws it; drop the option")
+        if op not in SHAPED_RANDOM_OPS and any(src in local for src, _ in ir.inputs(name)):
+            raise GraphxformError(
+                f"--consistent-random: '{original}' ({op}) draws from values of each "
+                "example (as tf.random.categorical from logits), which the pass cannot give "
+                "each replica's slice as one device draws it; drop the option")
 
 
 def _batch_shaped(ir, shape: str, local: set) -> bool:

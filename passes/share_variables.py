@@ -22,6 +22,7 @@ from graphxform.errors import GraphxformError
 from graphxform.passes.replicate import shared_nodes
 from graphxform.pipeline import Pass, PassResult
 from graphxform import opdefs
+from graphxform.functions import legacy_loop_frames
 from graphxform.ir import parse_tensor
 from graphxform.training import PLACEHOLDER_OPS, VARIABLE_OPS, Gradient, gradient_scope
 
@@ -94,7 +95,7 @@ class ShareVariables(Pass):
         single = shared_nodes(ir, tg) | region
         snapshots = {r for v in tg.variables.values() for r in v.reads}
         replicated = {n for n in per_example - single if ir.op(n) not in PLACEHOLDER_OPS}
-        frames = _loop_frames(ir)
+        frames = legacy_loop_frames(ir)
         added = (_pull_in_helpers(ir, replicated, region, snapshots)
                  | _whole_loops(ir, frames, replicated, region))
         while added:  # what consumes a pulled-in node is per-replica work too
@@ -147,22 +148,6 @@ def _pull_in_control_only(ir, region, per_example, data_dependent) -> None:
                 continue
             region.add(src)
             stack.append(src)
-
-
-def _loop_frames(ir) -> list[set]:
-    """The nodes of each legacy while loop (Enter ... Exit), by frame."""
-    frames = {}
-    for enter in ir.nodes_of(("Enter", "RefEnter")):
-        members = frames.setdefault(ir.attrs(enter)["frame_name"].s, set())
-        stack = [enter]
-        while stack:
-            node = stack.pop()
-            if node in members:
-                continue
-            members.add(node)
-            if ir.op(node) not in ("Exit", "RefExit"):
-                stack.extend(ir.successors(node))
-    return list(frames.values())
 
 
 def _whole_loops(ir, frames, replicated, region) -> set:

@@ -186,6 +186,54 @@ def test_dropout_inside_a_legacy_cond_is_made_consistent(run_cli, tmp_path):
     assert "PASS" in out
 
 
+def flips_in_a_legacy_map_fn(x, y):
+    """A random augmentation per example, tf.map_fn under control flow v1 (TF1 scripts run on
+    TF2 with disable_v2_behavior): the draw is inside the loop, afresh at every iteration."""
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+    tf1.disable_control_flow_v2()
+    try:
+        flipped = tf.map_fn(lambda row: tf1.where(tf1.random_uniform([], seed=5) < 0.5,
+                                                  row, -row), x)
+    finally:
+        tf1.enable_control_flow_v2()
+    loss = tf1.losses.sparse_softmax_cross_entropy(y, dense(flipped, 2, "logits"))
+    return tf1.train.GradientDescentOptimizer(0.1).minimize(loss)
+
+
+def actions_sampled_per_example(x, y):
+    """REINFORCE's action sampled from each example's logits by tf.random.categorical."""
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+    logits = dense(x, 2, "policy")
+    action = tf.stop_gradient(tf.random.categorical(logits, 1, seed=9)[:, 0])
+    reward = tf.cast(tf.equal(action, y), tf.float32)
+    loss = tf.reduce_mean(reward * tf.nn.sparse_softmax_cross_entropy_with_logits(
+        labels=action, logits=logits))
+    return tf1.train.GradientDescentOptimizer(0.1).minimize(loss)
+
+
+@pytest.mark.parametrize("build, op", [(flips_in_a_legacy_map_fn, "RandomUniform"),
+                                       (actions_sampled_per_example, "Multinomial")])
+def test_draws_consistent_random_cannot_reach_are_named_and_refused(run_cli, tmp_path, build,
+                                                                     op):
+    """--consistent-random exited 0 on both: it hoisted a loop's draw out of its frame (TF
+    then refused the graph) or left it alone (each replica replayed replica 0's draws), and
+    did nothing for the categorical draw; verify blamed float rounding for the first and
+    recommended the option already given for the second."""
+    model = _export(tmp_path / "m.meta", build)
+    code, out, _ = run_cli("verify", "--replicas", 2, model, "--feeds", model + ".npz",
+                           "--batch-size", 16)
+    assert code == 1 and "FAIL" in out
+    assert "--consistent-random cannot reach them" in out and f"/{op})" in out
+    assert "amplifies rounding" not in out
+    code, _, err = run_cli("apply", "--replicas", 2, "--consistent-random", model,
+                           "-o", tmp_path / "out.meta")
+    assert code == 1 and len(err.strip().splitlines()) == 1, err
+    assert f"({op}) draws" in err and "drop the option" in err
+    assert not (tmp_path / "out.meta").exists()
+
+
 def accumulated_over_runs(x, y):
     """Gradient accumulation as TF1 answers write it: variables zeroed by one op, each
     micro-batch's gradients added into them by another (run once per micro-batch), and a
