@@ -9,8 +9,9 @@ control flow v2, that reads one example per iteration and carries a value to the
 normalises them by a statistic of the batch computes something else on a slice, and nothing in
 the averaged gradients says so. So does one that lines its examples up with the rows of a
 tensor whose number of rows the graph fixes while the batch's size is free
-(``tf.range(BATCH_SIZE)`` stacked beside the actions of a DQN): it runs with that batch only. Batch norm is the one documented exception
-(``--sync-batch-norm``; `verify` names it): a FusedBatchNorm, and ``tf.nn.moments``' Means
+(``tf.range(BATCH_SIZE)`` stacked beside the actions of a DQN): it runs with that batch only.
+Batch norm is the one documented exception (``--sync-batch-norm``; `verify` names it): a
+FusedBatchNorm, and ``tf.nn.moments``' Means
 (``moments/mean``, ``moments/variance``) of an activation over all its axes but the
 features, which sync-batch-norm knows; moments of data or of per-example losses (advantage
 normalisation) are statistics of the batch like any other.

@@ -129,15 +129,15 @@ def _recompute(ir, build, first: str, unmerged: list) -> set:
     a metric's value, ``total / count`` of two running totals served as their sums, is the
     single-device value, not replica 0's. Each becomes that op (replica 0's copy's op and
     attrs) reading the original names; its control inputs wait on the original names of the
-    copy's. Not the insides of tf.gradients, which are thousands on a large model, cost the
-    TF check and emit as much again as the rest of this pass, and are fetched by nobody; they
-    stay listed. Returns the names recomputed."""
+    copy's. Not the insides of tf.gradients, fetched by nobody and thousands on a large model
+    (6,126 of the 24-layer transformer's 6,702): they stay listed. Returns the names
+    recomputed."""
     inexact, done = set(unmerged), set()
     for name in unmerged:
         copy = first + name
         op = ir.op(copy)
-        if (op in _NOT_RECOMPUTED or gradient_scope(name) is not None or not ir.inputs(copy) or opdefs.is_stateful(ir, op)
-                or replica_values.REBATCHED_ATTR in ir.attrs(copy)):
+        if (op in _NOT_RECOMPUTED or gradient_scope(name) is not None or not ir.inputs(copy)
+                or opdefs.is_stateful(ir, op) or replica_values.REBATCHED_ATTR in ir.attrs(copy)):
             continue
         inputs = [_served(ir, first, src, inexact) for src, _ in ir.inputs(copy)]
         waits = [_served(ir, first, src, ()) for src in ir.control_inputs(copy)]
