@@ -152,10 +152,14 @@ def classify(ir, prefix: str = "replica_0/", forced=None, gradients=None, copies
     while True:
         sweep = _Sweep(ir, prefix, forced, dict(gradients or {}), single)
         values = sweep.run(copies)
-        # their reads differ (or sum to the single-device value): classify again so; a
-        # variable once unknown stays so, which ends the loop
-        more = {(variable, 0): kind for variable, kind in sweep.drifting_variables(step).items()
-                if forced.get((variable, 0)) not in (kind, UNKNOWN)}
+        # their reads differ (or add up to the single-device value): classify again so. A
+        # variable's class changes at most twice (to a running total's, then to unknown,
+        # which stays), which ends the loop
+        more = {}
+        for variable, kind in sweep.drifting_variables(step).items():
+            was = forced.get((variable, 0))
+            if was != kind and was != UNKNOWN:
+                more[(variable, 0)] = kind if was is None else UNKNOWN
         if not more:
             return values
         forced.update(more)
@@ -365,7 +369,7 @@ class _Sweep:
         """Replica 0's variables that a write (see classify's ``step``) moves by something that
         differs between replicas (batch-norm statistics from the slice, an update from a local
         gradient): their copies drift apart, so what reads them is not identical. Each maps to
-        its class: ``sum`` for a running total (see _running_total), else unknown."""
+        its class: a running total's ``sum`` or ``mean`` (see _running_total), else unknown."""
         found = set()
         for name in self.writes:
             node = self._node(name, self.nodes[name]["op"])
