@@ -277,3 +277,26 @@ def test_a_failing_verify_measures_how_much_rounding_the_original_amplifies(monk
                                  batch_size=16)
     assert any("moves by up to 5.00e-01 (scaled) when each batch's examples come in reverse "
                "order" in r for r in report.reasons)
+
+
+def test_a_fetch_that_holds_no_numbers_is_refused_in_one_line(run_cli, tmp_path):
+    """verify --fetch on a merged summary printed 'internal error: ValueError: could not
+    convert string to float'; on a variable's handle it compared the handles."""
+    import tensorflow as tf
+    from conftest import export_classifier
+    from test_custom_training_code import dense
+    tf1 = tf.compat.v1
+
+    def build(x, y):
+        loss = tf1.losses.sparse_softmax_cross_entropy(y, dense(x, 2, "logits"))
+        tf1.summary.scalar("loss", loss)
+        tf1.summary.merge_all()
+        return tf1.train.GradientDescentOptimizer(0.1).minimize(
+            loss, global_step=tf1.train.get_or_create_global_step())
+
+    model = export_classifier(tmp_path / "m.meta", build)
+    for fetch, kind in (("Merge/MergeSummary:0", "string"), ("global_step:0", "resource")):
+        code, _, err = run_cli("verify", "--replicas", 2, model, "--feeds", model + ".npz",
+                               "--batch-size", 16, "--fetch", fetch)
+        assert code == 1 and len(err.strip().splitlines()) == 1, err
+        assert f"cannot compare fetch '{fetch}': it is {kind}, not numbers" in err
