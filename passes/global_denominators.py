@@ -61,9 +61,9 @@ class GlobalDenominators(Pass):
                   if first + node in ir]
         classes = functools.cache(lambda: _classes(ir, first, losses))
         found = []  # (denominator, loss) in replica 0
-        for loss in losses:
-            found += [(d, loss) for d in batch_denominators(ir, loss, classes)
-                      if d not in (seen for seen, _ in found)]
+        for loss in losses:  # a denominator may divide several terms (and losses): once
+            found += [(d, loss) for d in dict.fromkeys(batch_denominators(ir, loss, classes))
+                      if d not in {seen for seen, _ in found}]
         if not found:
             return PassResult(modified=False)
         build = Builder(ir, self.name)
@@ -154,13 +154,39 @@ def _total_reduction(ir, values, tensor: str, top: str) -> str:
 
 
 def _numerator_kind(ir, values, denominator: str, loss: tuple) -> str:
-    """Whether what the loss's division by ``denominator`` divides is a sum (or count) or a
-    mean over the batch: its class, or, where the rules cannot tell (read from a loop's
-    outputs), the reduction that makes it a scalar, seen through ops that only scale it.
-    Anything else is refused: dividing it by the wrong total would train silently wrong."""
+    """Whether what the loss's divisions by ``denominator`` divide is a sum (or count) or a
+    mean over the batch (see _kind_of_numerator). Anything else is refused, and so are a sum
+    and a mean divided by one total: dividing one by the wrong total would train silently
+    wrong."""
+    from graphxform.contract import ContractError
+    first = len(replica_prefix(0))
+    kinds = {}
+    for found in _numerators(ir, denominator, ir.ancestors(loss[0])):
+        kinds[found] = _kind_of_numerator(ir, values, found)
+        if kinds[found] is None:
+            raise ContractError(
+                f"the loss '{tensor_name(*loss)[first:]}' divides "
+                f"'{tensor_name(*found)[first:]}' by '{denominator[first:]}', a total of the "
+                "batch, and that cannot be shown to be a sum or a mean over the batch, so which "
+                "total of the replicas' stands in for the whole batch's cannot be told; write "
+                "the loss as tf.reduce_sum(losses * mask) / tf.reduce_sum(mask)")
+    if len(set(kinds.values())) != 1:
+        named = " and ".join(f"'{tensor_name(*t)[first:]}' (a {kind})"
+                             for t, kind in sorted(kinds.items()))
+        raise ContractError(
+            f"the loss '{tensor_name(*loss)[first:]}' divides {named or 'nothing'} by "
+            f"'{denominator[first:]}', a total of the batch: "
+            + ("the replicas' sum of it would stand in for one and their mean for the other; "
+               "divide each by a total of its own" if named else
+               "no division by it was found on the loss's way"))
+    return next(iter(kinds.values()))
+
+
+def _kind_of_numerator(ir, values, current: tuple):
+    """SUM or MEAN for a numerator: its class, or, where the rules cannot tell (read from a
+    loop's outputs), the reduction that makes it a scalar, seen through ops that only scale
+    it; else None."""
     from graphxform.replica_values import COUNT, IDENTICAL, SUM
-    found = _numerator(ir, denominator, ir.ancestors(loss[0]))
-    current = found
     while current is not None:
         kind = _total_kind(ir, values, current)
         if kind is not None:
@@ -170,14 +196,7 @@ def _numerator_kind(ir, values, denominator: str, loss: tuple) -> str:
         scaled = [t for t in inputs if values.of(*t) != IDENTICAL]
         divides = op in replica_values.DIVIDE_OPS and scaled[:1] != inputs[:1]  # c / it
         current = scaled[0] if op in _SCALING_OPS and len(scaled) == 1 and not divides else None
-    from graphxform.contract import ContractError
-    what = "nothing" if found is None else f"'{tensor_name(*found)[len(replica_prefix(0)):]}'"
-    raise ContractError(
-        f"the loss '{tensor_name(*loss)[len(replica_prefix(0)):]}' divides {what} by "
-        f"'{denominator[len(replica_prefix(0)):]}', a total of the batch, and {what} cannot be "
-        "shown to be a sum or a mean over the batch, so which total of the replicas' stands in "
-        "for the whole batch's cannot be told; write the loss as "
-        "tf.reduce_sum(losses * mask) / tf.reduce_sum(mask)")
+    return None
 
 
 def _require_total(ir, values, tensor: str, loss: tuple) -> None:
@@ -219,14 +238,13 @@ def _scalar(ir, node: str) -> bool:
     return opdefs.recorded_dims(ir, node, 0) == []
 
 
-def _numerator(ir, denominator: str, forward: set):
-    """What the loss's own division by ``denominator`` divides (not its gradient's)."""
+def _numerators(ir, denominator: str, forward: set) -> list:
+    """What the loss's own divisions by ``denominator`` divide (not its gradient's): one per
+    term an SSD or RetinaNet loss divides by its count of positive anchors."""
     from graphxform.replica_values import DIVIDE_OPS
     node, port = parse_tensor(denominator)
-    for dst, dst_port in ir.consumers(node, port):
-        if dst_port == 1 and dst in forward and ir.op(dst) in DIVIDE_OPS:
-            return ir.input(dst, 0)
-    return None
+    return sorted({ir.input(dst, 0) for dst, dst_port in ir.consumers(node, port)
+                   if dst_port == 1 and dst in forward and ir.op(dst) in DIVIDE_OPS})
 
 
 def _copies(ir, devices: list, tensor: str):

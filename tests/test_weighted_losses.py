@@ -208,6 +208,36 @@ def test_a_denominator_that_is_a_function_of_totals_is_recomputed(run_cli, tmp_p
     assert "PASS" in out, out
 
 
+def positives_normalised_graph(path, mixed=False):
+    """An SSD / RetinaNet loss: a box term over the positive examples and a classification
+    term over all, each divided by one node, max(number of positives, 1); ``mixed`` makes the
+    classification term a mean, which the replicas' total cannot divide as it divides a sum."""
+    import tensorflow as tf
+    graph = tf.Graph()
+    with graph.as_default():
+        x, y, weights, logits = _classifier()
+        positives = tf.cast(y, tf.float32)
+        norm = tf.maximum(tf.reduce_sum(positives), 1.0)
+        box = tf.reduce_sum(tf.square(logits[:, 0] - weights) * positives)
+        per = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
+        classes = tf.reduce_mean(per) if mixed else tf.reduce_sum(per)
+        return _export_sgd(graph, tf.add(box / norm, classes / norm, name="total_loss"), path)
+
+
+def test_terms_divided_by_one_normaliser_train_like_one_device(run_cli, tmp_path):
+    """global-denominators took the shared normaliser once per division and refused the
+    second: 'the loss ... divides nothing by 'Maximum:0''."""
+    model = positives_normalised_graph(tmp_path / "m.meta")
+    code, out, err = run_cli("verify", "--replicas", 2, model, "--feeds",
+                             _guarded_feeds(tmp_path), "--batch-size", 16, "--steps", 4)
+    assert code == 0 and "PASS" in out, out + err
+    code, _, err = run_cli("apply", "--replicas", 2,
+                           positives_normalised_graph(tmp_path / "mixed.meta", mixed=True),
+                           "-o", tmp_path / "o.meta")
+    assert code == 1 and len(err.strip().splitlines()) == 1, err
+    assert "divides 'Mean:0' (a mean) and 'Sum_1:0' (a sum) by 'Maximum:0'" in err
+
+
 def keras_masked_sequence_graph(path):
     """tf_keras as its guide writes a masked sequence model: Embedding(mask_zero=True), an RNN
     and a Dense per step, compile() with a sparse cross-entropy. Keras weights each token by
