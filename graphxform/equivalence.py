@@ -149,7 +149,14 @@ def mismatch_reasons(ir: GraphIR, tg: training.TrainingGraph, synced_batch_norm=
                        f"({_some(others)}) are kept per replica, each updated from its own "
                        "slice: they move apart from one device's, and from each other; "
                        "fetching them gives replica 0's")
-    if batch_norm and not synced_batch_norm:
+    unreachable = functions.batch_norm_in_function(ir, tg.train_closure)
+    if unreachable:
+        reasons.append("batch norm in training mode inside the functions the step calls (a "
+                       "tf.cond with control flow v2 on a training flag that is a tensor: "
+                       f"{_some([f'{call} ({op})' for call, op in unreachable])}): each "
+                       "replica normalises its slice with that slice's own mean and variance, "
+                       "and --sync-batch-norm cannot reach into function bodies")
+    elif batch_norm and not synced_batch_norm:
         reasons.append("batch norm in training mode: each replica normalises its slice with that "
                        "slice's own mean and variance and updates the moving averages from it "
                        f"({_some(batch_norm)}); --sync-batch-norm uses the global batch's")

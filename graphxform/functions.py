@@ -9,7 +9,8 @@ nodes only. Two things there break the contract silently, so the contract and `v
   (``written_in_function``; the contract refuses);
 - a random op inside a body (dropout under ``tf.cond(is_training, ...)``): each replica draws
   for its own slice and ``--consistent-random`` cannot reach it (``random_in_function``;
-  verify names it, the consistent-random pass refuses).
+  verify names it, the consistent-random pass refuses); a training-mode batch norm there
+  (``batch_norm_in_function``) is out of ``--sync-batch-norm``'s reach the same way.
 
 A third, for graphxform.batch_mixing: a while loop that reads the batch one example per
 iteration from a TensorList and carries a value from one example to the next
@@ -58,6 +59,16 @@ def random_in_function(ir, closure: set) -> list[tuple[str, str]]:
     """(call, op type) for each random op inside the functions the calls in ``closure`` run."""
     return sorted({(call, node.op) for call, _, node, _ in called_nodes(ir, closure)
                    if node.op in RANDOM_OPS})
+
+
+def batch_norm_in_function(ir, closure: set) -> list[tuple[str, str]]:
+    """(call, op type) for each training-mode batch norm (a FusedBatchNorm with
+    ``is_training``) inside the functions the calls in ``closure`` run: tf_keras's and
+    tf.compat.v1.layers' batch norm given a training flag that is a tensor (a placeholder, the
+    learning phase) branch into one with control flow v2."""
+    return sorted({(call, node.op) for call, _, node, _ in called_nodes(ir, closure)
+                   if node.op.startswith("FusedBatchNorm") and "Grad" not in node.op
+                   and node.attr["is_training"].b})
 
 
 def legacy_loop_frames(ir) -> list[set]:

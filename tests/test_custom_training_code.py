@@ -234,6 +234,42 @@ def test_draws_consistent_random_cannot_reach_are_named_and_refused(run_cli, tmp
     assert not (tmp_path / "out.meta").exists()
 
 
+def batch_norm_under_a_training_flag(x, y):
+    """Batch norm as tf.compat.v1.layers and tf_keras build it for a training flag that is a
+    tensor: a tf.cond (control flow v2) between the training-mode fused batch norm and the
+    inference one."""
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+    training = tf1.placeholder_with_default(True, [], name="is_training")
+    h = tf.reshape(dense(x, 4, "hidden"), [-1, 1, 1, 4])
+    scale = tf1.get_variable("bn/gamma", [4], initializer=tf1.ones_initializer())
+    offset = tf1.get_variable("bn/beta", [4], initializer=tf1.zeros_initializer())
+    normed = tf.cond(training,
+                     lambda: tf1.nn.fused_batch_norm(h, scale, offset, is_training=True)[0],
+                     lambda: tf1.nn.fused_batch_norm(h, scale, offset, tf.zeros([4]),
+                                                     tf.ones([4]), is_training=False)[0],
+                     name="bn")
+    loss = tf1.losses.sparse_softmax_cross_entropy(y, dense(tf.reshape(normed, [-1, 4]), 2,
+                                                            "logits"))
+    return tf1.train.GradientDescentOptimizer(0.1).minimize(loss)
+
+
+def test_batch_norm_inside_a_cond_function_is_named_and_sync_refused(run_cli, tmp_path):
+    """--sync-batch-norm printed 'nothing to synchronise' and exited 0 (verify then failed by
+    3.8e-01 and recommended the option given)."""
+    model = _export(tmp_path / "m.meta", batch_norm_under_a_training_flag)
+    code, out, _ = run_cli("verify", "--replicas", 2, model, "--feeds", model + ".npz",
+                           "--batch-size", 16)
+    assert code == 1 and "FAIL" in out
+    assert "batch norm in training mode inside the functions the step calls" in out
+    assert "bn (FusedBatchNormV3)" in out and "--sync-batch-norm uses" not in out
+    code, _, err = run_cli("apply", "--replicas", 2, "--sync-batch-norm", model,
+                           "-o", tmp_path / "out.meta")
+    assert code == 1 and len(err.strip().splitlines()) == 1, err
+    assert "'bn' (If) runs a training-mode batch norm (FusedBatchNormV3)" in err
+    assert not (tmp_path / "out.meta").exists()
+
+
 def accumulated_over_runs(x, y):
     """Gradient accumulation as TF1 answers write it: variables zeroed by one op, each
     micro-batch's gradients added into them by another (run once per micro-batch), and a
