@@ -24,6 +24,7 @@ import numpy as np
 
 from graphxform import functions, training
 from graphxform.plan import ClusterPlan
+from graphxform.errors import GraphxformError
 from graphxform.ir import GraphIR, parse_tensor
 from graphxform.nodes import const_value, replica_prefix
 from graphxform.runtime import servers
@@ -355,6 +356,7 @@ def compare(original: GraphIR, transformed: GraphIR, feeds_path: str | None = No
     tg = training.analyze(original, train_op=train_op)
     tg.require_train_op("verify")
     fetches = list(fetches)
+    _require_numbers(original, fetches)
     feeds = Feeds(needed_inputs(original, tg.inputs, fetches), feeds_path, batch_size)
     with tempfile.TemporaryDirectory(prefix="graphxform-verify-") as tmp:
         with Runner(original, fetches=fetches, steps=tg.steps) as run:
@@ -406,6 +408,22 @@ def compare(original: GraphIR, transformed: GraphIR, feeds_path: str | None = No
                        "that size are not the transformation's; try a larger --batch-size or "
                        "fewer --steps")
     return Report(steps, rtol, variables, series, step_losses, reasons, floor)
+
+
+_NOT_NUMBERS = {7: "string", 20: "resource", 21: "variant"}  # DataType enum values
+
+
+def _require_numbers(ir: GraphIR, fetches: list) -> None:
+    """Refuse a fetch verify cannot compare: a string (a merged summary), a variable's handle."""
+    from graphxform import opdefs
+    for name in fetches:
+        node, port = parse_tensor(name)
+        kind = _NOT_NUMBERS.get(opdefs.output_dtype(ir, node, port)) if node in ir else None
+        if kind:
+            raise GraphxformError(
+                f"cannot compare fetch '{name}': it is {kind}, not numbers (a summary, a "
+                "variable's handle); fetch the values it holds instead (a variable's "
+                "ReadVariableOp or read, the tensors a summary records)")
 
 
 def merged_running_totals(transformed: GraphIR) -> set:

@@ -110,7 +110,7 @@ _STATEFUL_PURE = frozenset(VARIABLE_OPS | {
     "ReadVariableOp", "VarIsInitializedOp", "IsVariableInitialized", "VariableShape",
     "ResourceGather", "ResourceGatherNd", "Placeholder", "PlaceholderWithDefault"})
 # ops whose output can be known although an input is unknown
-_PAST_UNKNOWN = _CROSS_REPLICA | {"Rank", "Assign", "AssignAdd", "AssignSub"}
+_PAST_UNKNOWN = _CROSS_REPLICA | {"Rank", "Assign", "AssignAdd", "AssignSub", "IdentityN"}
 _FLOAT_TYPES = frozenset({1, 2, 8, 14, 18, 19})  # float double complex64 bfloat16 complex128 half
 _ALL = "all"  # reduction axes covering every dimension (rank unknown)
 
@@ -599,6 +599,12 @@ def _read(n: _Node):
     variable's (carried by the handle)."""
     kind = n.cls[0] if n.cls and n.cls[0] in (IDENTICAL, SUM, MEAN) else UNKNOWN
     return (kind,), (n.rank[0] if n.rank else None,)
+
+
+def _identity_n(n: _Node):
+    """IdentityN: each output is its input (sync-batch-norm's rewritten batch norm keeps its
+    ports so)."""
+    return tuple(n.cls) or (UNKNOWN,), tuple(n.rank) or (None,)
 
 
 def _linear_unary(n: _Node):
@@ -1218,6 +1224,7 @@ RULES = _table({
     _source: ("Const", "HostConst", "Placeholder", "PlaceholderWithDefault", "VarHandleOp",
               "VariableV2", "Variable"),
     _read: ("ReadVariableOp",),
+    _identity_n: ("IdentityN",),
     _linear_unary: LINEAR_UNARY_OPS,
     _cast: ("Cast",),
     _elementwise_unary: ELEMENTWISE_UNARY_OPS,

@@ -34,7 +34,7 @@ import dataclasses
 
 import numpy as np
 
-from graphxform import opdefs
+from graphxform import opdefs, replica_values
 from graphxform.errors import GraphxformError
 from graphxform.functions import batch_norm_in_function
 from graphxform.nodes import Builder, replica_prefix
@@ -181,6 +181,7 @@ def _rewrite_mean(ir, build, node, device, replicas, key) -> str:
         local_sum], T=dtype, out_type=INT32)], T=dtype, Tshape=INT32)
     mean = ops("mean", "RealDiv", [global_sum, global_count], T=dtype)
     build.replace(node, "Identity", [mean], device=device, T=dtype)
+    _mark_whole_batch(ir, node)
     return global_count
 
 
@@ -210,6 +211,19 @@ class _Ops:
 
     def const(self, name, value, dtype):
         return self.build.const(self.scope + name, value, dtype, device=self.device)
+
+    def whole_batch(self, name, tensor, dtype):
+        """An Identity of ``tensor``, a statistic of the whole global batch, marked as the value
+        one device computes (replica_values reads a collective's result as merely the same on
+        every replica), so that what the batch norm normalises is per-example again, and
+        fetching it gives every replica's rows."""
+        node = self(name, "Identity", [tensor], T=dtype)
+        _mark_whole_batch(self.build.ir, node)
+        return node
+
+
+def _mark_whole_batch(ir, node: str) -> None:
+    ir.node(node)["attr"][replica_values.REBATCHED_ATTR].s = replica_values.IDENTICAL.encode()
 
 
 def _channel_layout(ir, node):
@@ -264,7 +278,8 @@ def _rewrite_forward(ir, build, node, device, replicas, keys) -> dict:
     global_count = ops("global_count", "Reshape", [f"{parts}:1", ops.const("scalar", [],
                                                                          np.int32)],
                        T=u_type, Tshape=INT32)
-    mean = ops("mean", "RealDiv", [f"{parts}:0", global_count], T=u_type)
+    mean = ops.whole_batch("global_mean", ops("mean", "RealDiv", [f"{parts}:0", global_count],
+                                              T=u_type), u_type)
     bmean = mean if vector_shape is None else ops(
         "mean_b", "Reshape", [mean, ops.const("vector_shape", vector_shape, np.int32)],
         T=u_type, Tshape=INT32)
@@ -272,7 +287,8 @@ def _rewrite_forward(ir, build, node, device, replicas, keys) -> dict:
     squares = ops("local_squares", "Sum", [ops("squared", "Square", [centered], T=u_type),
                                             axes_c], T=u_type, Tidx=INT32)
     total_squares = _all_reduce_sum(ops, "all_squares", squares, replicas, keys[1], u_type)
-    variance = ops("variance", "RealDiv", [total_squares, global_count], T=u_type)
+    variance = ops.whole_batch("global_variance", ops("variance", "RealDiv", [
+        total_squares, global_count], T=u_type), u_type)
     rstd = ops("rstd", "Rsqrt", [ops("variance_eps", "AddV2", [
         variance, ops.const("epsilon", eps, u_dtype)], T=u_type)], T=u_type)
     brstd = rstd if vector_shape is None else ops(
@@ -292,7 +308,8 @@ def _rewrite_forward(ir, build, node, device, replicas, keys) -> dict:
     bessel = ops("bessel", "RealDiv", [global_count, ops("count_less_one", "Maximum", [
         ops("count_minus_one", "Sub", [global_count, one], T=u_type), one], T=u_type)],
         T=u_type)
-    unbiased = ops("unbiased_variance", "Mul", [variance, bessel], T=u_type)
+    unbiased = ops.whole_batch("global_unbiased_variance", ops(
+        "unbiased_variance", "Mul", [variance, bessel], T=u_type), u_type)
     out_mean, out_var = mean, unbiased
     if factor != 1.0:
         keep = ops.const("keep", 1.0 - factor, u_dtype)

@@ -5,7 +5,7 @@ without either are left alone, and the options say when there is nothing to do."
 import pytest
 import tensorflow as tf
 from conftest import fixture_path
-from recipe_loop import before_and_after, load_manifest, recipe_meta
+from recipe_loop import RECIPES_DIR, before_and_after, load_manifest, recipe_meta
 
 from graphxform import equivalence, metagraph, strategies
 from graphxform.errors import GraphxformError
@@ -95,6 +95,21 @@ def test_moments_batch_norm_matches_and_verify_passes(run_cli, replicas):
                              "--batch-size", 16, "--steps", 3, "--rtol", TOLERANCE)
     assert code == 0, out + err
     assert "PASS" in out and "cannot match" not in out and "bn0/moving_mean" in out
+
+
+@pytest.mark.parametrize("model, feeds, activation", [
+    (recipe_meta("slim_bn_cnn"), str(RECIPES_DIR / "slim_bn_cnn.npz"), "conv2/Relu:0"),
+    (fixture_path("cnn_bn_momentum"), fixture_path("cnn_bn_momentum", ".npz"), "Relu:0")])
+def test_an_activation_after_a_synchronised_batch_norm_is_the_whole_batch_s(
+        run_cli, model, feeds, activation):
+    """The statistics come from a collective, which replica_values took for merely equal on
+    every replica: what the batch norm normalised was unknown and fetched as replica 0's rows
+    (a fused batch norm's activations: inf, half the rows; tf.nn.moments': replica 0's)."""
+    code, out, err = run_cli("verify", model, "--replicas", 2, "--sync-batch-norm", "--feeds",
+                             feeds, "--batch-size", 16, "--steps", 3, "--rtol", TOLERANCE,
+                             "--fetch", activation)
+    assert code == 0 and "PASS" in out, out + err
+    assert f"fetch {activation}" in out
 
 
 def test_verify_names_the_option_when_it_is_off(run_cli):

@@ -316,17 +316,9 @@ class Runner:
                                           if v.initializer])
             for name in self.fetches + [s.loss for s in self.steps if s.loss]:
                 try:
-                    tensor = self.graph.as_graph_element(name)
+                    self.graph.as_graph_element(name)
                 except (KeyError, ValueError):
                     raise GraphxformError(f"no tensor named '{name}' to fetch") from None
-                dtype = getattr(tensor, "dtype", None)
-                if name in self.fetches and not (dtype is not None and (
-                        dtype.is_floating or dtype.is_integer or dtype.is_bool)):
-                    what = dtype.name if dtype is not None else "an operation"
-                    raise GraphxformError(
-                        f"cannot compare fetch '{name}': it is {what}, not numbers (a "
-                        "summary, a variable's handle); fetch the values it holds instead (a "
-                        "variable's ReadVariableOp or read, the tensors a summary records)")
         if config is None:
             config = tf1.ConfigProto(device_count={"CPU": cluster.cpu_devices_needed(devices)},
                                      allow_soft_placement=True,
