@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from graphxform.errors import GraphxformError
 from graphxform.training import RANDOM_OPS, is_apply_op, is_mutating_op
 
 CALL_OPS = {"While": ("cond", "body"), "StatelessWhile": ("cond", "body"),
@@ -57,8 +58,26 @@ def written_in_function(ir, closure: set, trains) -> tuple | None:
 
 def random_in_function(ir, closure: set) -> list[tuple[str, str]]:
     """(call, op type) for each random op inside the functions the calls in ``closure`` run."""
+    return _in_functions(ir, closure, lambda node: node.op in RANDOM_OPS)
+
+
+def _in_functions(ir, closure: set, wanted) -> list[tuple[str, str]]:
+    """(call, op type) for each node inside the functions the calls in ``closure`` run for
+    which ``wanted(NodeDef)`` holds."""
     return sorted({(call, node.op) for call, _, node, _ in called_nodes(ir, closure)
-                   if node.op in RANDOM_OPS})
+                   if wanted(node)})
+
+
+def out_of_reach(option: str, ir, prefix: str, found: list, does: str, where: str,
+                 fixes: str = "") -> GraphxformError:
+    """The one-line refusal of a pass an option runs when what it rewrites is inside a
+    function (``found``: random_in_function's or batch_norm_in_function's, over replica
+    ``prefix``'s copies): the pass rewrites graph nodes only."""
+    call, op = found[0]
+    return GraphxformError(
+        f"{option}: '{call[len(prefix):]}' ({ir.op(call)}) {does} ({op}) inside its function "
+        f"({where}), which the pass cannot reach; {fixes}build the graph with control flow "
+        "v1 (tf.compat.v1.disable_control_flow_v2()), or drop the option")
 
 
 def batch_norm_in_function(ir, closure: set) -> list[tuple[str, str]]:
@@ -66,9 +85,8 @@ def batch_norm_in_function(ir, closure: set) -> list[tuple[str, str]]:
     ``is_training``) inside the functions the calls in ``closure`` run: tf_keras's and
     tf.compat.v1.layers' batch norm given a training flag that is a tensor (a placeholder, the
     learning phase) branch into one with control flow v2."""
-    return sorted({(call, node.op) for call, _, node, _ in called_nodes(ir, closure)
-                   if node.op.startswith("FusedBatchNorm") and "Grad" not in node.op
-                   and node.attr["is_training"].b})
+    return _in_functions(ir, closure, lambda node: node.op.startswith("FusedBatchNorm")
+                         and "Grad" not in node.op and node.attr["is_training"].b)
 
 
 def legacy_loop_frames(ir) -> list[set]:

@@ -96,7 +96,8 @@ REBATCHED_ATTR = "_graphxform_batch_class"
 _MARKED_OPS = ("Const", "Identity")  # what split-inputs and consistent-random mark so
 LINEAR = frozenset({MEAN, SUM, COUNT})  # merged by averaging or summing; linear ops keep them
 
-_REPLICA = re.compile(r"(?:^|/)(replica_\d+/)")  # a replica's node: a replica_<i> component
+# a replica's node: a replica_<i> component
+REPLICA_COMPONENT = re.compile(r"(?:^|/)(replica_\d+/)")
 _BACK_EDGE_OPS = frozenset({"NextIteration", "RefNextIteration"})
 _EFFECT_PREFIXES = ("Queue", "Collective", "Accumulator", "SparseAccumulator",
                     "ResourceAccumulator", "Nccl", "Barrier")
@@ -145,9 +146,7 @@ def classify(ir, prefix: str = "replica_0/", forced=None, gradients=None, copies
     equal) nor a restore. None: every write.
     """
     if copies is None:
-        names = list(ir.g._node)
-        copies = list(itertools.compress(names, map(str.startswith, names,
-                                                    itertools.repeat(prefix))))
+        copies = replica_copies(ir, prefix)
     forced = dict(forced or {})
     while True:
         sweep = _Sweep(ir, prefix, forced, dict(gradients or {}), single)
@@ -165,6 +164,12 @@ def classify(ir, prefix: str = "replica_0/", forced=None, gradients=None, copies
         forced.update(more)
 
 
+def replica_copies(ir, prefix: str) -> list[str]:
+    """The nodes named ``prefix`` + something, in graph order (one sweep at C speed)."""
+    names = list(ir.g._node)
+    return list(itertools.compress(names, map(str.startswith, names, itertools.repeat(prefix))))
+
+
 _ADDS = frozenset({"AssignAdd", "AssignAddVariableOp", "AssignSub", "AssignSubVariableOp"})
 _SETS = frozenset({"Assign", "AssignVariableOp"})
 
@@ -177,13 +182,12 @@ def _zeros(ir, node: str, depth: int = 0) -> bool:
         return True
     if op in ("Identity", "Fill") and depth < 8:
         return _zeros(ir, ir.input(node, 1 if op == "Fill" else 0)[0], depth + 1)
-    if op != "Const":
-        return False
-    from tensorflow.python.framework import tensor_util
+    from graphxform.nodes import const_value
     try:
-        return not tensor_util.MakeNdarray(ir.attrs(node)["value"].tensor).any()
+        value = const_value(ir, node)
     except (TypeError, ValueError):  # a string constant
         return False
+    return value is not None and not value.any()
 
 
 _I, _S, _U = (IDENTICAL,), (SAME,), (UNKNOWN,)  # shared: ``is`` tells the common cases fast
@@ -260,7 +264,7 @@ class _Sweep:
         every replica shares."""
         if name.startswith(self.prefix):
             return True
-        found = _REPLICA.search(name)
+        found = REPLICA_COMPONENT.search(name)
         return None if found is None else found.group(1) == self.prefix
 
     # ------------------------------------------------------------------ visit
@@ -320,7 +324,7 @@ class _Sweep:
         """A constant a pass made in this replica's scope: identical when another replica's
         counterpart holds the same value (a shape, a group size), else unknown (a replica's own
         offset); identical when no other replica has one."""
-        head = _REPLICA.search(name)
+        head = REPLICA_COMPONENT.search(name)
         other_prefix = "replica_1/" if self.prefix != "replica_1/" else "replica_0/"
         other = name[:head.start(1)] + other_prefix + name[head.end(1):]
         if other not in self.nodes:

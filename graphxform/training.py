@@ -426,11 +426,9 @@ def _unscaled(ir: GraphIR, node: str) -> str:
 
 
 def _is_one(ir: GraphIR, node: str) -> bool:
-    if ir.op(node) != "Const":
-        return False
-    from tensorflow.python.framework import tensor_util
-    value = tensor_util.MakeNdarray(ir.attrs(node)["value"].tensor)
-    return value.size == 1 and value.reshape(-1)[0] == 1
+    from graphxform.nodes import const_value
+    value = const_value(ir, node)
+    return value is not None and value.size == 1 and value.reshape(-1)[0] == 1
 
 
 def _climb_identities(ir: GraphIR, node: str) -> str:

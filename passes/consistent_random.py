@@ -22,7 +22,7 @@ import numpy as np
 from graphxform import opdefs, replica_values
 from graphxform.contract import replica_local
 from graphxform.errors import GraphxformError
-from graphxform.functions import legacy_loop_frames, random_in_function
+from graphxform.functions import legacy_loop_frames, out_of_reach, random_in_function
 from graphxform.training import RANDOM_OPS
 from graphxform.nodes import Builder, replica_prefix
 from graphxform.pipeline import Pass, PassResult
@@ -45,12 +45,9 @@ class ConsistentRandom(Pass):
         prefix = replica_prefix(0)
         inside = random_in_function(ir, {prefix + n for n in ctx.training.train_closure})
         if inside:
-            raise GraphxformError(
-                f"--consistent-random: '{inside[0][0][len(prefix):]}' ({ir.op(inside[0][0])}) "
-                f"draws random numbers ({inside[0][1]}) inside its function (a tf.cond or while "
-                "loop body with control flow v2), which the pass "
-                "cannot reach; build the graph with control flow v1 "
-                "(tf.compat.v1.disable_control_flow_v2()), or drop the option")
+            raise out_of_reach("--consistent-random", ir, prefix, inside,
+                               "draws random numbers",
+                               "a tf.cond or while loop body with control flow v2")
         random_ops = sorted(n[len(prefix):] for n in ir.nodes_of(SHAPED_RANDOM_OPS)
                             if n.startswith(prefix))
         unseeded = [n for n in random_ops if _unseeded(ir.attrs(prefix + n))]

@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import itertools
-import re
 
 import numpy as np
 
@@ -51,7 +49,6 @@ _REDUCE_OP = {MEAN: "Mean", MAX: "Max", MIN: "Min"}  # over the stacked copies
 _REALS = _NUMBERS - {8, 18}  # not complex
 _NOT_CONCATENABLE = frozenset({20, 21})  # resource, variant
 _IDENTICAL, _UNKNOWN = (IDENTICAL,), (UNKNOWN,)
-_REPLICA = re.compile(r"(?:^|/)replica_\d+/")
 # legacy control flow's ops: their values belong to a frame, not to their inputs alone
 _NOT_RECOMPUTED = frozenset({"Enter", "Exit", "Merge", "Switch", "NextIteration", "LoopCond",
                              "RefEnter", "RefExit", "RefMerge", "RefSwitch", "RefNextIteration",
@@ -69,7 +66,7 @@ class MergeFetches(Pass):
     def run(self, ir, ctx):
         prefixes = [replica_prefix(i) for i in range(len(ctx.devices))]
         first = prefixes[0]
-        copies = _replica_copies(ir, first)
+        copies = replica_values.replica_copies(ir, first)
         forced = {**_slice_constants(ir, copies, ctx.training, len(prefixes)),
                   **self._overrides(ir, first)}
         originals = _originals(ir, first, copies, ctx.training.train_closure)
@@ -158,15 +155,10 @@ def _served(ir, first: str, src: str, inexact) -> str | None:
     if src.startswith(first):
         original = src[len(first):]
         return original if original in ir and original not in inexact else None
-    if _REPLICA.search(src) is None and not ir.node(src).get("created_by"):
+    shared = replica_values.REPLICA_COMPONENT.search(src) is None
+    if shared and not ir.node(src).get("created_by"):
         return src
     return None
-
-
-def _replica_copies(ir, first: str) -> list[str]:
-    """The nodes named ``first`` + something, in graph order (one sweep at C speed)."""
-    names = list(ir.g._node)
-    return list(itertools.compress(names, map(str.startswith, names, itertools.repeat(first))))
 
 
 def _originals(ir, first: str, copies: list, step: set) -> list[str]:

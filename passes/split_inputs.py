@@ -90,8 +90,8 @@ def _uncolocate(ir, inputs: list, replicas: int) -> None:
     ps and hybrid outputs: "Cannot colocate nodes ... incompatible tasks")."""
     items = {b"loc:@" + name.encode() for name in inputs}
     first = replica_prefix(0)
-    colocated = [name[len(first):] for name in ir.nodes()
-                 if name.startswith(first) and "_class" in ir.attrs(name)
+    colocated = [name[len(first):] for name in replica_values.replica_copies(ir, first)
+                 if "_class" in ir.attrs(name)
                  and not items.isdisjoint(ir.attrs(name)["_class"].list.s)]
     for original in colocated:
         for i in range(replicas):

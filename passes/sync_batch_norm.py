@@ -36,7 +36,7 @@ import numpy as np
 
 from graphxform import opdefs, replica_values
 from graphxform.errors import GraphxformError
-from graphxform.functions import batch_norm_in_function
+from graphxform.functions import batch_norm_in_function, out_of_reach
 from graphxform.nodes import Builder, replica_prefix
 from graphxform.pipeline import Pass, PassResult
 
@@ -56,13 +56,11 @@ class SyncBatchNorm(Pass):
         prefix = replica_prefix(0)
         inside = batch_norm_in_function(ir, {prefix + n for n in ctx.training.train_closure})
         if inside:
-            raise GraphxformError(
-                f"--sync-batch-norm: '{inside[0][0][len(prefix):]}' ({ir.op(inside[0][0])}) "
-                f"runs a training-mode batch norm ({inside[0][1]}) inside its function (a "
-                "tf.cond with control flow v2, as Keras and tf.compat.v1.layers branch on a "
-                "training flag that is a tensor), which the pass cannot reach; pass "
-                "training=True as a Python bool, build the graph with control flow v1 "
-                "(tf.compat.v1.disable_control_flow_v2()), or drop the option")
+            raise out_of_reach("--sync-batch-norm", ir, prefix, inside,
+                               "runs a training-mode batch norm",
+                               "a tf.cond with control flow v2, as Keras and "
+                               "tf.compat.v1.layers branch on a training flag that is a tensor",
+                               "pass training=True as a Python bool, ")
         layers = _training_batch_norms(ir)
         moments = _moment_means(ir)
         if not layers and not moments:

@@ -163,19 +163,27 @@ def dropout_under_cond(legacy_control_flow):
     return build
 
 
-def test_dropout_inside_a_cond_function_is_named_and_consistent_random_refused(run_cli,
-                                                                               tmp_path):
-    model = _export(tmp_path / "m.meta", dropout_under_cond(legacy_control_flow=False))
+def _fails_and_option_refused(run_cli, tmp_path, build, option) -> tuple[str, str]:
+    """(verify's output, apply's error) for the graph ``build`` makes: verify fails on 2
+    replicas, and apply with ``option`` refuses in one line and writes nothing."""
+    model = _export(tmp_path / "m.meta", build)
     code, out, _ = run_cli("verify", "--replicas", 2, model, "--feeds", model + ".npz",
                            "--batch-size", 16)
     assert code == 1 and "FAIL" in out
+    code, _, err = run_cli("apply", "--replicas", 2, option, model, "-o", tmp_path / "out.meta")
+    assert code == 1 and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "out.meta").exists()
+    return out, err
+
+
+def test_dropout_inside_a_cond_function_is_named_and_consistent_random_refused(run_cli,
+                                                                               tmp_path):
+    out, err = _fails_and_option_refused(run_cli, tmp_path,
+                                         dropout_under_cond(legacy_control_flow=False),
+                                         "--consistent-random")
     assert "random ops inside the functions the step calls" in out
     assert "dropout (RandomUniform)" in out and "amplifies rounding" not in out
-    code, _, err = run_cli("apply", "--replicas", 2, "--consistent-random", model,
-                           "-o", tmp_path / "out.meta")
-    assert code == 1 and len(err.strip().splitlines()) == 1
     assert "'dropout' (If) draws random numbers (RandomUniform) inside its function" in err
-    assert not (tmp_path / "out.meta").exists()
 
 
 def test_dropout_inside_a_legacy_cond_is_made_consistent(run_cli, tmp_path):
@@ -221,17 +229,10 @@ def test_draws_consistent_random_cannot_reach_are_named_and_refused(run_cli, tmp
     then refused the graph) or left it alone (each replica replayed replica 0's draws), and
     did nothing for the categorical draw; verify blamed float rounding for the first and
     recommended the option already given for the second."""
-    model = _export(tmp_path / "m.meta", build)
-    code, out, _ = run_cli("verify", "--replicas", 2, model, "--feeds", model + ".npz",
-                           "--batch-size", 16)
-    assert code == 1 and "FAIL" in out
+    out, err = _fails_and_option_refused(run_cli, tmp_path, build, "--consistent-random")
     assert "--consistent-random cannot reach them" in out and f"/{op})" in out
     assert "amplifies rounding" not in out
-    code, _, err = run_cli("apply", "--replicas", 2, "--consistent-random", model,
-                           "-o", tmp_path / "out.meta")
-    assert code == 1 and len(err.strip().splitlines()) == 1, err
     assert f"({op}) draws" in err and "drop the option" in err
-    assert not (tmp_path / "out.meta").exists()
 
 
 def batch_norm_under_a_training_flag(x, y):
@@ -257,17 +258,11 @@ def batch_norm_under_a_training_flag(x, y):
 def test_batch_norm_inside_a_cond_function_is_named_and_sync_refused(run_cli, tmp_path):
     """--sync-batch-norm printed 'nothing to synchronise' and exited 0 (verify then failed by
     3.8e-01 and recommended the option given)."""
-    model = _export(tmp_path / "m.meta", batch_norm_under_a_training_flag)
-    code, out, _ = run_cli("verify", "--replicas", 2, model, "--feeds", model + ".npz",
-                           "--batch-size", 16)
-    assert code == 1 and "FAIL" in out
+    out, err = _fails_and_option_refused(run_cli, tmp_path, batch_norm_under_a_training_flag,
+                                         "--sync-batch-norm")
     assert "batch norm in training mode inside the functions the step calls" in out
     assert "bn (FusedBatchNormV3)" in out and "--sync-batch-norm uses" not in out
-    code, _, err = run_cli("apply", "--replicas", 2, "--sync-batch-norm", model,
-                           "-o", tmp_path / "out.meta")
-    assert code == 1 and len(err.strip().splitlines()) == 1, err
     assert "'bn' (If) runs a training-mode batch norm (FusedBatchNormV3)" in err
-    assert not (tmp_path / "out.meta").exists()
 
 
 def accumulated_over_runs(x, y):

@@ -305,7 +305,7 @@ class Runner:
             # vocabularies in tables, and no checkpoint holds either
             uncollected = [self.graph.get_operation_by_name(v.initializer)
                            for v in self.analysis.variables.values()
-                           if v.local and v.initializer and self.variables]
+                           if v.local and v.initializer] if self.variables else []
             self.local_init_op = tf.group(tf1.local_variables_initializer(),
                                           tf1.tables_initializer(), *uncollected)
             if self.variables:
