@@ -177,10 +177,13 @@ def _check_batch_state_feeds_losses(ir: GraphIR, tg: TrainingGraph) -> None:
     """A non-trainable variable the step updates from the batch (not batch norm's moving
     statistics nor a metric's totals) is kept per replica, each copy moved by its own slice.
     Where a loss reads it (center loss's class centres, a memory bank), every later step's
-    averaged gradient is computed from state one device never had: refuse."""
-    from graphxform.equivalence import MOVING_STATISTIC, fed_from_inputs
-    kept = {v.name: v for v in tg.variables.values() if v.role == "statistic" and not v.local
-            and v.updates and not MOVING_STATISTIC.search(v.name)}
+    averaged gradient is computed from state one device never had: refuse. (A variable only
+    assigned, or added to, is left to the check of the transformed graph: global-state keeps
+    it equal on every replica where what is written is a sum, mean or extreme of the batch.)"""
+    from graphxform.equivalence import fed_from_inputs
+    from graphxform.passes.global_state import WRITES, state_variables
+    kept = {v.name: v for v in state_variables(tg)
+            if not all(ir.op(u) in WRITES for u in v.updates)}
     if not kept:
         return
     fed = fed_from_inputs(ir, tg)
@@ -276,6 +279,8 @@ def check(ir: GraphIR, tg: TrainingGraph, replicas: int, asynchronous: bool = Fa
     if replicas > 1 and not asynchronous:
         _check_function_writes(ir, tg, closure)
     checked, proven = 0, []  # proven: (variable, write) whose inputs must be equal everywhere
+    from graphxform.passes.global_state import state_variables
+    state = {v.name for v in state_variables(tg)}
     for var in sorted(tg.variables.values(), key=lambda v: v.name):
         if not var.updates:
             continue
@@ -291,8 +296,8 @@ def check(ir: GraphIR, tg: TrainingGraph, replicas: int, asynchronous: bool = Fa
                     f"variable '{var.name}': its copy '{copy}' is written {len(writes)} times "
                     f"per step ({', '.join(sorted(writes)[:3])}), the input graph writes it "
                     f"{len(var.updates)} time(s)")
-            if not var.trainable:  # statistics may differ per replica: verify names them
-                continue
+            if not var.trainable and var.name not in state:  # batch norm's moving
+                continue  # statistics may differ per replica (verify names them)
             proven += [(var, write) for write in sorted(writes)]
             checked += 1
     shared = [] if asynchronous else _shared_writes(ir, closure)
@@ -312,6 +317,15 @@ def _check_write(ir: GraphIR, var, write: str, spread: ReplicaSpread) -> None:
     for src, port in ir.inputs(write):
         if ir.op(src) in VARIABLE_OPS:
             continue
+        if not var.trainable and (src in spread.differs or not spread.covers_all(src)):
+            raise ContractError(
+                f"variable '{var.name}' (not trained; the step moves it from the batch): "
+                f"'{write}' writes it from '{src}:{port}', which each replica computes from "
+                "its own slice, so each replica's copy would move apart from one device's "
+                "and the checkpoint would save replica 0's (allreduce, replicated and hybrid "
+                "combine across replicas a value that is a sum, count, mean, max or min over "
+                "the batch, not a scatter of the examples' rows): keep that state out of the "
+                "train op, or train on one device")
         if src in spread.differs:
             drawn = spread.unseeded_source(src)
             if drawn is not None:

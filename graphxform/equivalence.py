@@ -134,17 +134,22 @@ MOVING_STATISTIC = re.compile(r"moving_(mean|variance)")
 
 
 def mismatch_reasons(ir: GraphIR, tg: training.TrainingGraph, synced_batch_norm=False,
-                     consistent_random=False, running_totals=frozenset()) -> list[str]:
+                     consistent_random=False, running_totals=frozenset(),
+                     state_kept_equal=False) -> list[str]:
     """Why a synchronous replicated graph cannot match the single-device one step for step,
     each naming what it found and the option that would make it match (none for what the
     transformed graph already synchronised). ``running_totals``: the metrics' variables whose
-    copies the transformed graph serves added up or averaged (see merged_running_totals)."""
+    copies the transformed graph serves added up or averaged (see merged_running_totals).
+    ``state_kept_equal``: the contract proved the transformed graph keeps the state the step
+    moves from the batch equal on every replica (passes/global-state), as in every
+    synchronous strategy."""
     reasons = []
     from_inputs = fed_from_inputs(ir, tg)
     batch_norm = _batch_norm_evidence(ir, tg, from_inputs)
     others = [name for name in batch_norm if name in tg.variables
               and not MOVING_STATISTIC.search(name)]
     batch_norm = [name for name in batch_norm if name not in others]
+    others = [] if state_kept_equal else others
     if others:
         reasons.append("non-trainable variables updated from the batch in the step "
                        f"({_some(others)}) are kept per replica, each updated from its own "
@@ -382,10 +387,14 @@ def compare(original: GraphIR, transformed: GraphIR, feeds_path: str | None = No
                              [a for _, a in step_losses[s.name]]) for s in tg.steps if s.loss]
     series += [compare_series(name, [b.fetches[name] for b in before],
                               [a.fetches[name] for a in after]) for name in fetches]
+    plan = ClusterPlan.from_ir(transformed)
+    apart = (transformed.has_scope("model_average/") or _exchanges_nothing(transformed)
+             or (plan is not None and plan.is_async))
     reasons = mismatch_reasons(original, tg,
                                synced_batch_norm=transformed.has_scope("sync_batch_norm/"),
                                consistent_random=transformed.has_scope("consistent_random/"),
-                               running_totals=merged_running_totals(transformed))
+                               running_totals=merged_running_totals(transformed),
+                               state_kept_equal=not apart)
     if transformed.has_scope("model_average/"):
         reasons.append("model-average: the workers' copies train apart between averaging "
                        "rounds (and optimizer slots are never averaged); only --interval 1 with "
@@ -396,7 +405,6 @@ def compare(original: GraphIR, transformed: GraphIR, feeds_path: str | None = No
         reasons.append("the replicas never exchange gradients (--strategy independent): each "
                        "trains on its own slice of the batch, a ceiling for scaling, not a "
                        "drop-in replacement")
-    plan = ClusterPlan.from_ir(transformed)
     if plan is not None and plan.is_async:
         reasons.append("--async: each worker applies its own gradient when it is ready, so "
                        "updates interleave in no fixed order")

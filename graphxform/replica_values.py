@@ -132,7 +132,7 @@ class ReplicaValues:
 
 
 def classify(ir, prefix: str = "replica_0/", forced=None, gradients=None, copies=None,
-             single=frozenset(), step=None) -> ReplicaValues:
+             single=frozenset(), step=None, settled=frozenset()) -> ReplicaValues:
     """Classify every node named ``prefix`` + something (``copies``, if the caller has them),
     and what they read.
 
@@ -144,10 +144,13 @@ def classify(ir, prefix: str = "replica_0/", forced=None, gradients=None, copies
     apart; a write outside it does only where it writes what the batch makes (a tf_keras
     metric's update, run by fetching its value), not an initializer (sync-init's to make
     equal) nor a restore. None: every write.
+    ``settled``: variables (replica 0's copies) the caller keeps equal on every replica
+    whatever their writes read (global-state reduces what is written): identical.
     """
     if copies is None:
         copies = replica_copies(ir, prefix)
     forced = dict(forced or {})
+    forced.update(((variable, 0), IDENTICAL) for variable in settled)
     while True:
         sweep = _Sweep(ir, prefix, forced, dict(gradients or {}), single)
         values = sweep.run(copies)
@@ -156,6 +159,8 @@ def classify(ir, prefix: str = "replica_0/", forced=None, gradients=None, copies
         # which stays), which ends the loop
         more = {}
         for variable, kind in sweep.drifting_variables(step).items():
+            if variable in settled:
+                continue
             was = forced.get((variable, 0))
             if was != kind and was != UNKNOWN:
                 more[(variable, 0)] = kind if was is None else UNKNOWN

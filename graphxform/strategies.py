@@ -9,6 +9,7 @@ from graphxform.passes.consistent_random import ConsistentRandom
 from graphxform.passes.drop_in_saver import DropInSaver
 from graphxform.passes.global_denominators import GlobalDenominators
 from graphxform.passes.global_extremes import GlobalExtremes
+from graphxform.passes.global_state import GlobalState
 from graphxform.passes.hybrid import (PARTITION_MIN_BYTES, ChoosePlacement,
                                      HybridWorkerSteps, OnSide, PartitionPsSide,
                                      UnshareReplicated)
@@ -56,6 +57,7 @@ def allreduce(bucket_bytes: int = DEFAULT_BUCKET_BYTES, sparse_as_dense: bool = 
         AllReduce(bucket_bytes=bucket_bytes, sparse_as_dense=sparse_as_dense,
                   hierarchical=hierarchical),
         RewireConsumers(),
+        GlobalState(),
         MergeFetches(mean=tuple(fetch_mean), concat=tuple(fetch_concat)),
         DropInSaver(),
         *([WorkerSteps(timeout_s=collective_timeout_s)] if on_cluster else []),
@@ -88,7 +90,7 @@ def independent(fetch_mean=(), fetch_concat=(), verify: bool = True,
                          dump_dir=dump_dir)
     pipeline.passes = [p for p in pipeline.passes  # each replica's own mean is its own
                        if not isinstance(p, (AllReduce, RewireConsumers, GlobalDenominators,
-                                             GlobalExtremes))]
+                                             GlobalExtremes, GlobalState))]
     return pipeline
 
 
@@ -168,6 +170,7 @@ def hybrid(ps_tasks: int = 1, sparse_as_dense_below: int = 0, placement=None,
         GlobalExtremes(),
         OnSide(AllReduce(bucket_bytes=bucket_bytes, sparse_as_dense=True), side="allreduce"),
         RewireConsumers(),
+        GlobalState(),
         OnSide(InsertAccumulators(), side="ps"),
         HybridWorkerSteps(),
         MergeFetches(mean=tuple(fetch_mean), concat=tuple(fetch_concat)),

@@ -38,7 +38,7 @@ from graphxform import opdefs, replica_values
 from graphxform.contract import batch_denominators
 from graphxform.ir import parse_tensor, tensor_name
 from graphxform.nodes import Builder, replica_prefix
-from graphxform.passes.all_reduce import GROUP_KEY
+from graphxform.passes.cross_replica import reduce_copies
 from graphxform.pipeline import Pass, PassResult
 
 SCOPE = "global_denominators/"
@@ -261,15 +261,11 @@ def _reduce_each(ir, build, devices: list, tensor: str, instance: int, final: st
                  scope: str, consumers) -> None:
     """Each replica's copy of replica 0's ``tensor`` all-reduced (summed, or averaged with
     ``final`` "Div"); its consumers for which ``consumers(name, prefix)`` holds read that."""
-    for prefix, device, local, dtype in _copies(ir, devices, tensor):
-        where = f"{scope}{instance - INSTANCE_KEYS}/{prefix}"
-        size = build.const(where + "group_size", len(devices), np.int32, device=device)
-        key = build.const(where + "group_key", GROUP_KEY, np.int32, device=device)
-        instance_key = build.const(where + "instance_key", instance, np.int32, device=device)
-        reduced = build.op(where + "reduced", "CollectiveReduceV2",
-                           [local, size, key, instance_key], device=device, T=dtype,
-                           merge_op="Add", final_op=final)
-        ir.replace_all_uses_with(local, reduced + ":0",
+    first = replica_prefix(0)
+    node, port = parse_tensor(tensor[len(first):])
+    for prefix, reduced in reduce_copies(ir, build, devices, tensor[len(first):], instance,
+                                         f"{scope}{instance - INSTANCE_KEYS}/", final=final):
+        ir.replace_all_uses_with(tensor_name(prefix + node, port), reduced,
                                  where=lambda n, p=prefix: consumers(n, p))
 
 

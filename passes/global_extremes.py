@@ -15,12 +15,9 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
-import numpy as np
-
-from graphxform import opdefs
 from graphxform.batch_extremes import batch_extremes
 from graphxform.nodes import Builder, replica_prefix
-from graphxform.passes.all_reduce import GROUP_KEY
+from graphxform.passes.cross_replica import reduce_copies
 from graphxform.pipeline import Pass, PassResult
 
 SCOPE = "global_extremes/"
@@ -52,15 +49,7 @@ def _reduce_each(ir, build, devices: list, node: str, instance: int) -> None:
     """Every replica's copy of ``node`` (a Max or Min) reduced across the replicas by the same
     op; what the replica read it from reads the result."""
     merge = ir.op(replica_prefix(0) + node)
-    dtype = opdefs.output_dtype(ir, replica_prefix(0) + node, 0)
-    for i, device in enumerate(devices):
-        prefix = replica_prefix(i)
-        where = f"{SCOPE}{instance - INSTANCE_KEYS}/{prefix}"
-        size = build.const(where + "group_size", len(devices), np.int32, device=device)
-        key = build.const(where + "group_key", GROUP_KEY, np.int32, device=device)
-        instance_key = build.const(where + "instance_key", instance, np.int32, device=device)
-        reduced = build.op(where + "reduced", "CollectiveReduceV2",
-                           [prefix + node, size, key, instance_key], device=device, T=dtype,
-                           merge_op=merge, final_op="Id")
-        ir.replace_all_uses_with(prefix + node + ":0", reduced + ":0",
+    for prefix, reduced in reduce_copies(ir, build, devices, node, instance,
+                                         f"{SCOPE}{instance - INSTANCE_KEYS}/", merge=merge):
+        ir.replace_all_uses_with(prefix + node + ":0", reduced,
                                  where=lambda n, p=prefix: n.startswith(p))

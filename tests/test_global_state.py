@@ -1,0 +1,173 @@
+"""State the step moves from the batch that no gradient updates (passes/global_state.py): a
+count of the examples seen, a learning rate adapted from the loss, REINFORCE's running reward
+baseline that the loss reads. Each replica kept its own copy, moved by its slice: `apply`
+exited 0, `verify` failed and the checkpoint held replica 0's count. Where the value written
+is a sum, count, mean or extreme of the batch, every replica now writes one device's value;
+what cannot be combined so (a memory bank's scatter of the examples' rows) is refused, naming
+the variable. `verify` (the command as typed, its checks on) trains both graphs from one
+checkpoint and compares every variable, the state included."""
+
+import json
+
+import numpy as np
+import pytest
+
+SPEC = {"ps": ["127.0.0.1:2222"], "worker": ["127.0.0.1:2224", "127.0.0.1:2225"]}
+
+
+def _export(path, build, feeds):
+    """Build a graph with ``build(tf, tf1, x)`` (x: a [None, 3] float placeholder), export it
+    and a pool of 64 examples; returns the .meta path."""
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+    graph = tf.Graph()
+    with graph.as_default():
+        tf1.set_random_seed(1)
+        x = tf1.placeholder(tf.float32, [None, 3], name="x")
+        build(tf, tf1, x)
+        tf1.train.export_meta_graph(str(path), graph=graph)
+    rng = np.random.RandomState(0)
+    pool = {"x": rng.randn(64, 3).astype(np.float32)}
+    pool.update(feeds(rng))
+    np.savez(str(path) + ".npz", **pool)
+    return str(path)
+
+
+def _regression(tf, tf1, x):
+    w = tf1.get_variable("w", [3, 1], initializer=tf1.glorot_uniform_initializer(seed=1))
+    return tf.square(tf.matmul(x, w) - 1.0)
+
+
+def examples_seen(path):
+    """A global, non-trainable counter of the examples trained on, grouped with the step."""
+    def build(tf, tf1, x):
+        loss = tf.reduce_mean(_regression(tf, tf1, x))
+        seen = tf1.get_variable("examples_seen", [], tf.int64, trainable=False,
+                                initializer=tf1.zeros_initializer())
+        train = tf.group(tf1.train.GradientDescentOptimizer(0.1).minimize(loss),
+                         tf1.assign_add(seen, tf.cast(tf.shape(x)[0], tf.int64)), name="train")
+        tf1.add_to_collection("train_op", train)
+    return _export(path, build, lambda rng: {})
+
+
+def adaptive_rate(path, rule="linear"):
+    """A learning rate variable the step adapts from the loss after applying it: linear in
+    the loss (a mean) or in its square (not a mean of anything)."""
+    def build(tf, tf1, x):
+        rate = tf1.get_variable("rate", [], trainable=False,
+                                initializer=tf1.constant_initializer(0.1))
+        loss = tf.reduce_mean(_regression(tf, tf1, x), name="loss")
+        train = tf1.train.GradientDescentOptimizer(rate).minimize(
+            loss, global_step=tf1.train.get_or_create_global_step())
+        with tf.control_dependencies([train]):
+            signal = loss if rule == "linear" else tf.square(loss)
+            adapt = tf1.assign(rate, rate * (1.0 - 0.01 * signal))
+        tf1.add_to_collection("train_op", tf.group(adapt, name="train"))
+    return _export(path, build, lambda rng: {})
+
+
+def reinforce_baseline(path):
+    """REINFORCE with a running baseline of the reward: the loss reads the baseline, and the
+    step moves it toward the batch's mean reward (an exponential moving average)."""
+    def build(tf, tf1, x):
+        reward = tf1.placeholder(tf.float32, [None], name="reward")
+        action = tf1.placeholder(tf.int32, [None], name="action")
+        w = tf1.get_variable("policy", [3, 4], initializer=tf1.glorot_uniform_initializer(seed=2))
+        baseline = tf1.get_variable("baseline", [], trainable=False,
+                                    initializer=tf1.zeros_initializer())
+        log_prob = -tf.nn.sparse_softmax_cross_entropy_with_logits(labels=action,
+                                                                   logits=tf.matmul(x, w))
+        loss = -tf.reduce_mean((reward - baseline) * log_prob)
+        train = tf1.train.AdamOptimizer(0.05).minimize(loss)
+        with tf.control_dependencies([train]):
+            moved = tf1.assign(baseline, 0.9 * baseline + 0.1 * tf.reduce_mean(reward))
+        tf1.add_to_collection("train_op", tf.group(moved, name="train"))
+    return _export(path, build, lambda rng: {
+        "reward": rng.uniform(0, 2, 64).astype(np.float32),
+        "action": rng.randint(0, 4, 64).astype(np.int32)})
+
+
+def memory_bank(path):
+    """A memory bank (instance discrimination's): the step writes each example's features at
+    its index in the dataset."""
+    def build(tf, tf1, x):
+        index = tf1.placeholder(tf.int32, [None], name="index")
+        w = tf1.get_variable("w", [3, 2], initializer=tf1.glorot_uniform_initializer(seed=1))
+        features = tf.matmul(x, w)
+        loss = tf.reduce_mean(tf.square(features - 1.0))
+        bank = tf1.get_variable("memory_bank", [64, 2], trainable=False,
+                                initializer=tf1.zeros_initializer())
+        train = tf.group(tf1.train.GradientDescentOptimizer(0.1).minimize(loss),
+                         tf1.scatter_update(bank, index, tf.stop_gradient(features)),
+                         name="train")
+        tf1.add_to_collection("train_op", train)
+    return _export(path, build, lambda rng: {"index": np.arange(64, dtype=np.int32)})
+
+
+def _verify(run_cli, model, *strategy):
+    return run_cli("verify", *strategy, model, "--feeds", model + ".npz", "--batch-size", 16,
+                   "--steps", 3)
+
+
+@pytest.mark.parametrize("strategy", [("--replicas", 2), ("--strategy", "replicated",
+                                                          "--replicas", 2)])
+def test_a_count_of_the_examples_seen_is_the_global_batch_s(run_cli, tmp_path, strategy):
+    model = examples_seen(tmp_path / "m.meta")
+    code, out, err = _verify(run_cli, model, *strategy)
+    assert code == 0, err
+    assert "PASS" in out and "examples_seen" in out
+    assert "kept per replica" not in out + err
+
+
+def test_a_count_on_the_hybrid_strategy(run_cli, tmp_path):
+    cluster = tmp_path / "cluster.json"
+    cluster.write_text(json.dumps(SPEC))
+    model = examples_seen(tmp_path / "m.meta")
+    code, out, err = _verify(run_cli, model, "--strategy", "hybrid", "--cluster", cluster)
+    assert code == 0, err
+    assert "PASS" in out
+
+
+def test_apply_says_what_it_combined(run_cli, tmp_path):
+    model = examples_seen(tmp_path / "m.meta")
+    code, out, err = run_cli("apply", "--replicas", 4, model, "-o", tmp_path / "out.meta")
+    assert code == 0, err
+    assert "1 global-state" in out
+
+
+def test_a_rate_adapted_linearly_from_the_loss_trains_like_one_device(run_cli, tmp_path):
+    model = adaptive_rate(tmp_path / "m.meta")
+    code, out, err = _verify(run_cli, model, "--replicas", 2)
+    assert code == 0, err
+    assert "PASS" in out
+
+
+def test_a_baseline_the_loss_reads_trains_like_one_device(run_cli, tmp_path):
+    model = reinforce_baseline(tmp_path / "m.meta")
+    code, out, err = _verify(run_cli, model, "--replicas", 2)
+    assert code == 0, err
+    assert "PASS" in out and "baseline" in out
+
+
+@pytest.mark.parametrize("build, variable", [(memory_bank, "memory_bank"),
+                                             (lambda p: adaptive_rate(p, "square"), "rate")])
+def test_state_that_cannot_be_combined_is_refused_in_one_line(run_cli, tmp_path, build,
+                                                              variable):
+    model = build(tmp_path / "m.meta")
+    out_path = tmp_path / "out.meta"
+    code, out, err = run_cli("apply", "--replicas", 2, model, "-o", out_path)
+    assert code == 1 and not out_path.exists()
+    assert len(err.strip().splitlines()) == 1, err
+    assert f"variable '{variable}' (not trained; the step moves it from the batch)" in err
+    assert "checkpoint would save replica 0's" in err
+
+
+def test_ps_refuses_a_count_it_cannot_combine(run_cli, tmp_path):
+    """ps strategies exchange gradients through accumulators only: the count is refused."""
+    cluster = tmp_path / "cluster.json"
+    cluster.write_text(json.dumps(SPEC))
+    model = examples_seen(tmp_path / "m.meta")
+    code, out, err = run_cli("apply", "--strategy", "ps", "--cluster", cluster, model,
+                             "-o", tmp_path / "out.meta")
+    assert code == 1
+    assert "variable 'examples_seen'" in err and len(err.strip().splitlines()) == 1
