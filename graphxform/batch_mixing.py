@@ -4,7 +4,9 @@ Each replica computes the loss on its own slice of the global batch, and the ave
 are one device's only when the loss is a mean (or sum) of per-example terms: every example's
 term computed from that example alone. A loss that pairs examples (in-batch negatives, a
 batch-hard triplet loss), ranks them (hard-example mining, a sort), reorders or picks them
-(mixup's shuffled partner, ``x[0]``), runs a recurrence over them (a while loop, legacy or
+(mixup's shuffled partner, ``x[0]``), splits or groups them by position (``tf.split`` of the
+batch, a reshape into groups), repeats each as often as the batch has examples (``tf.tile`` for
+pairwise distances), runs a recurrence over them (a while loop, legacy or
 control flow v2, that reads one example per iteration and carries a value to the next), or
 normalises them by a statistic of the batch computes something else on a slice, and nothing in
 the averaged gradients says so. So does one that lines its examples up with the rows of a
@@ -652,9 +654,16 @@ def _broadcast_to(n: _Node):
 
 
 def _tile(n: _Node):
+    """Keeps the batch where the batch's axis is tiled once; repeating the examples as many
+    times as the batch has (the rows of a pairwise distance matrix) meets each with every
+    other."""
     state = n.states[0]
     if type(state) is not int:
         return UNKNOWN
+    if n.states[1] == SIZE or isinstance(n.states[1], Shape):
+        return n.mixed("repeats the examples as many times as the batch has (tf.tile by "
+                       "tf.shape(x)[0], the rows of a pairwise matrix): it meets every example "
+                       "with every other")
     multiples = n.ints(1)
     return state if multiples and state < len(multiples) and multiples[state] == 1 else UNKNOWN
 
@@ -684,6 +693,10 @@ def _reshape(n: _Node):
         return UNKNOWN
     if before[0] == after[0]:
         return 0
+    if before[0] == -1 and len(after) > len(before) and after[0] > 1 and -1 in after[1:]:
+        return n.mixed(f"groups the examples of the batch by position (a reshape of its axis "
+                       f"into [{after[0]}, -1, ...], as a minibatch-stddev layer does): a "
+                       "replica's slice makes other groups")
     merged = 1
     for dim in before:
         merged *= dim
@@ -767,31 +780,75 @@ def _unpack_or_split(value_at: int, axis_from: str):
             return state - (axis < state)
         values = n.ints(0 if n.op == "Split" else 2)
         axis = n.axis(values[0], rank) if values else None
-        return state if axis is not None and axis != state else UNKNOWN
+        if axis == state:
+            return n.mixed("splits the batch into parts by position (tf.split along the "
+                           "batch axis): on a replica's slice each part holds other examples, "
+                           "so what pairs or weighs the parts pairs others")
+        return state if axis is not None else UNKNOWN
     return rule
+
+
+_BY_POSITION = ("picks examples of the batch by their position (a slice along the batch "
+                "axis)")
+
+
+def _computed_bounds(n: _Node, batch_axis: int, ends_at: int):
+    """A slice whose bounds are computed rather than constant: the batch's state where the
+    bounds along its axis are begin 0 and an end (input ``ends_at``) that is the batch's size,
+    tf.shape(x)[0] (x[:tf.shape(x)[0]]); Mixed where they are other values known without the
+    batch's values (x[:tf.shape(x)[0] // 2], a fed count); unknown otherwise."""
+    if any(s not in (None, SIZE) and not isinstance(s, Shape) for s in n.states[1:]):
+        return UNKNOWN
+    bit = 1 << batch_axis
+    masked = {key: n.attr(key) is not None and bool(n.attr(key).i & bit)
+              for key in ("begin_mask", "end_mask")}  # a StridedSlice's: from the start, to the end
+    begin = 0 if masked["begin_mask"] else _entry(n, 1, batch_axis)
+    end = _entry(n, ends_at, batch_axis)
+    if begin == 0 and (masked["end_mask"] or isinstance(end, tuple)
+                       and _is_batch_size(n.flow, *end)):
+        return n.states[0]
+    return n.mixed(_BY_POSITION)
+
+
+def _entry(n: _Node, k: int, at: int):
+    """Entry ``at`` of the 1-D input ``k``: its value when constant, the (node, port) it
+    packs there, or None when neither is known."""
+    values = n.ints(k)
+    if values is not None:
+        return values[at] if at < len(values) else None
+    src, _ = n.inputs[k]
+    if n.flow.ir.op(src) == "Pack" and at < len(n.flow.ir.inputs(src)):
+        entry = n.flow.ir.inputs(src)[at]
+        found = n.flow.ints(entry[0])
+        return found[0] if found is not None and len(found) == 1 else entry
+    return None
 
 
 def _slice(n: _Node):
     state = n.states[0]
-    if type(state) is not int or any(s is not None for s in n.states[1:]):
+    if type(state) is not int:
         return UNKNOWN
+    if any(s is not None for s in n.states[1:]):
+        return _computed_bounds(n, state, 2)
     begin, size = n.ints(1), n.ints(2)
     if begin is None or size is None or state >= len(begin):
         return UNKNOWN
     if begin[state] == 0 and size[state] == -1:
         return state
-    return n.mixed("picks examples of the batch by their position (a slice along the batch "
-                   "axis)")
+    return n.mixed(_BY_POSITION)
 
 
 def _strided_slice(n: _Node):
     """Walks the slice spec: a new axis adds an output axis, a shrunk one removes an input
     axis, an ellipsis stands for the axes the spec leaves out."""
     state = n.states[0]
-    if type(state) is not int or any(s is not None for s in n.states[1:]):
+    if type(state) is not int:
         return UNKNOWN
     begin, end, strides = n.ints(1), n.ints(2), n.ints(3)
-    if begin is None or end is None or strides is None:
+    if any(s is not None for s in n.states[1:]) and strides is not None and _plain(n):
+        return _computed_bounds(n, state, 2)  # no masks: spec entry k is axis k
+    if begin is None or end is None or strides is None or \
+            any(s is not None for s in n.states[1:]):
         return UNKNOWN
     masks = {key: (n.attr(key).i if n.attr(key) is not None else 0) for key in (
         "begin_mask", "end_mask", "ellipsis_mask", "new_axis_mask", "shrink_axis_mask")}
@@ -822,6 +879,13 @@ def _strided_slice(n: _Node):
             in_axis += 1
             out_axis += 0 if masks["shrink_axis_mask"] & bit else 1
     return out_axis + state - in_axis  # past the spec: kept whole
+
+
+def _plain(n: _Node) -> bool:
+    """A strided slice without masks but begin's and end's (spec entry k is axis k), its
+    strides all 1."""
+    masks = [n.attr(key) for key in ("ellipsis_mask", "new_axis_mask", "shrink_axis_mask")]
+    return all(m is None or m.i == 0 for m in masks) and set(n.ints(3)) == {1}
 
 
 def _gather(n: _Node):
@@ -1454,4 +1518,9 @@ def _same(n: _Node, degrees: list, states: list):
                        "that do not, or scale otherwise (as FGSM's x + eps * dL/dx adds the "
                        "gradient of a mean loss, each example's over the size, to the "
                        "examples)")
+    if min(degrees) < 0:
+        return n.mixed("adds a total that scales with the inverse of the batch's size (made "
+                       "from the gradient of a mean loss, as double backprop's penalty on "
+                       "dL/dx is) to totals that scale otherwise: on a replica's slice of 1/N "
+                       "of the batch it weighs N times more")
     return None

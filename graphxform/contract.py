@@ -21,7 +21,7 @@ from __future__ import annotations
 import re
 
 from graphxform import opdefs
-from graphxform.errors import GraphxformError
+from graphxform.errors import ContractError
 from graphxform.functions import WHILE_OPS, written_in_function
 from graphxform.ir import GraphIR, parse_tensor, tensor_name
 from graphxform.nodes import replica_prefix
@@ -30,10 +30,6 @@ from graphxform.training import (REPLICA_SCOPE, VARIABLE_OPS, TrainingGraph,
                                  consumers_through_switches, gradient_scope, is_mutating_op,
                                  tape_gradients)
 
-
-
-class ContractError(GraphxformError):
-    """The transformed graph would not train like the single-device one."""
 
 
 def check_input(ir: GraphIR, tg: TrainingGraph) -> None:

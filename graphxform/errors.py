@@ -17,6 +17,11 @@ class PassError(GraphxformError):
     """A pass failed; the message names the pass and the passes that ran before it."""
 
 
+class ContractError(GraphxformError):
+    """The transformed graph would not train like the single-device one (graphxform.contract;
+    a pass that finds it says so in the same words, not as a pass failing)."""
+
+
 def clip(text: str, limit: int = QUOTE_LIMIT) -> str:
     """``text`` on one line and at most about ``limit`` characters: the head (where) and the
     tail (what went wrong) of a long quote survive, the middle is counted, not shown."""

@@ -7,7 +7,7 @@ import os
 import time
 from typing import Callable, ClassVar
 
-from graphxform.errors import GraphxformError, PassError
+from graphxform.errors import ContractError, GraphxformError, PassError
 from graphxform.ir import GraphIR, paused_gc
 
 
@@ -108,6 +108,8 @@ class Pipeline:
                     checked = time.perf_counter()
                     if self.verify:
                         verify_mod.check_structure(ir, changed_only=True)
+            except ContractError:
+                raise  # a refusal of the graph, in the user's words, not a pass failing
             except GraphxformError as e:
                 raise PassError(self._where(index) + str(e)) from e
             except Exception as e:  # a bug in a pass: still name it

@@ -19,7 +19,7 @@ from graphxform.passes.model_average import ModelAverage
 from graphxform.passes.model_average import worker_devices as model_average_devices
 from graphxform.passes.partition_variables import PartitionVariables
 from graphxform.passes.place_variables import PlaceVariables
-from graphxform.passes.replicate import Replicate
+from graphxform.passes.replicate import Replicate, require_single_device
 from graphxform.passes.replicated_all_reduce import ReplicatedAllReduce
 from graphxform.passes.rewire_consumers import RewireConsumers
 from graphxform.passes.share_variables import ShareVariables
@@ -126,6 +126,7 @@ def ps(ps_tasks: int = 1, staleness: int = 0, asynchronous: bool = False,
         ShareVariables(),
         Replicate(),
         SplitInputs(),
+        *([] if asynchronous else [GlobalState(shared=True)]),
         InsertAccumulators(staleness=staleness, asynchronous=asynchronous),
         MergeFetches(mean=tuple(fetch_mean), concat=tuple(fetch_concat)),
         DropInSaver(),
@@ -231,6 +232,7 @@ def transform(ir, strategy: str = "allreduce", devices=None, train_op: str | Non
                       cluster=cluster, strategy=strategy)
     if len(devices) > 1 and not _asynchronous(strategy, options):
         from graphxform import contract
+        require_single_device(ir)
         contract.check_input(ir, ctx.training)
     pipeline = STRATEGIES[strategy](**options)
     pipeline.run(ir, ctx)

@@ -300,15 +300,33 @@ def find_steps(ir: GraphIR, given=None) -> list[str]:
             "on this file too): give the op to run with --train-op")
     names = [_runner_of(ir, n) for n in names]
     nodes = [parse_tensor(n)[0] for n in names]
+    runs = {node: ir.ancestors(node) for node in dict.fromkeys(nodes)}
     run_by_other = set()
-    for node in dict.fromkeys(nodes):
-        run_by_other |= ir.ancestors(node) - {node}
+    for node, ancestors in runs.items():
+        run_by_other |= ancestors - {node}
     found, seen = [], set()
     for name, node in zip(names, nodes):
         if node not in run_by_other and node not in seen:
             seen.add(node)
             found.append(name)
-    return found
+    kept = list(found)
+    for name in found:
+        if _grouped_by_other(ir, name, [k for k in kept if k != name], runs):
+            kept.remove(name)
+    return kept
+
+
+def _grouped_by_other(ir: GraphIR, name: str, others: list, runs: dict) -> bool:
+    """Whether ``name`` is a NoOp that only groups what one of ``others`` runs anyway: in a
+    transformed graph, the optimizer's merged op
+    (``GradientDescent``, which the optimizer put in the collection itself) groups the
+    replicas' copies, which the merged ``train = tf.group(minimize, ...)`` runs through theirs;
+    running both would apply the gradients twice."""
+    node = parse_tensor(name)[0]
+    if ir.op(node) != "NoOp":
+        return False
+    grouped = {src for src, _ in ir.inputs(node)} | set(ir.control_inputs(node))
+    return bool(grouped) and any(grouped <= runs[parse_tensor(other)[0]] for other in others)
 
 
 def _runner_of(ir: GraphIR, name: str) -> str:

@@ -8,6 +8,9 @@ rewards. The copies drift apart and the checkpoint saves replica 0's. Where the 
 stores or adds is a sum, count, mean, max or min over the batch (graphxform.replica_values),
 one device's value is the replicas' values combined so: every replica's write reads that
 combination (a CollectiveReduceV2) instead, all copies make one device's write and stay equal.
+Under the ps strategies the variable is one, on a ps task, written by replica 0's update alone
+(insert-accumulators drops the others'), which then read replica 0's slice: there one node
+on the variable's task combines every replica's value (an AddN, say), and the update reads it.
 
 The value often reads the variable itself (``b.assign(0.9 * b + 0.1 * mean(r))``, an
 ``assign_moving_average``): it is classified as if the copies were equal, which holds once all
@@ -29,7 +32,7 @@ import itertools
 from graphxform import opdefs, replica_values
 from graphxform.ir import tensor_name
 from graphxform.nodes import Builder, replica_prefix
-from graphxform.passes.cross_replica import reduce_copies
+from graphxform.passes.cross_replica import combine_copies, reduce_copies
 from graphxform.pipeline import Pass, PassResult
 
 SCOPE = "global_state/"
@@ -57,14 +60,19 @@ def state_variables(tg) -> list:
 
 @dataclasses.dataclass
 class GlobalState(Pass):
+    """``shared``: the ps strategies' form. The variable is one, on a ps task, and one client
+    runs every replica: one node reads every replica's value and combines it, every replica's
+    write reads that, and insert-accumulators keeps replica 0's write alone."""
     name = "global-state"
+    shared: bool = False
 
     def run(self, ir, ctx):
         if len(ctx.devices) < 2:
             return PassResult(modified=False)
         first = replica_prefix(0)
+        held = (lambda v: v.name in ir) if self.shared else (lambda v: first + v.name in ir)
         writes = {v.name: [w for w in v.updates if first + w in ir]
-                  for v in state_variables(ctx.training) if first + v.name in ir}
+                  for v in state_variables(ctx.training) if held(v)}
         writes = {name: found for name, found in writes.items() if found}
         if not writes:
             return PassResult(modified=False)
@@ -77,17 +85,23 @@ class GlobalState(Pass):
                 source = ir.input(first + write, 1)
                 key = next(keys)
                 tensor = tensor_name(source[0][len(first):], source[1])
-                for prefix, reduced in reduce_copies(ir, build, ctx.devices, tensor, key,
-                                                     f"{SCOPE}{key - INSTANCE_KEYS}/",
-                                                     merge=merge, final=final):
-                    ir.set_input(prefix + write, 1, reduced)
+                scope = f"{SCOPE}{key - INSTANCE_KEYS}/"
+                if self.shared:
+                    one = combine_copies(ir, build, len(ctx.devices), tensor, scope,
+                                         ir.node(name)["device"], merge=merge, final=final)
+                    reduced = [(replica_prefix(i), one) for i in range(len(ctx.devices))]
+                else:
+                    reduced = reduce_copies(ir, build, ctx.devices, tensor, key, scope,
+                                            merge=merge, final=final)
+                for prefix, value in reduced:
+                    ir.set_input(prefix + write, 1, value)
                 combined.append(write)
         if not combined:
             return PassResult(modified=False, summary={"left to the contract": sorted(
                 set(writes) - set(plan))})
         return PassResult(modified=True, summary={
             "kept equal": sorted(plan), "writes combined across replicas": combined,
-            "collectives_per_replica": len(combined)})
+            "collectives_per_replica": 0 if self.shared else len(combined)})
 
 
 def _plan(ir, writes: dict) -> dict:

@@ -36,7 +36,7 @@ import dataclasses
 import numpy as np
 
 from graphxform import opdefs
-from graphxform.errors import GraphxformError
+from graphxform.errors import ContractError, GraphxformError
 from graphxform.ir import colocation_targets, parse_tensor
 from graphxform.nodes import Builder, replica_prefix
 from graphxform.pipeline import Pass, PassResult
@@ -101,6 +101,7 @@ class InsertAccumulators(Pass):
             "aggregated": len({points[t][0].name for _, _, t in grad_edges})})
 
     def _synchronous(self, ir, build, grad_edges, points, steps):
+        _refuse_norms_of_sparse_rows(ir, grad_edges, points)
         workers = build.workers
         accumulators = {}  # aggregate name -> _Accumulator
         for consumer, port, tensor in grad_edges:
@@ -290,6 +291,41 @@ def _points(aggregates) -> dict:
     return found
 
 
+# what makes a norm of a tensor's rows (clip_by_global_norm's L2Loss, clip_by_norm's Square)
+_NORM_OPS = frozenset({"L2Loss", "Square", "Pow", "Sqrt", "Norm", "EuclideanNorm",
+                       "SquaredDifference", "Abs"})
+
+
+def _refuse_norms_of_sparse_rows(ir, grad_edges, points) -> None:
+    """A sparse accumulator sums the rows of one id, so the update region reads a sparse
+    gradient coalesced, where one device's IndexedSlices holds a row per lookup (an id looked
+    up twice, two rows). The optimizer sums duplicates itself first, and scaling every row
+    (clip_by_global_norm's factor, loss-scale division) commutes with summing them, but a norm
+    of the rows does not: tf.clip_by_global_norm or tf.clip_by_norm of such a gradient would
+    clip by another norm. Refuse, naming the gradient and the op."""
+    for consumer, _, tensor in grad_edges:
+        agg, part = points[tensor]
+        if part != "values":
+            continue
+        seen, stack = set(), [consumer]
+        while stack and len(seen) < 10000:
+            node = stack.pop()
+            if node in seen:
+                continue
+            seen.add(node)
+            op = ir.op(node)
+            if op in _NORM_OPS:
+                raise ContractError(
+                    f"variable '{agg.name}': its sparse gradient's rows ('{tensor}') reach "
+                    f"'{node}' ({op}), a norm of them (tf.clip_by_global_norm, "
+                    "tf.clip_by_norm); the ps strategies sum the rows of one id across "
+                    "workers before the update reads them, while one device's gradient holds "
+                    "a row per lookup, so the norm would differ: use --strategy allreduce, "
+                    "which gathers the rows as they are, or clip the dense gradients only")
+            if not opdefs.is_stateful(ir, op):
+                stack.extend(dst for dst, _ in ir.consumers(node))
+
+
 def _check_cross_edges(cross_edges, points, step_ops) -> dict:
     """Every once-per-step node that reads what each replica computes must read a born gradient
     (aggregated here) or be a step op (which gets the replicas' mean). Returns the step ops'
@@ -299,9 +335,13 @@ def _check_cross_edges(cross_edges, points, step_ops) -> dict:
         if consumer in step_ops:
             by_step.setdefault(consumer, []).append((consumer, port, tensor))
         elif tensor not in points:
-            raise GraphxformError(f"'{consumer}' runs once per step on the aggregated gradients "
-                                  f"but reads '{tensor}', which every replica computes and "
-                                  "which is not a gradient")
+            raise ContractError(
+                f"'{consumer}' runs once per step, after the gradients are aggregated on the "
+                f"ps tasks, but reads '{tensor}', which each replica computes from its own "
+                "slice and which is not a gradient (an update after the optimizer's that "
+                "reads the loss; under hybrid, tf.clip_by_global_norm over all-reduced and "
+                "ps-side gradients at once): it would read one replica's; use --strategy "
+                "allreduce")
     return by_step
 
 

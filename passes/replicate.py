@@ -75,9 +75,7 @@ class Replicate(Pass):
     def run(self, ir, ctx):
         tg = ctx.training
         tg.require_train_op(self.name)
-        if ir.has_scope("replica_0/"):
-            raise GraphxformError("the graph is already transformed (it has nodes under "
-                                  "replica_0/); start from the single-device graph")
+        require_single_device(ir)
         if tg.pipeline:
             tg.pipeline.require_single()
         defaults = _global_defaults(ir, tg, self.name)
@@ -106,12 +104,21 @@ class Replicate(Pass):
                     continue
                 ir.set_input(name, port, tensor_name(replicas[0][src], src_port))
                 cross_edges.append((name, port, tensor_name(src, src_port)))
+        _uncolocate_functions(ir, copied)
         ir.remove_nodes(copied)
         _update_collections(ir, shared, len(ctx.devices), sync["first_only"],
                             sync["initial_values"])
         ctx.state[self.name] = {"shared": shared, "cross_edges": cross_edges}
         return PassResult(modified=True, summary={"replicas": len(ctx.devices),
                                                   "nodes_per_replica": len(copied)})
+
+
+def require_single_device(ir) -> None:
+    """Refuse a graph graphxform already transformed: its replicas are not a batch to split
+    (what the input checks would read in them, a split of the batch, is this tool's)."""
+    if ir.has_scope("replica_0/"):
+        raise GraphxformError("the graph is already transformed (it has nodes under "
+                              "replica_0/); start from the single-device graph")
 
 
 def _global_defaults(ir, tg, created_by: str) -> set:
@@ -155,6 +162,31 @@ def _global_defaults(ir, tg, created_by: str) -> set:
         ir.set_input(name, 0, tensor_name(mapping[src], port))
         made.update(mapping.values())
     return made
+
+
+def _uncolocate_functions(ir, copied: list) -> None:
+    """Function bodies are one for every replica, so a body node colocated with a node the
+    replicas each copy (control flow v2's gradient loop, which tf.gradients colocates with the
+    forward ``rnn/while``) would be pinned beside replica 0's: on a cluster, TF refused the
+    other workers' gradient loops ("Cannot colocate nodes ... incompatible tasks"). Such body
+    nodes lose that colocation and run where their call runs."""
+    library = ir.meta.graph_def.library.function
+    if not library:
+        return
+    replicated = {b"loc:@" + name.encode() for name in copied}
+    for function in library:
+        for node in function.node_def:
+            if "_class" not in node.attr:
+                continue
+            items = node.attr["_class"].list.s
+            kept = [item for item in items if item not in replicated]
+            if len(kept) == len(items):
+                continue
+            del items[:]
+            if kept:
+                items.extend(kept)
+            else:
+                del node.attr["_class"]
 
 
 def _rename_frames(ir, enters, prefix) -> None:

@@ -337,6 +337,61 @@ def column_of_the_batch_size(x, y):
     return _step(_xent(y, dense(features, 2, "out")))
 
 
+def simclr_split_views(x, y):
+    """SimCLR as its TF code pairs views: both views in one batch, tf.split in halves along
+    the batch, each half's in-batch positives the other half's rows."""
+    import tensorflow as tf
+    z = tf.nn.l2_normalize(dense(tf.concat([x, x * 0.5], 0), 8, "z"), axis=1)
+    a, b = tf.split(z, 2, 0)
+    logits = tf.matmul(a, b, transpose_b=True) / 0.1
+    return _step(_xent(tf.range(tf.shape(a)[0]), logits))
+
+
+def halves_paired(x, y):
+    """The first half of the batch against the second (a siamese pair laid out in halves)."""
+    import tensorflow as tf
+    a, b = tf.split(dense(x, 4, "emb"), 2, 0)
+    return _step(tf.reduce_mean(tf.square(a - b)))
+
+
+def pairwise_by_tiling(x, y):
+    """Prototypical networks' Euclidean distances as their code tiles them: each embedding
+    repeated as many times as the batch has examples."""
+    import tensorflow as tf
+    e = dense(x, 4, "emb")
+    n = tf.shape(e)[0]
+    rows = tf.tile(tf.expand_dims(e, 1), [1, n, 1])
+    cols = tf.tile(tf.expand_dims(e, 0), [n, 1, 1])
+    return _step(_xent(y, -tf.reduce_sum(tf.square(rows - cols), axis=2)[:, :2]))
+
+
+def minibatch_stddev(x, y):
+    """ProGAN's minibatch standard deviation: the batch reshaped into groups of 4."""
+    import tensorflow as tf
+    h = dense(x, 4, "h")
+    groups = tf.reshape(h, [4, -1, 4])
+    std = tf.sqrt(tf.reduce_mean(tf.square(groups - tf.reduce_mean(groups, 0)), 0) + 1e-8)
+    feature = tf.tile(tf.reduce_mean(std, keepdims=True), [tf.shape(h)[0], 1])
+    return _step(_xent(y, dense(tf.concat([h, feature], 1), 2, "out")))
+
+
+def source_half(x, y):
+    """DANN's label loss on the source half of the batch: tf.slice up to half its size."""
+    import tensorflow as tf
+    logits = dense(x, 2, "out")
+    half = tf.shape(x)[0] // 2
+    return _step(_xent(tf.slice(y, [0], [half]), tf.slice(logits, [0, 0], [half, -1])))
+
+
+def double_backprop(x, y):
+    """Drucker and LeCun's double backpropagation: the loss plus the squared norm of its
+    gradient with respect to the inputs, summed."""
+    import tensorflow as tf
+    loss = _xent(y, dense(tf.nn.tanh(dense(x, 8, "h")), 2, "out"))
+    (grad,) = tf.gradients(loss, [x])
+    return _step(loss + 0.1 * tf.reduce_sum(tf.square(grad)))
+
+
 FIXED_ROWS = [(dqn_range_of_the_batch_size, "Pack", "tf.range(16)"),
               (position_weights_of_the_batch_size, "Mul", "whose 16 rows the graph fixes"),
               (column_of_the_batch_size, "ConcatV2", "whose 16 rows the graph fixes")]
@@ -372,7 +427,14 @@ MIXING = [(infonce, "MatMul", "pairs every example with every other"),
           (softmax_over_batch, "Softmax", "normalises over the batch axis"),
           (centred_by_batch_mean, "Sub", "sum or mean over the batch"),
           (scan_over_examples, "TensorArrayScatterV3", "carries"),
-          (scan_over_examples_v2, "StatelessWhile", "carries"), *FIXED_ROWS]
+          (scan_over_examples_v2, "StatelessWhile", "carries"),
+          (simclr_split_views, "Split", "splits the batch into parts by position"),
+          (halves_paired, "Split", "splits the batch into parts by position"),
+          (pairwise_by_tiling, "Tile", "as many times as the batch has"),
+          (minibatch_stddev, "Reshape", "groups the examples of the batch by position"),
+          (source_half, "Slice", "picks examples of the batch by their position"),
+          (double_backprop, "AddV2", "scales with the inverse of the batch's size"),
+          *FIXED_ROWS]
 
 
 @pytest.mark.parametrize("build,op,reason", MIXING, ids=[b.__name__ for b, _, _ in MIXING])
@@ -400,7 +462,8 @@ def per_example_lookalikes(x, y):
     """Each of the ops above, used inside each example: attention over a sequence, a sort
     and a top_k over features, a softmax over classes, layer norm, a column, a reversal of
     features, a reshape round trip, a gather of embedding rows by labels, a tensordot over
-    features (tf_keras Dense on a sequence)."""
+    features (tf_keras Dense on a sequence), a split and a tile of features, slices up to
+    the batch's own size."""
     import tensorflow as tf
     tf1 = tf.compat.v1
     seq = tf.reshape(dense(x, 16, "seq"), [-1, 4, 4])  # [batch, time, features]
@@ -415,7 +478,11 @@ def per_example_lookalikes(x, y):
     features = tf.concat([top, ordered[:, :4], tf.reverse(normed, [1])[:, 2:6],
                           tf.gather(table, y), normed[:, 0:1], mixed_features,
                           tf.roll(normed, shift=1, axis=1)[:, :2],
-                          tf.reshape(tf.tensordot(seq, table, axes=[[2], [1]]), [-1, 8])],
+                          tf.reshape(tf.tensordot(seq, table, axes=[[2], [1]]), [-1, 8]),
+                          tf.split(normed, 2, axis=1)[1][:, :2],
+                          tf.tile(normed[:, :1], [1, 3]),
+                          tf.reshape(normed[:tf.shape(x)[0], :2], [-1, 2]),
+                          tf.reshape(tf.slice(normed, [0, 0], [tf.shape(y)[0], 2]), [-1, 2])],
                          axis=1)
     return _step(_xent(y, dense(features, 2, "out")))
 

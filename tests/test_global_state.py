@@ -162,12 +162,22 @@ def test_state_that_cannot_be_combined_is_refused_in_one_line(run_cli, tmp_path,
     assert "checkpoint would save replica 0's" in err
 
 
-def test_ps_refuses_a_count_it_cannot_combine(run_cli, tmp_path):
-    """ps strategies exchange gradients through accumulators only: the count is refused."""
+@pytest.mark.parametrize("strategy", ["ps", "partitioned-ps"])
+def test_the_ps_strategies_combine_a_count_by_graph_edges(run_cli, tmp_path, strategy):
+    """One node on the variable's ps task adds up every replica's count; replica 0's update
+    alone stays (the count was replica 0's slice's before)."""
     cluster = tmp_path / "cluster.json"
     cluster.write_text(json.dumps(SPEC))
     model = examples_seen(tmp_path / "m.meta")
+    code, out, err = _verify(run_cli, model, "--strategy", strategy, "--cluster", cluster)
+    assert code == 0 and "PASS" in out, out + err
+
+
+def test_ps_refuses_a_memory_bank_in_one_line(run_cli, tmp_path):
+    cluster = tmp_path / "cluster.json"
+    cluster.write_text(json.dumps(SPEC))
+    model = memory_bank(tmp_path / "m.meta")
     code, out, err = run_cli("apply", "--strategy", "ps", "--cluster", cluster, model,
                              "-o", tmp_path / "out.meta")
     assert code == 1
-    assert "variable 'examples_seen'" in err and len(err.strip().splitlines()) == 1
+    assert "variable 'memory_bank'" in err and len(err.strip().splitlines()) == 1

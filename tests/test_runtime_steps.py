@@ -128,3 +128,39 @@ def test_verify_runs_the_same_steps_and_compares_each_loss(tmp_path):
     text = equivalence.format_report(report)
     assert "step  train op  loss (original)  loss (transformed)" in text
     assert sum(line.split()[1:2] == ["g_train"] for line in text.splitlines()) == 3
+
+
+def grouped_minimize(path, ema: bool):
+    """``train = tf.group(optimizer.minimize(loss), ...)`` in the 'train_op' collection, as
+    many scripts list it; minimize lists its own op there too."""
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [None, 3], name="x")
+        w = tf1.get_variable("w", [3, 1], initializer=tf1.glorot_uniform_initializer(seed=1))
+        loss = tf.reduce_mean(tf.square(tf.matmul(x, w) - 1.0), name="loss")
+        opt = tf1.train.GradientDescentOptimizer(0.1).minimize(loss)
+        others = []
+        if ema:
+            with tf.control_dependencies([opt]):
+                others.append(tf1.train.ExponentialMovingAverage(0.9).apply([w]))
+        tf1.add_to_collection("train_op", tf.group(opt, *others, name="train"))
+    return export(g, path)
+
+
+@pytest.mark.parametrize("ema", [False, True])
+def test_a_transformed_graph_runs_a_grouped_minimize_once(tmp_path, run_cli, ema):
+    """The transformed graph's collection lists the optimizer's merged op beside the merged
+    group: `run` ran both, applying the gradients twice per step."""
+    grouped_minimize(tmp_path / "m.meta", ema)
+    out_path = tmp_path / "out.meta"
+    assert run_cli("apply", "--replicas", 2, tmp_path / "m.meta", "-o", out_path)[0] == 0
+    assert training.find_steps(metagraph.load(str(out_path))) == ["train"]
+    np.savez(tmp_path / "f.npz", x=np.random.RandomState(0).randn(32, 3).astype(np.float32))
+    runs = [run_cli("run", model, "--steps", 3, "--feeds", tmp_path / "f.npz",
+                    "--batch-size", 16) for model in (tmp_path / "m.meta", out_path)]
+    assert all(code == 0 for code, _, _ in runs), runs
+    assert [line.split()[:3] for line in runs[0][1].splitlines()] == \
+        [line.split()[:3] for line in runs[1][1].splitlines()]
+    original, transformed = ([float(line.split()[-1]) for line in out.splitlines()]
+                             for _, out, _ in runs)
+    assert np.allclose(original, transformed, rtol=1e-5)
