@@ -22,11 +22,11 @@ import re
 
 from graphxform import opdefs
 from graphxform.errors import ContractError
-from graphxform.functions import WHILE_OPS, written_in_function
+from graphxform.functions import WHILE_OPS, called_nodes, random_in_function
 from graphxform.ir import GraphIR, parse_tensor, tensor_name
 from graphxform.nodes import replica_prefix
 from graphxform.replica_spread import CROSS_REPLICA_OPS, SPLIT_SCOPE, ReplicaSpread
-from graphxform.training import (REPLICA_SCOPE, VARIABLE_OPS, TrainingGraph,
+from graphxform.training import (REPLICA_SCOPE, VARIABLE_OPS, TrainingGraph, is_apply_op,
                                  consumers_through_switches, gradient_scope, is_mutating_op,
                                  tape_gradients)
 
@@ -272,8 +272,8 @@ def check(ir: GraphIR, tg: TrainingGraph, replicas: int, asynchronous: bool = Fa
         _check_losses_are_means(ir, tg)
         _check_custom_gradients(ir, tg)
     closure = _union(closures if closures is not None else step_closures(ir, tg))
-    if replicas > 1 and not asynchronous:
-        _check_function_writes(ir, tg, closure)
+    function_writes = (_function_writes(ir, tg, closure) if replicas > 1 and not asynchronous
+                       else [])
     checked, proven = 0, []  # proven: (variable, write) whose inputs must be equal everywhere
     from graphxform.passes.global_state import state_variables
     state = {v.name for v in state_variables(tg)}
@@ -299,7 +299,9 @@ def check(ir: GraphIR, tg: TrainingGraph, replicas: int, asynchronous: bool = Fa
     shared = [] if asynchronous else _shared_writes(ir, closure)
     asked = {src for _, write in proven for src, _ in ir.inputs(write)}
     asked.update(src for write in shared for src, _ in ir.inputs(write))
+    asked.update(src for call, *_ in function_writes for src, _ in ir.inputs(call))
     spread = ReplicaSpread(ir, replicas, step=closure, asked=asked)
+    _check_function_writes(ir, function_writes, spread)
     for var, write in proven:
         _check_write(ir, var, write, spread)
     _check_shared_writes(ir, shared, spread)
@@ -560,25 +562,48 @@ def _check_custom_gradients(ir: GraphIR, tg: TrainingGraph) -> None:
                 "in its incoming gradient, or train on one device")
 
 
-def _check_function_writes(ir: GraphIR, tg: TrainingGraph, closure: set) -> None:
-    """No step trains inside a function (graphxform/functions.py says why)."""
+def _function_writes(ir: GraphIR, tg: TrainingGraph, closure: set) -> list[tuple]:
+    """(call, function, writing op type, written node, trains) for each call in ``closure``
+    whose functions apply an optimizer update or write a variable the contract keeps equal (a
+    trainable one, or one the step keeps: saved, not batch norm's moving statistics), the
+    first such write of each call."""
+    from graphxform.equivalence import MOVING_STATISTIC
+    found = {}
+    for call, function, node, source in called_nodes(ir, closure):
+        if call in found or not is_mutating_op(node.op) or not node.input:
+            continue
+        target = source(node.input[0])
+        var = tg.variables.get(REPLICA_SCOPE.sub("", target, count=1)) if target else None
+        trains = is_apply_op(node.op) or (var is not None and var.trainable)
+        if trains or (var is not None and not var.local
+                      and not MOVING_STATISTIC.search(var.name)):
+            found[call] = (call, function, node.op, target or node.input[0], trains)
+    return list(found.values())
 
-    def original(node):
-        return REPLICA_SCOPE.sub("", node, count=1)
 
-    def trains(node):
-        var = tg.variables.get(original(node))
-        return var is not None and var.trainable
-
-    found = written_in_function(ir, closure, trains)
-    if found is not None:
-        call, function, op, target = found
+def _check_function_writes(ir: GraphIR, writes: list, spread: ReplicaSpread) -> None:
+    """A write inside a function (a while loop or cond body with control flow v2, a
+    tf.function) is not rewritten by any pass, so it keeps each replica equal only where the
+    call reads nothing that differs between replicas (a Lookahead sync of the weights in a
+    tf.cond, an update applied in a cond from the all-reduced gradients) and draws no random
+    numbers; else each replica writes its own slice's (graphxform/functions.py says why)."""
+    for call, function, op, target, trains in writes:
+        differs = [src for src, _ in ir.inputs(call)  # a split's output: a replica's slice
+                   if src in spread.differs or not spread.covers_all(src)
+                   or src.startswith(SPLIT_SCOPE)]
+        if not differs and not random_in_function(ir, {call}):
+            continue
+        name, target = (REPLICA_SCOPE.sub("", n, count=1) for n in (call, target))
+        what = ("so each replica would apply its own slice's gradient and the replicas would "
+                "train apart; apply the optimizer outside the loop or function" if trains else
+                "so each replica's copy would move apart from one device's and the "
+                "checkpoint would save replica 0's; update it outside the loop or function "
+                "(a tf.compat.v1 cond: tf.compat.v1.disable_control_flow_v2())")
         raise ContractError(
-            f"'{original(call)}' ({ir.op(call)}) runs function '{function}', which updates "
-            f"'{original(target)}' ({op}) inside it: updates inside a "
-            "function (a while loop or cond body with control flow v2, a tf.function) are not "
-            "distributed, so each replica would apply its own slice's gradient and the "
-            "replicas would train apart; apply the optimizer outside the loop or function")
+            f"'{name}' ({ir.op(call)}) runs function '{function}', which updates "
+            f"'{target}' ({op}) inside it from values each replica computes from its own "
+            f"slice: updates inside a function (a while loop or cond body with control flow "
+            f"v2, a tf.function) are not distributed, {what}")
 
 
 def _summed_term(ir: GraphIR, values, loss: tuple) -> str | None:

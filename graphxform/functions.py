@@ -4,9 +4,10 @@ Control flow v2 (``tf.while_loop``, ``tf.cond``) and a ``tf.function`` called fr
 keep their bodies in the function library, out of reach of the passes, which rewrite graph
 nodes only. Two things there break the contract silently, so the contract and `verify` look:
 
-- a variable update inside a body (an optimizer applied in a loop): each replica would apply
-  its own slice's gradient to its own copy, and the replicas would train apart
-  (``written_in_function``; the contract refuses);
+- a variable update inside a body (an optimizer applied in a loop, a running count moved in
+  a cond) from what each replica computes from its own slice: each replica would write its
+  own copy from its own slice, and the replicas would move apart (``called_nodes``; the
+  contract refuses it where the call reads a value that differs between replicas);
 - a random op inside a body (dropout under ``tf.cond(is_training, ...)``): each replica draws
   for its own slice and ``--consistent-random`` cannot reach it (``random_in_function``;
   verify names it, the consistent-random pass refuses); a training-mode batch norm there
@@ -31,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 
 from graphxform.errors import GraphxformError
-from graphxform.training import RANDOM_OPS, is_apply_op, is_mutating_op
+from graphxform.training import RANDOM_OPS
 
 CALL_OPS = {"While": ("cond", "body"), "StatelessWhile": ("cond", "body"),
             "If": ("then_branch", "else_branch"), "StatelessIf": ("then_branch", "else_branch"),
@@ -42,18 +43,6 @@ WHILE_OPS = frozenset({"While", "StatelessWhile"})
 # what reads an element of a TensorList (TensorListPopBack's second output is the element)
 _LIST_READS = frozenset({"TensorListGetItem", "TensorListGather", "TensorListPopBack"})
 _MAX_DEPTH = 20  # a recursive library: nothing real nests this deep
-
-
-def written_in_function(ir, closure: set, trains) -> tuple | None:
-    """(call node, function, writing op type, written graph node) for the first call in
-    ``closure`` whose functions apply an optimizer update, or write a node for which
-    ``trains(node)`` is true (a trainable variable); None when there is none."""
-    for call, function, node, source in called_nodes(ir, closure):
-        if is_mutating_op(node.op) and node.input:
-            target = source(node.input[0])
-            if is_apply_op(node.op) or (target is not None and trains(target)):
-                return call, function, node.op, target or node.input[0]
-    return None
 
 
 def random_in_function(ir, closure: set) -> list[tuple[str, str]]:

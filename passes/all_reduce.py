@@ -37,6 +37,7 @@ import dataclasses
 import numpy as np
 
 from graphxform import opdefs
+from graphxform.errors import ContractError
 from graphxform.ir import parse_tensor
 from graphxform.nodes import Builder, numpy_dtype, replica_prefix
 from graphxform.pipeline import Pass, PassResult
@@ -73,6 +74,8 @@ class AllReduce(Pass):
         tg = ctx.training
         if len(ctx.devices) < 2:
             return PassResult(modified=False)
+        if self.sparse_as_dense:
+            _require_densifiable(ir, tg)
         collectives = Collectives(ir, self.name, ctx.devices, self.hierarchical)
         buckets, sparse, dense_bytes = 0, 0, 0
         for step_dense, step_sparse in gradients_by_step(tg, self.sparse_as_dense):
@@ -105,6 +108,33 @@ class AllReduce(Pass):
         if current:
             buckets.append(current)
         return buckets
+
+
+# sparse updates that leave a row whose gradient is zero as it was (Adagrad adds zero to its
+# sum of squares and moves the row by zero), so a densified gradient changes nothing there
+_ZERO_ROWS_KEPT = frozenset({"SparseApplyAdagrad", "ResourceSparseApplyAdagrad",
+                             "SparseApplyAdagradV2", "ResourceSparseApplyAdagradV2"})
+
+
+def _require_densifiable(ir, tg) -> None:
+    """A sparse gradient is densified only where its optimizer moves a row with a zero
+    gradient as it moves a row it is not given: SGD's scatter, TF1's Adam (which decays every
+    row's moments itself), Adagrad. Momentum, RMSProp, Ftrl, Adadelta and the proximal and
+    dual-averaging updates touch only the rows a sparse gradient holds; given zeros for the
+    others, they keep moving or shrinking them, which one device never does."""
+    for var in tg.trainable:
+        if var.gradient.kind != "sparse":
+            continue
+        for update in var.updates:
+            op = ir.op(replica_prefix(0) + update) if replica_prefix(0) + update in ir else ""
+            if "SparseApply" in op and op not in _ZERO_ROWS_KEPT:
+                raise ContractError(
+                    f"--sparse-as-dense: variable '{var.name}' is updated by '{update}' ({op}), "
+                    "which moves only the rows its sparse gradient holds; densified, its "
+                    "update would move every other row too (a momentum or a moving average "
+                    "keeps going on a zero gradient): leave its gradient sparse (drop the "
+                    "option; hybrid: keep the variable on the ps side), or train it with SGD, "
+                    "Adagrad or Adam")
 
 
 def gradients_by_step(tg, sparse_as_dense: bool = False) -> list[tuple[list, list]]:

@@ -41,6 +41,50 @@ def test_sparse_as_dense_trains_the_same():
     assert report.ok, equivalence.format_report(report)
 
 
+def embedding_with(path, optimizer: str) -> str:
+    """An embedding bag and a dense layer trained by a TF1 optimizer with a sparse update."""
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+    g = tf.Graph()
+    with g.as_default():
+        ids = tf1.placeholder(tf.int32, [None, 3], name="ids")
+        y = tf1.placeholder(tf.float32, [None, 1], name="y")
+        emb = tf1.get_variable("emb", [20, 4], initializer=tf1.glorot_uniform_initializer(seed=1))
+        w = tf1.get_variable("w", [4, 1], initializer=tf1.glorot_uniform_initializer(seed=2))
+        h = tf.reduce_mean(tf.nn.embedding_lookup(emb, ids), 1)
+        loss = tf.reduce_mean(tf.square(tf.matmul(h, w) - y))
+        make = {"momentum": lambda: tf1.train.MomentumOptimizer(0.1, 0.9),
+                "rmsprop": lambda: tf1.train.RMSPropOptimizer(0.01),
+                "adagrad": lambda: tf1.train.AdagradOptimizer(0.1)}[optimizer]
+        tf1.add_to_collection("train_op", make().minimize(loss))
+        tf1.train.export_meta_graph(str(path), graph=g)
+    rng = np.random.RandomState(0)
+    np.savez(str(path) + ".npz", ids=rng.randint(0, 20, (32, 3)).astype(np.int32),
+             y=rng.randn(32, 1).astype(np.float32))
+    return str(path)
+
+
+@pytest.mark.parametrize("optimizer", ["momentum", "rmsprop"])
+def test_sparse_as_dense_refuses_an_update_of_the_given_rows_only(run_cli, tmp_path, optimizer):
+    """Momentum's sparse update leaves the rows the batch did not look up alone; given their
+    zero gradients it keeps moving them (apply exited 0, verify failed by 1e-01)."""
+    model = embedding_with(tmp_path / "m.meta", optimizer)
+    code, _, err = run_cli("apply", "--replicas", 2, "--sparse-as-dense", model,
+                           "-o", tmp_path / "out.meta")
+    assert code == 1 and len(err.strip().splitlines()) == 1, err
+    assert "--sparse-as-dense: variable 'emb'" in err
+    code, out, err = run_cli("verify", "--replicas", 2, model, "--feeds", model + ".npz",
+                             "--batch-size", 16, "--steps", 3)  # gathered: exact
+    assert code == 0 and "PASS" in out, out + err
+
+
+def test_sparse_as_dense_keeps_adagrad(run_cli, tmp_path):
+    model = embedding_with(tmp_path / "m.meta", "adagrad")
+    code, out, err = run_cli("verify", "--replicas", 2, "--sparse-as-dense", model, "--feeds",
+                             model + ".npz", "--batch-size", 16, "--steps", 3)
+    assert code == 0 and "PASS" in out, out + err
+
+
 def test_sparse_gradient_is_gathered_not_densified():
     ir = transformed("embedding_adam", 2)
     ops = [ir.op(n) for n in ir.nodes() if n.startswith("allreduce/sparse_0/replica_0/")]

@@ -181,3 +181,64 @@ def test_ps_refuses_a_memory_bank_in_one_line(run_cli, tmp_path):
                              "-o", tmp_path / "out.meta")
     assert code == 1
     assert "variable 'memory_bank'" in err and len(err.strip().splitlines()) == 1
+
+
+def last_batch_max(path):
+    """The largest reward of the last batch, kept for a summary: an assign of reduce_max."""
+    def build(tf, tf1, x):
+        loss = tf.reduce_mean(_regression(tf, tf1, x))
+        reward = tf1.placeholder(tf.float32, [None], name="reward")
+        largest = tf1.get_variable("largest_reward", [], trainable=False,
+                                   initializer=tf1.zeros_initializer())
+        train = tf.group(tf1.train.GradientDescentOptimizer(0.1).minimize(loss),
+                         tf1.assign(largest, tf.reduce_max(reward)), name="train")
+        tf1.add_to_collection("train_op", train)
+    return _export(path, build, lambda rng: {"reward": rng.randn(64).astype(np.float32)})
+
+
+def test_an_extreme_of_the_batch_is_the_whole_batch_s(run_cli, tmp_path):
+    model = last_batch_max(tmp_path / "m.meta")
+    code, out, err = _verify(run_cli, model, "--replicas", 2)
+    assert code == 0 and "PASS" in out, out + err
+
+
+def in_a_cond(path, what):
+    """An update inside tf.cond (control flow v2, TF2's default) after the optimizer's: a
+    count of the examples from the batch, or Lookahead's sync of the weights into a slow copy,
+    which reads nothing of the batch."""
+    def build(tf, tf1, x):
+        step = tf1.train.get_or_create_global_step()
+        loss = tf.reduce_mean(_regression(tf, tf1, x))
+        train = tf1.train.GradientDescentOptimizer(0.1).minimize(loss, global_step=step)
+        (w,) = tf1.trainable_variables()
+        state = tf1.get_variable("state", [3, 1] if what == "lookahead" else [], trainable=False,
+                                 initializer=tf1.zeros_initializer())
+        with tf.control_dependencies([train]):
+            if what == "lookahead":
+                def sync():
+                    slow = state.assign(state + 0.5 * (w - state))
+                    with tf.control_dependencies([slow]):
+                        return tf.group(w.assign(slow))
+            else:
+                def sync():
+                    return tf.group(state.assign_add(tf.cast(tf.shape(x)[0], tf.float32)))
+            update = tf.cond(tf.equal(step % 2, 0), sync, tf.no_op)
+        tf1.add_to_collection("train_op", tf.group(train, update, name="train"))
+    return _export(path, build, lambda rng: {})
+
+
+def test_state_moved_from_the_batch_inside_a_cond_is_refused(run_cli, tmp_path):
+    """No pass reaches into a function body: apply exited 0 and each replica counted its own
+    slice."""
+    model = in_a_cond(tmp_path / "m.meta", "count")
+    code, out, err = run_cli("apply", "--replicas", 2, model, "-o", tmp_path / "out.meta")
+    assert code == 1 and len(err.strip().splitlines()) == 1, err
+    assert "updates 'state'" in err and "inside it from values each replica computes" in err
+
+
+def test_an_update_in_a_cond_that_reads_no_slice_trains_like_one_device(run_cli, tmp_path):
+    """Lookahead's sync reads the weights alone: equal on every replica (it was refused as
+    applying a slice's gradient)."""
+    model = in_a_cond(tmp_path / "m.meta", "lookahead")
+    code, out, err = _verify(run_cli, model, "--replicas", 2)
+    assert code == 0 and "PASS" in out, out + err

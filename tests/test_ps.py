@@ -391,3 +391,39 @@ def test_allreduce_keeps_the_rows_and_the_norm(run_cli, tmp_path):
     code, out, err = run_cli("verify", "--replicas", 2, model, "--feeds", tmp_path / "f.npz",
                              "--batch-size", 16, "--steps", 3)
     assert code == 0 and "PASS" in out, out + err
+
+
+def rnn_by_tf_gradients(path):
+    """tensorflow/nmt's update: an RNN in a tf.while_loop (control flow v2), tf.gradients of
+    the loss, apply_gradients. tf.gradients colocates the gradient loop's function body with
+    the forward loop."""
+    g = tf.Graph()
+    with g.as_default():
+        tf.compat.v1.set_random_seed(1)
+        x = tf.compat.v1.placeholder(tf.float32, [None, 5, 3], name="x")
+        kernel = tf.compat.v1.get_variable("rnn/kernel", [7, 4])
+        weights = tf.identity(kernel)  # read once, as an RNN cell's kernel: a StatelessWhile
+        steps = tf.transpose(x, [1, 0, 2])
+
+        def body(t, h):
+            return t + 1, tf.tanh(tf.matmul(tf.concat([steps[t], h], 1), weights))
+        _, h = tf.compat.v1.while_loop(lambda t, h: t < 5, body,
+                                       [tf.constant(0), tf.zeros([tf.shape(x)[0], 4])])
+        loss = tf.reduce_mean(tf.square(h), name="loss")
+        grads = tf.gradients(loss, [kernel])
+        train = tf.compat.v1.train.GradientDescentOptimizer(0.1).apply_gradients(
+            zip(grads, [kernel]))
+        tf.compat.v1.add_to_collection("train_op", train)
+        tf.compat.v1.train.export_meta_graph(str(path), graph=g)
+    np.savez(str(path) + ".npz", x=np.random.RandomState(0).randn(32, 5, 3).astype(np.float32))
+    return str(path)
+
+
+def test_a_gradient_loop_colocated_with_its_forward_loop_runs_on_every_worker(
+        run_cli, tmp_path, cluster_file):
+    """Each worker's gradient loop was pinned beside replica 0's forward loop: TF refused the
+    graph ("Cannot colocate nodes ... incompatible tasks") after apply exited 0."""
+    model = rnn_by_tf_gradients(tmp_path / "m.meta")
+    code, out, err = run_cli("verify", model, "--strategy", "ps", "--cluster", cluster_file,
+                             "--feeds", model + ".npz", "--batch-size", 16, "--steps", 3)
+    assert code == 0 and "PASS" in out, out + err

@@ -101,8 +101,10 @@ def check(ir: GraphIR, view=None) -> CheckResult:
 
 
 # all-reduces of the batch's statistics, not of gradients: sync-batch-norm's sums, the totals
-# global-denominators reduces (weights, masks, counts), global-extremes' longest lengths
-STATISTICS_SCOPES = ("sync_batch_norm/", "global_denominators/", "global_extremes/")
+# global-denominators reduces (weights, masks, counts), global-extremes' longest lengths,
+# global-state's values of the state the step moves (counts, means, extremes)
+STATISTICS_SCOPES = ("sync_batch_norm/", "global_denominators/", "global_extremes/",
+                     "global_state/")
 
 
 def _check_gradients(ir, result, averaged: bool) -> int:
