@@ -110,12 +110,14 @@ PER_EXAMPLE_OPS = frozenset({*replica_values.PER_EXAMPLE_OPS, *BATCH_NORM_OPS,
 REDUCE_OPS = frozenset(replica_values.REDUCE_OPS)
 
 
-def mixing_in(ir, loss: str, sources) -> Mixed | None:
+def mixing_in(ir, loss: str, sources, shapes=()) -> Mixed | None:
     """The first place the examples meet on the way to ``loss`` (a tensor name) from the batch
-    ``sources`` (nodes every output of which holds the batch on axis 0), or None."""
+    ``sources`` (nodes every output of which holds the batch on axis 0), or None. ``shapes``:
+    placeholders that hold a shape whose entry 0 is the batch's size (a sparse_placeholder's
+    dense shape, which tf.shape of the SparseTensor reads)."""
     from graphxform.ir import parse_tensor
     node, port = parse_tensor(loss)
-    flow = _Flow(ir, set(sources))
+    flow = _Flow(ir, set(sources) - set(shapes), {name: (Shape(0), 1) for name in shapes})
     states = flow.run(node)
     found = _port(states[node], port)
     if isinstance(found, Curved):

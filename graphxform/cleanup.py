@@ -172,13 +172,25 @@ def signals_unwind():
         return
 
     def handler(signum, frame):
+        _received.append(signum)
         raise Terminated(signum)
     previous = {sig: signal.signal(sig, handler) for sig in SIGNALS}
+    del _received[:]
     try:
         yield
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old if old is not None else signal.SIG_DFL)
+
+
+_received = []  # the signals signals_unwind's handler got, in order
+
+
+def terminated_by() -> Terminated | None:
+    """The ``Terminated`` a signal raised, where it was turned into another exception on its
+    way out: a signal that lands while TensorFlow builds the exception of a failed run (a
+    collective's timeout) reaches the caller as pybind11's RuntimeError, not as itself."""
+    return Terminated(_received[0]) if _received else None
 
 
 class signals_deferred:

@@ -777,9 +777,7 @@ def _main(argv: list, debug: bool) -> int:
         _error(str(e))
         return EXIT_ERROR
     except cleanup.Terminated as e:
-        click.echo("graphxform: interrupted" if e.signum == signal.SIGINT
-                   else f"graphxform: stopped by {e.name}", err=True)
-        return e.exit_code
+        return _stopped(e)
     except (KeyboardInterrupt, click.exceptions.Abort):
         click.echo("graphxform: interrupted", err=True)
         return 130
@@ -788,6 +786,8 @@ def _main(argv: list, debug: bool) -> int:
         os.dup2(devnull, sys.stdout.fileno())
         return EXIT_ERROR
     except Exception as e:  # a bug: still one line unless --debug
+        if cleanup.terminated_by() is not None:  # a signal TF's error handling turned into e
+            return _stopped(cleanup.terminated_by())
         if isinstance(e, OSError) and e.filename is None and e.errno in OUTPUT_ERRNOS:
             _error(f"cannot write to standard output: {e.strerror}")  # our files name theirs
             return EXIT_ERROR
@@ -795,6 +795,12 @@ def _main(argv: list, debug: bool) -> int:
             traceback.print_exc()
         _error(f"internal error: {type(e).__name__}: {e} (rerun with --debug for the traceback)")
         return EXIT_ERROR
+
+
+def _stopped(e) -> int:
+    click.echo("graphxform: interrupted" if e.signum == signal.SIGINT
+               else f"graphxform: stopped by {e.name}", err=True)
+    return e.exit_code
 
 
 # a write to standard output that failed for want of room or a working device

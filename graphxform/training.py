@@ -778,11 +778,14 @@ def sparse_groups(inputs) -> dict:
 def _mark_sparse(ir, inputs: list) -> None:
     """Mark the placeholder triples tf.compat.v1.sparse_placeholder makes (see Input.sparse):
     ``N/indices``, ``N/values`` and ``N/shape``, plain Placeholders of the dtypes and ranks it
-    gives them, with the number of indices columns (when known) the shape's length."""
+    gives them (the shape a PlaceholderWithDefault of the known dimensions where the shape
+    given is partly known, ``[None, None]`` as tf.RaggedTensor.from_sparse needs), with the
+    number of indices columns (when known) the shape's length."""
     groups = {}
     for inp in inputs:
         head, _, part = inp.name.rpartition("/")
-        if head and part in _SPARSE_KINDS and ir.op(inp.name) == "Placeholder":
+        if head and part in _SPARSE_KINDS and (ir.op(inp.name) == "Placeholder" or (
+                part == "shape" and ir.op(inp.name) == "PlaceholderWithDefault")):
             groups.setdefault(head, {})[part] = inp
     for name, parts in groups.items():
         if len(parts) != 3:

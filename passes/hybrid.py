@@ -24,7 +24,7 @@ from graphxform.nodes import Builder, replica_prefix
 from graphxform.passes.partition_variables import PartitionVariables
 from graphxform.passes.worker_steps import DEFAULT_TIMEOUT_S, set_collective_timeouts, tasks_of
 from graphxform.pipeline import Pass, PassResult
-from graphxform.training import REPLICA_SCOPE
+from graphxform.training import REPLICA_SCOPE, gradient_scope
 
 STATE = "choose-placement"
 SIDES = ("allreduce", "ps")
@@ -295,6 +295,14 @@ def _barrier(ir, build, plan, tasks, entry) -> None:
         if REPLICA_SCOPE.match(node):
             continue
         sources = [s for s in ir.control_inputs(node) if REPLICA_SCOPE.match(s)]
+        if sources and gradient_scope(node):
+            # tf.gradients' gating of a gradient no replica's data reaches (the 0.1 of
+            # ``loss + 0.1 * l2_loss(w)``), kept single: it only orders the backward pass,
+            # and through the barrier every replica's gradient would wait on every update
+            # (a deadlock)
+            for src in sources:
+                ir.remove_control_input(node, src)
+            continue
         if sources:
             waiting.append((node, sources))
             for src in sources:

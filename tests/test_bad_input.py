@@ -514,3 +514,26 @@ def test_launch_reports_the_chiefs_checkpoint_failure_once(run_cli, tmp_path):
         "Unable to open table file" in line)
     for pid in map(int, re.findall(r"pid (\d+)", out)):
         assert wait_gone(pid, 10), f"pid {pid} left behind"
+
+
+def test_a_signal_turned_into_another_exception_still_stops_the_command(run_cli, monkeypatch):
+    """SIGTERM landing while TensorFlow builds a failed run's exception (a collective timing
+    out) reaches us as pybind11's RuntimeError ("MISMATCH ... REPLACED BY Terminated"): it was
+    reported as an internal error."""
+    import os
+    import signal
+    import time
+
+    from graphxform import cleanup, cli
+
+    def core(quiet=True):
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+        except cleanup.Terminated:
+            raise RuntimeError("pybind11::error_already_set: MISMATCH of original and "
+                               "normalized active exception types") from None
+    monkeypatch.setattr(cli.tf_import, "core", core)
+    code, _, err = run_cli("inspect", "model.meta")
+    assert code == 128 + signal.SIGTERM
+    assert err.strip() == "graphxform: stopped by SIGTERM"

@@ -291,3 +291,35 @@ def test_cli_partitions_apply_prints_shards_then_verify_check_and_cost(run_cli, 
     assert code == 0, err
     assert ("embedding/weights: ps (sparse gradient), whole (1600 B < --partition-min-bytes "
             "262144)") in out
+
+
+def text_cnn_update(path):
+    """dennybritz/cnn-text-classification-tf's update, reduced: an embedding (ps side), an
+    output layer with an L2 penalty in the loss (all-reduced), Adam with a global_step.
+    tf.gradients gates the penalty's constant gradient with a tuple that stays single."""
+    import numpy as np
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.int32, [None, 4], name="x")
+        y = tf1.placeholder(tf.float32, [None], name="y")
+        emb = tf1.get_variable("W", [30, 3], initializer=tf1.glorot_uniform_initializer(seed=1))
+        out = tf1.get_variable("Wo", [3, 1], initializer=tf1.glorot_uniform_initializer(seed=3))
+        h = tf.reduce_sum(tf.nn.embedding_lookup(emb, x), 1)
+        loss = tf.reduce_mean(tf.square(tf.squeeze(tf.matmul(h, out), 1) - y))
+        loss = tf.identity(loss + 0.1 * tf.nn.l2_loss(out), name="loss")
+        tf1.train.AdamOptimizer(1e-2).minimize(loss,
+                                               global_step=tf1.train.get_or_create_global_step())
+        tf1.train.export_meta_graph(str(path), graph=g)
+    rng = np.random.RandomState(0)
+    np.savez(str(path).replace(".meta", ".npz"), x=rng.randint(0, 30, (64, 4)).astype(np.int32),
+             y=rng.randn(64).astype(np.float32))
+    return str(path)
+
+
+def test_a_penalty_gated_by_a_single_gradient_tuple_does_not_deadlock(tmp_path):
+    """The barrier routed that tuple's wait on every replica's gradient through the queue
+    every replica's update fills: each replica's gradient waited on every update, and verify
+    hung until the collectives timed out."""
+    assert_matches(text_cnn_update(tmp_path / "m.meta"))

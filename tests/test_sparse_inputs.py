@@ -282,3 +282,45 @@ def test_time_major_ctc_logits_are_refused(tmp_path, run_cli):
     assert err.strip().count("\n") == 0 and "Traceback" not in err
     assert "'CTCLoss' (CTCLoss) reads time-major logits" in err and "time_major=False" in err
     assert not (tmp_path / "ctc.allreduce.meta").exists()
+
+
+def _bag_of_embeddings(path, partly_known: bool) -> str:
+    """A DAN / fastText bag of embeddings: unsorted_segment_mean of a sparse_placeholder's
+    rows, as many segments as its dense shape has rows. ``partly_known``: the shape given as
+    [None, None] (what tf.RaggedTensor.from_sparse needs), which makes the dense shape a
+    PlaceholderWithDefault."""
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+    g = tf.Graph()
+    with g.as_default():
+        tokens = tf1.sparse_placeholder(tf.int64, [None, None] if partly_known else None,
+                                        name="tokens")
+        y = tf1.placeholder(tf.int32, [None], name="y")
+        emb = tf1.get_variable("emb", [40, 6], initializer=tf1.random_normal_initializer(seed=1))
+        w = tf1.get_variable("w", [6, 3], initializer=tf1.random_normal_initializer(seed=2))
+        bag = tf.math.unsorted_segment_mean(tf.nn.embedding_lookup(emb, tokens.values),
+                                            tf.cast(tokens.indices[:, 0], tf.int32),
+                                            tf.cast(tokens.dense_shape[0], tf.int32))
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=y, logits=tf.matmul(bag, w)), name="loss")
+        tf1.train.AdagradOptimizer(0.5).minimize(loss)
+        tf1.train.export_meta_graph(str(path), graph=g)
+    rng = np.random.RandomState(0)
+    rows = [(i, j) for i in range(32) for j in range(rng.randint(1, 5))]
+    np.savez(str(path) + ".npz", **{"tokens/indices": np.array(rows, np.int64),
+                                    "tokens/values": rng.randint(0, 40, len(rows)),
+                                    "tokens/shape": np.array([32, 5], np.int64),
+                                    "y": rng.randint(0, 3, 32).astype(np.int32)})
+    return str(path)
+
+
+@pytest.mark.parametrize("partly_known", [False, True])
+def test_a_bag_counted_by_the_dense_shape_trains_like_one_device(tmp_path, run_cli,
+                                                                 partly_known):
+    """The dense shape's rows are the batch's size (it was read as a batch tensor whose first
+    example was picked: refused); a partly known shape is still a sparse_placeholder's (it was
+    refused as plain placeholders that look like one)."""
+    model = _bag_of_embeddings(tmp_path / "m.meta", partly_known)
+    code, out, err = run_cli("verify", "--replicas", 2, model, "--feeds", model + ".npz",
+                             "--batch-size", 16, "--steps", 3)
+    assert code == 0 and "PASS" in out, out + err
