@@ -143,6 +143,7 @@ class _Flow:
         self.filled = set()  # per-example nodes whose rows hold no example's values (ones)
         self.called = {}  # call node -> its outputs' degrees, from its function's body
         self.consts = {}  # node -> its integer values (replica_values.const_ints)
+        self.port_ints = {}  # (node, port) -> values worked out from shapes (broadcasting)
 
     def run(self, target: str) -> dict:
         """States of ``target`` and its data ancestors, each worked out after its inputs."""
@@ -263,8 +264,10 @@ class _Flow:
         dims = self.dims(src, port)
         return None if dims is None else len(dims)
 
-    def ints(self, src: str):
-        return replica_values.const_ints(self.ir, src, self.consts)
+    def ints(self, src: str, port: int = 0):
+        found = self.port_ints.get((src, port))
+        return found if found is not None else replica_values.const_ints(self.ir, src,
+                                                                         self.consts)
 
 
 class _Node:
@@ -280,7 +283,7 @@ class _Node:
         return self.flow.rank(self.name, port)
 
     def ints(self, k: int):
-        return self.flow.ints(self.inputs[k][0]) if k < len(self.inputs) else None
+        return self.flow.ints(*self.inputs[k]) if k < len(self.inputs) else None
 
     def attr(self, key: str):
         return self.flow.ir.attrs(self.name).get(key)
@@ -1248,8 +1251,36 @@ def _shape_rule(flow, name: str, found: list):
     return _shape_of(found[0]) if found else None
 
 
-_SHAPE_RULES = dict.fromkeys(("Shape", "ShapeN", "Size", "Rank", "VariableShape"),
-                             _shape_rule)
+def _broadcast_gradient_args(flow, name: str, found: list):
+    """The axes a broadcasting op's gradient sums each operand's gradient over (TF's
+    BroadcastGradientArgs of their shapes: a Sub's or Mul's gradient, as in MAML's
+    ``w - a * g``), worked out from the operands' recorded dimensions so that the Sum reading
+    them is followed. Unknown dimensions on both sides are taken as equal (the batch's size
+    facing itself); one facing a known 1 is broadcast. Their values do not depend on the
+    batch's: batch-free."""
+    ir, shapes = flow.ir, []
+    for src, port in ir.inputs(name)[:2]:
+        dims = flow.dims(*ir.input(src, 0)) if ir.op(src) == "Shape" else flow.ints(src, port)
+        if dims is None:
+            return [None, None]
+        shapes.append(list(dims))
+    rank = max(len(shapes[0]), len(shapes[1]))
+    a, b = ([1] * (rank - len(dims)) + dims for dims in shapes)
+    summed = ([], [])
+    for axis, (x, y) in enumerate(zip(a, b)):
+        if x == y:
+            continue
+        if x == 1 or y == 1:
+            summed[0 if x == 1 else 1].append(axis)
+        elif -1 not in (x, y):
+            return [None, None]  # TF would refuse these shapes
+    flow.port_ints[(name, 0)], flow.port_ints[(name, 1)] = summed
+    return [None, None]
+
+
+_SHAPE_RULES = {**dict.fromkeys(("Shape", "ShapeN", "Size", "Rank", "VariableShape"),
+                                _shape_rule),
+                "BroadcastGradientArgs": _broadcast_gradient_args}
 
 
 def _picked(n: _Node, picked: list | None, scalar: bool):
@@ -1492,9 +1523,9 @@ def _picks_the_batch(n: _Node) -> bool:
     out = n.flow.dims(n.name, 0)
     if vector == [1] and out in ([], [1]):
         return True
-    if n.op in ("Gather", "GatherV2"):
-        picked = n.ints(1)
-        return picked is not None and len(picked) == 1 and picked[0] == n.states[0].batch_at
+    if n.op in ("Gather", "GatherV2"):  # one entry, or several that include the size (the
+        picked = n.ints(1)  # dimensions a mean's gradient multiplies up)
+        return picked is not None and n.states[0].batch_at in picked
     begin = n.ints(1)
     return (n.op == "StridedSlice" and begin is not None and len(begin) == 1
             and begin[0] == n.states[0].batch_at and out == [])

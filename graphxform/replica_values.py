@@ -471,8 +471,9 @@ class _Sweep:
 
 def const_ints(ir, src: str, cache: dict, depth: int = 0):
     """The integer values of ``src`` as a list when they follow from Consts alone (a Const, and
-    Identity, Pack, ConcatV2, Range, Add, Sub and Mul of such, as TF builds ``rank - 1``,
-    ``[-1, d]`` or tf.tensordot's permutations); else None. ``cache``: node -> values."""
+    Identity, Pack, ConcatV2, Range, Add, Sub, Mul and FloorMod of such, as TF builds ``rank -
+    1``, ``[-1, d]``, tf.tensordot's permutations or a mean's gradient's ``(axes + rank) %
+    rank``); else None. ``cache``: node -> values."""
     if src in cache:
         return cache[src]
     value = None
@@ -488,7 +489,8 @@ def const_ints(ir, src: str, cache: dict, depth: int = 0):
     return value
 
 
-_FOLDED = frozenset({"Identity", "Pack", "ConcatV2", "Range", "Add", "AddV2", "Sub", "Mul"})
+_FOLDED = frozenset({"Identity", "Pack", "ConcatV2", "Range", "Add", "AddV2", "Sub", "Mul",
+                     "FloorMod"})
 
 
 def _fold(op: str, parts: list):
@@ -510,7 +512,10 @@ def _fold(op: str, parts: list):
         return None
     width = max(len(a), len(b))
     a, b = (a * width if len(a) == 1 else a), (b * width if len(b) == 1 else b)
-    combine = {"Sub": lambda x, y: x - y, "Mul": lambda x, y: x * y}.get(op, lambda x, y: x + y)
+    if op == "FloorMod" and 0 in b:
+        return None
+    combine = {"Sub": lambda x, y: x - y, "Mul": lambda x, y: x * y,
+               "FloorMod": lambda x, y: x % y}.get(op, lambda x, y: x + y)
     return [combine(x, y) for x, y in zip(a, b)]
 
 

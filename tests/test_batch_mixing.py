@@ -392,6 +392,25 @@ def double_backprop(x, y):
     return _step(loss + 0.1 * tf.reduce_sum(tf.square(grad)))
 
 
+def r1_penalty(x, y):
+    """R1's gradient penalty as GAN code writes it: the gradient of the critic's mean output
+    (one score per example, [batch, 1]) with respect to the reals, squared and averaged."""
+    import tensorflow as tf
+    score = dense(tf.nn.relu(dense(x, 8, "critic")), 1, "score")
+    (grad,) = tf.gradients(tf.reduce_mean(score), [x])
+    return _step(tf.reduce_mean(tf.nn.softplus(-score))
+                 + 10.0 * tf.reduce_mean(tf.reduce_sum(tf.square(grad), 1)))
+
+
+def maml_inner_step(x, y):
+    """MAML's inner step on the batch: fast weights from the mean support loss's gradient,
+    the outer loss on the same batch through them."""
+    import tensorflow as tf
+    w = tf.compat.v1.get_variable("w", [8, 2])
+    (grad,) = tf.gradients(_xent(y, tf.matmul(x, w)), [w])
+    return _step(_xent(y, tf.matmul(x, w - 0.5 * grad)))
+
+
 FIXED_ROWS = [(dqn_range_of_the_batch_size, "Pack", "tf.range(16)"),
               (position_weights_of_the_batch_size, "Mul", "whose 16 rows the graph fixes"),
               (column_of_the_batch_size, "ConcatV2", "whose 16 rows the graph fixes")]
@@ -434,6 +453,8 @@ MIXING = [(infonce, "MatMul", "pairs every example with every other"),
           (minibatch_stddev, "Reshape", "groups the examples of the batch by position"),
           (source_half, "Slice", "picks examples of the batch by their position"),
           (double_backprop, "AddV2", "scales with the inverse of the batch's size"),
+          (r1_penalty, "AddV2", "scales with the inverse of the batch's size"),
+          (maml_inner_step, "MatMul", "multiplies examples by a sum or mean"),
           *FIXED_ROWS]
 
 
