@@ -389,7 +389,9 @@ def _step_loss(ir: GraphIR, step: str, closure: set, variables: dict) -> str | N
             if "_grad/" in rest:
                 op = rest.split("_grad/", 1)[0]
                 prefix = scope[: -len(scope.split("/")[-2]) - 1] if scope.count("/") > 1 else ""
-                for candidate in (op, prefix + op):
+                # a replica's own op before merge-fetches' node of its original name
+                order = (prefix + op, op) if REPLICA_SCOPE.match(prefix) else (op, prefix + op)
+                for candidate in order:
                     if candidate in ir:
                         forward.add(candidate)
                         break
@@ -451,9 +453,12 @@ def _is_one(ir: GraphIR, node: str) -> bool:
 
 def _climb_identities(ir: GraphIR, node: str) -> str:
     """From ``node`` up through Identity consumers that only rename it (no control inputs),
-    while there is exactly one consumer outside gradients scopes."""
+    while there is exactly one consumer outside gradients scopes (in a transformed graph, in
+    the replica's own scope: merge-fetches' node of the original name reads it too)."""
+    replica = REPLICA_SCOPE.match(node)
     for _ in range(8):
-        users = {d for d, _ in ir.consumers(node) if not gradient_scope(d)}
+        users = {d for d, _ in ir.consumers(node) if not gradient_scope(d)
+                 and (replica is None or d.startswith(replica.group(0)))}
         if len(users) != 1:
             break
         (user,) = users

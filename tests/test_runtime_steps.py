@@ -164,3 +164,23 @@ def test_a_transformed_graph_runs_a_grouped_minimize_once(tmp_path, run_cli, ema
     original, transformed = ([float(line.split()[-1]) for line in out.splitlines()]
                              for _, out, _ in runs)
     assert np.allclose(original, transformed, rtol=1e-5)
+
+
+def test_a_transformed_graph_s_step_loss_is_the_one_the_user_named(tmp_path):
+    """tensorflow/nmt's ``train_loss = tf.identity(sum / size, name="loss")``: in the
+    transformed graph the analysis took the step's loss as 'truediv:0', merge-fetches' node of
+    the original name (replica 0's value where it is not merged), so `run` printed another
+    figure than fetching 'loss:0' gives."""
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [None, 3], name="x")
+        w = tf1.get_variable("w", [3, 1], initializer=tf1.glorot_uniform_initializer(seed=1))
+        per_example = tf.square(tf.matmul(x, w) - 1.0)
+        loss = tf.identity(tf.reduce_sum(per_example) / tf.cast(tf.size(per_example),
+                                                                 tf.float32), name="loss")
+        tf1.add_to_collection("train_op",
+                              tf1.train.GradientDescentOptimizer(0.1).minimize(loss))
+    ir = export(g)
+    assert [s.loss for s in training.analyze(ir).steps] == ["loss:0"]
+    strategies.transform(ir, "allreduce", devices=["/device:CPU:0", "/device:CPU:1"])
+    assert [s.loss for s in training.analyze(ir).steps] == ["loss:0"]
