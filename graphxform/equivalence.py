@@ -129,8 +129,9 @@ def compare_series(name: str, expected: list, got: list) -> Difference:
                       scale=scale)
 
 
-# batch norm's moving statistics as tf.compat.v1.layers, tf_keras and tf_slim name them
-MOVING_STATISTIC = re.compile(r"moving_(mean|variance)")
+# batch norm's moving statistics as tf.compat.v1.layers, tf_keras and tf_slim name them, and
+# batch renormalization's (renorm=True: moving_stddev, renorm_mean, renorm_stddev)
+MOVING_STATISTIC = re.compile(r"moving_(mean|variance|stddev)|renorm_(mean|stddev)")
 
 
 def mismatch_reasons(ir: GraphIR, tg: training.TrainingGraph, synced_batch_norm=False,
