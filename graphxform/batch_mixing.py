@@ -797,9 +797,9 @@ _BY_POSITION = ("picks examples of the batch by their position (a slice along th
                 "axis)")
 
 
-def _computed_bounds(n: _Node, batch_axis: int, ends_at: int):
+def _computed_bounds(n: _Node, batch_axis: int):
     """A slice whose bounds are computed rather than constant: the batch's state where the
-    bounds along its axis are begin 0 and an end (input ``ends_at``) that is the batch's size,
+    bounds along its axis are begin 0 and an end (Slice: a size) that is the batch's size,
     tf.shape(x)[0] (x[:tf.shape(x)[0]]); Mixed where they are other values known without the
     batch's values (x[:tf.shape(x)[0] // 2], a fed count); unknown otherwise."""
     if any(s not in (None, SIZE) and not isinstance(s, Shape) for s in n.states[1:]):
@@ -808,7 +808,7 @@ def _computed_bounds(n: _Node, batch_axis: int, ends_at: int):
     masked = {key: n.attr(key) is not None and bool(n.attr(key).i & bit)
               for key in ("begin_mask", "end_mask")}  # a StridedSlice's: from the start, to the end
     begin = 0 if masked["begin_mask"] else _entry(n, 1, batch_axis)
-    end = _entry(n, ends_at, batch_axis)
+    end = _entry(n, 2, batch_axis)
     if begin == 0 and (masked["end_mask"] or isinstance(end, tuple)
                        and _is_batch_size(n.flow, *end)):
         return n.states[0]
@@ -834,7 +834,7 @@ def _slice(n: _Node):
     if type(state) is not int:
         return UNKNOWN
     if any(s is not None for s in n.states[1:]):
-        return _computed_bounds(n, state, 2)
+        return _computed_bounds(n, state)
     begin, size = n.ints(1), n.ints(2)
     if begin is None or size is None or state >= len(begin):
         return UNKNOWN
@@ -851,7 +851,7 @@ def _strided_slice(n: _Node):
         return UNKNOWN
     begin, end, strides = n.ints(1), n.ints(2), n.ints(3)
     if any(s is not None for s in n.states[1:]) and strides is not None and _plain(n):
-        return _computed_bounds(n, state, 2)  # no masks: spec entry k is axis k
+        return _computed_bounds(n, state)  # no masks: spec entry k is axis k
     if begin is None or end is None or strides is None or \
             any(s is not None for s in n.states[1:]):
         return UNKNOWN

@@ -786,8 +786,9 @@ def _main(argv: list, debug: bool) -> int:
         os.dup2(devnull, sys.stdout.fileno())
         return EXIT_ERROR
     except Exception as e:  # a bug: still one line unless --debug
-        if cleanup.terminated_by() is not None:  # a signal TF's error handling turned into e
-            return _stopped(cleanup.terminated_by())
+        stopped = cleanup.terminated_by()  # a signal TF's error handling turned into e
+        if stopped is not None:
+            return _stopped(stopped)
         if isinstance(e, OSError) and e.filename is None and e.errno in OUTPUT_ERRNOS:
             _error(f"cannot write to standard output: {e.strerror}")  # our files name theirs
             return EXIT_ERROR

@@ -568,7 +568,7 @@ def _function_writes(ir: GraphIR, tg: TrainingGraph, closure: set) -> list[tuple
     whose functions apply an optimizer update or write a variable the contract keeps equal (a
     trainable one, or one the step keeps: saved, not batch norm's moving statistics), the
     first such write of each call."""
-    from graphxform.equivalence import MOVING_STATISTIC
+    from graphxform.passes.global_state import kept_equal
     found = {}
     for call, function, node, source in called_nodes(ir, closure):
         if call in found or not is_mutating_op(node.op) or not node.input:
@@ -576,8 +576,7 @@ def _function_writes(ir: GraphIR, tg: TrainingGraph, closure: set) -> list[tuple
         target = source(node.input[0])
         var = tg.variables.get(REPLICA_SCOPE.sub("", target, count=1)) if target else None
         trains = is_apply_op(node.op) or (var is not None and var.trainable)
-        if trains or (var is not None and not var.local
-                      and not MOVING_STATISTIC.search(var.name)):
+        if trains or (var is not None and kept_equal(var)):
             found[call] = (call, function, node.op, target or node.input[0], trains)
     return list(found.values())
 

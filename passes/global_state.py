@@ -48,14 +48,19 @@ _COMBINE = {replica_values.SUM: ("Add", "Id"), replica_values.COUNT: ("Add", "Id
 _EQUAL = frozenset({replica_values.IDENTICAL, replica_values.SAME})
 
 
+def kept_equal(var) -> bool:
+    """Whether the contract keeps ``var`` equal on every replica when the step moves it: it is
+    saved (not a metric's local total) and not batch norm's moving statistics."""
+    from graphxform.equivalence import MOVING_STATISTIC
+    return not var.local and not MOVING_STATISTIC.search(var.name)
+
+
 def state_variables(tg) -> list:
     """The variables the contract requires to stay equal on every replica although no
-    gradient updates them: non-trainable, saved (not a metric's local total), written by a
-    training step, and not batch norm's moving statistics."""
-    from graphxform.equivalence import MOVING_STATISTIC
+    gradient updates them: non-trainable ones a training step writes that it keeps equal."""
     return sorted((v for v in tg.variables.values()
-                   if v.role == "statistic" and not v.local and v.updates
-                   and not MOVING_STATISTIC.search(v.name)), key=lambda v: v.name)
+                   if v.role == "statistic" and v.updates and kept_equal(v)),
+                  key=lambda v: v.name)
 
 
 @dataclasses.dataclass
