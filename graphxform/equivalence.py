@@ -22,7 +22,7 @@ import tempfile
 
 import numpy as np
 
-from graphxform import functions, training
+from graphxform import fetch_races, functions, training
 from graphxform.plan import ClusterPlan
 from graphxform.errors import GraphxformError
 from graphxform.ir import GraphIR, parse_tensor
@@ -409,6 +409,7 @@ def compare(original: GraphIR, transformed: GraphIR, feeds_path: str | None = No
     if plan is not None and plan.is_async:
         reasons.append("--async: each worker applies its own gradient when it is ready, so "
                        "updates interleave in no fixed order")
+    reasons += [race.describe() for race in fetch_races.races(original, tg, fetches)]
     if noise is not None and noise > rtol:
         reasons.append(f"the original itself moves by up to {noise:.2e} (scaled) when each "
                        "batch's examples come in reverse order, which for per-example work "
