@@ -25,7 +25,8 @@ from graphxform.errors import ContractError
 from graphxform.functions import WHILE_OPS, called_nodes, random_in_function
 from graphxform.ir import GraphIR, parse_tensor, tensor_name
 from graphxform.nodes import replica_prefix
-from graphxform.replica_spread import CROSS_REPLICA_OPS, SPLIT_SCOPE, ReplicaSpread
+from graphxform.replica_spread import (CROSS_REPLICA_OPS, SPLIT_SCOPE, ReplicaSpread,
+                                       combines_every_replica)
 from graphxform.training import (REPLICA_SCOPE, VARIABLE_OPS, TrainingGraph, is_apply_op,
                                  consumers_through_switches, gradient_scope, is_mutating_op,
                                  tape_gradients)
@@ -429,8 +430,9 @@ def _check_losses_are_means(ir: GraphIR, tg: TrainingGraph) -> None:
                 f"'{ratio[len(prefix):]}', a sum over the batch (of weights or a mask: "
                 "tf.compat.v1.losses with weights divides by their nonzero count): each "
                 "replica would divide by its own slice's, so the averaged gradients are not "
-                "one device's (allreduce, replicated and hybrid divide by the replicas' mean "
-                "total instead, when it reads no variable); divide by the batch size instead")
+                "one device's (global-denominators divides by the replicas' mean total "
+                "instead where it can: a total that reads no variable, in a synchronous "
+                "strategy); divide by the batch size instead")
         _check_batch_extremes(ir, tg, step)
         learnt = next(iter(batch_denominators(ir, (copy, port), lambda: values,
                                               reading_variables=True)), None)
@@ -501,9 +503,10 @@ def batch_denominators(ir: GraphIR, loss: tuple, classes,
             bottom = inputs[1]
             if sources is None:
                 sources = {n for n in ir.nodes_of({"Split"}) if n.startswith(SPLIT_SCOPE)}
-            # short of cross-replica ops, whose value is every replica's (global-
-            # denominators' totals)
-            reads = ir.value_sources(bottom[0], stop_at=CROSS_REPLICA_OPS)
+            # short of cross-replica ops and the ps strategies' combinations, whose value
+            # is every replica's (global-denominators' totals)
+            reads = ir.value_sources(bottom[0], stop_at=CROSS_REPLICA_OPS,
+                                     stop=lambda n: combines_every_replica(ir, n))
             if (ir.op(bottom[0]) not in CROSS_REPLICA_OPS
                     and opdefs.output_dtype(ir, *bottom) in _FLOATS
                     and not reads.isdisjoint(sources)

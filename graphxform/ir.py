@@ -524,15 +524,16 @@ class GraphIR:
         networkx.ancestors finds, plus ``name``, without its generic BFS)."""
         return _reached(self.g._pred, [name])
 
-    def value_sources(self, name: str, stop_at=frozenset()) -> set[str]:
+    def value_sources(self, name: str, stop_at=frozenset(), stop=None) -> set[str]:
         """``name`` and every node its value depends on: through data inputs, not control
         inputs, and not through ops that read only a tensor's shape (a count of examples is
         the same on equal slices; a Shape of a variable does not read it), nor through ops in
-        ``stop_at``."""
+        ``stop_at`` or nodes for which ``stop(name)`` holds."""
         seen, stack = {name}, [name]
         while stack:
             node = stack.pop()
-            if self.op(node) in SHAPE_ONLY_OPS or self.op(node) in stop_at:
+            if self.op(node) in SHAPE_ONLY_OPS or self.op(node) in stop_at or \
+                    (stop is not None and stop(node)):
                 continue
             for src, _ in self.inputs(node):
                 if src not in seen:

@@ -247,3 +247,19 @@ def _unseeded_random(ir: GraphIR, node: str) -> bool:
     attrs = ir.attrs(node)
     return not (attrs["seed"].i if "seed" in attrs else 0) and not (
         attrs["seed2"].i if "seed2" in attrs else 0)
+
+
+def combines_every_replica(ir: GraphIR, name: str) -> bool:
+    """Whether ``name`` is an AddN outside every replica over each replica's copy of one
+    tensor (passes/cross_replica.combine_copies' node, the ps strategies' stand-in for an
+    all-reduce): its value is the whole batch's, the same for every replica that reads it."""
+    if ir.op(name) != "AddN" or _REPLICA.search(name):
+        return False
+    inputs = ir.inputs(name)
+    tensors = {(src.split("/", 1)[1] if src.startswith(f"replica_{i}/") else None, port)
+               for i, (src, port) in enumerate(inputs)}
+    if len(tensors) != 1 or None in {rest for rest, _ in tensors}:
+        return False
+    rest, _ = next(iter(tensors))
+    return f"replica_{len(inputs)}/{rest}" not in ir
+

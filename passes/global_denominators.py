@@ -38,7 +38,7 @@ from graphxform import opdefs, replica_values
 from graphxform.contract import batch_denominators
 from graphxform.ir import parse_tensor, tensor_name
 from graphxform.nodes import Builder, replica_prefix
-from graphxform.passes.cross_replica import reduce_copies
+from graphxform.passes.cross_replica import combine_copies, reduce_copies
 from graphxform.pipeline import Pass, PassResult
 
 SCOPE = "global_denominators/"
@@ -48,7 +48,12 @@ _NUMPY_FLOATS = {1: np.float32, 2: np.float64, 19: np.float16}  # float, double,
 
 @dataclasses.dataclass
 class GlobalDenominators(Pass):
+    """``shared``: the ps strategies' form. One client runs every replica and there are no
+    collectives: one node on the first replica's device combines the replicas' copies of a
+    total and every replica reads it (the accumulators average the replicas' gradients, as
+    all-reduce does, so the same totals make them one device's)."""
     name = "global-denominators"
+    shared: bool = False
 
     def run(self, ir, ctx):
         tg = ctx.training
@@ -78,13 +83,14 @@ class GlobalDenominators(Pass):
                 _require_total(ir, values, tensor, loss)
                 _reduce_each(ir, build, ctx.devices, tensor, next(keys),
                              _total_reduction(ir, values, tensor, top), scope,
-                             consumers=lambda n, p: n.startswith(p))
+                             consumers=lambda n, p: n.startswith(p), shared=self.shared)
                 reduced += 1
                 continue
             leaves, interior, scale = plan
             for leaf, final in leaves:
                 _reduce_each(ir, build, ctx.devices, leaf, next(keys), final, scope,
-                             consumers=lambda n, p: n.startswith(p) and n[len(p):] in interior)
+                             consumers=lambda n, p: n.startswith(p) and n[len(p):] in interior,
+                             shared=self.shared)
             reduced += len(leaves)
             if scale:
                 _divide_each(ir, build, ctx.devices, tensor, scope)
@@ -92,7 +98,7 @@ class GlobalDenominators(Pass):
         return PassResult(modified=True, summary={
             "denominators": [d[len(first):] for d, _ in found],
             "recomputed from the batch's totals": recomputed,
-            "collectives_per_replica": reduced})
+            "collectives_per_replica": 0 if self.shared else reduced})
 
 
 def _classes(ir, first: str, losses: list):
@@ -258,13 +264,21 @@ def _copies(ir, devices: list, tensor: str):
 
 
 def _reduce_each(ir, build, devices: list, tensor: str, instance: int, final: str,
-                 scope: str, consumers) -> None:
+                 scope: str, consumers, shared: bool = False) -> None:
     """Each replica's copy of replica 0's ``tensor`` all-reduced (summed, or averaged with
-    ``final`` "Div"); its consumers for which ``consumers(name, prefix)`` holds read that."""
+    ``final`` "Div"), or with ``shared`` combined by one node; its consumers for which
+    ``consumers(name, prefix)`` holds read that."""
     first = replica_prefix(0)
     node, port = parse_tensor(tensor[len(first):])
-    for prefix, reduced in reduce_copies(ir, build, devices, tensor[len(first):], instance,
-                                         f"{scope}{instance - INSTANCE_KEYS}/", final=final):
+    scope = f"{scope}{instance - INSTANCE_KEYS}/"
+    if shared:
+        one = combine_copies(ir, build, len(devices), tensor[len(first):], scope, devices[0],
+                             final=final)
+        combined = [(replica_prefix(i), one) for i in range(len(devices))]
+    else:
+        combined = reduce_copies(ir, build, devices, tensor[len(first):], instance, scope,
+                                 final=final)
+    for prefix, reduced in combined:
         ir.replace_all_uses_with(tensor_name(prefix + node, port), reduced,
                                  where=lambda n, p=prefix: consumers(n, p))
 

@@ -25,11 +25,6 @@ import numpy as np
 
 RECIPES_DIR = pathlib.Path(__file__).parent / "fixtures" / "recipes"
 POOL_ROWS = 64  # rows per placeholder in each recipe's .npz
-# recipe -> {strategy: words of the one-line refusal}: what a strategy cannot run drop-in.
-# ps workers step apart, so no strategy of theirs divides every replica's loss by the
-# replicas' mean of a masked mean's denominator (allreduce, replicated and hybrid do).
-REFUSED = {"dynamic_rnn_tagger": {s: "a sum over the batch (of weights or a mask"
-                                  for s in ("ps", "partitioned-ps")}}
 
 
 def load_manifest(directory=RECIPES_DIR):

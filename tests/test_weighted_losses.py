@@ -2,9 +2,10 @@
 `weights`, whose default reduction divides by the number of nonzero weights, or
 Reduction.MEAN; a masked mean `reduce_sum(l * mask) / reduce_sum(mask)`): each replica would
 divide by its own slice's total, and the average of those ratios is not the single-device loss
-or gradient. `apply` exited 0 on them and `verify` failed. allreduce now divides by the
-replicas' mean total (passes/global_denominators.py) and trains like one device; a strategy
-without that pass, or a denominator computed from the model, is refused naming it."""
+or gradient. `apply` exited 0 on them and `verify` failed. Every synchronous strategy now
+divides by the replicas' mean total (passes/global_denominators.py: a collective under
+allreduce, one node that reads every replica under ps) and trains like one device; a
+denominator computed from the model is refused naming it."""
 
 import numpy as np
 import pytest
@@ -102,20 +103,37 @@ def test_replicated_specs_make_the_denominator_global_too(run_cli, tmp_path):
     assert "PASS" in out, out
 
 
-@pytest.mark.parametrize("form, strategy, denominator", [
-    ("model_weighted", "allreduce", "sparse_softmax_cross_entropy_loss/num_present"),
-    ("tf1_losses", "ps", "sparse_softmax_cross_entropy_loss/num_present"),
-    ("masked_mean", "ps", "Sum_1")])
-def test_a_denominator_not_made_global_is_refused(run_cli, tmp_path, form, strategy,
-                                                  denominator):
+def _cluster(tmp_path, workers=2):
     cluster = tmp_path / "cluster.json"
-    cluster.write_text('{"ps": ["127.0.0.1:2222"], "worker": ["127.0.0.1:2224", '
-                       '"127.0.0.1:2225"]}')
-    where = ["--cluster", cluster] if strategy == "ps" else ["--replicas", 2]
+    addresses = ", ".join(f'"127.0.0.1:{2224 + i}"' for i in range(workers))
+    cluster.write_text(f'{{"ps": ["127.0.0.1:2222"], "worker": [{addresses}]}}')
+    return cluster
+
+
+@pytest.mark.parametrize("form, strategy, workers", [
+    ("tf1_losses", "ps", 2), ("masked_mean", "partitioned-ps", 2),
+    ("mean_over_mask_sum", "ps", 4)])
+def test_weighted_losses_train_like_one_device_under_ps(run_cli, tmp_path, form, strategy,
+                                                        workers):
+    """ps refused these (each worker would divide by its slice's total); one AddN on the
+    first worker now reads every replica's total and every replica divides by it."""
+    model = weighted_graph(tmp_path / "m.meta", form)
+    code, out, err = run_cli("verify", "--strategy", strategy, "--cluster",
+                             _cluster(tmp_path, workers), model, "--feeds", _feeds(tmp_path),
+                             "--batch-size", 16, "--steps", 4)
+    assert code == 0, err
+    assert "PASS" in out, out
+
+
+@pytest.mark.parametrize("strategy", ["allreduce", "ps"])
+def test_a_denominator_not_made_global_is_refused(run_cli, tmp_path, strategy):
+    where = ["--cluster", _cluster(tmp_path)] if strategy == "ps" else ["--replicas", 2]
     code, _, err = run_cli("apply", "--strategy", strategy, *where,
-                           weighted_graph(tmp_path / "m.meta", form), "-o", tmp_path / "o.meta")
+                           weighted_graph(tmp_path / "m.meta", "model_weighted"),
+                           "-o", tmp_path / "o.meta")
     assert code == 1
-    assert f"which divides by '{denominator}', a sum over the batch" in err
+    assert ("which divides by 'sparse_softmax_cross_entropy_loss/num_present', a sum over the "
+            "batch") in err
     assert len(err.strip().splitlines()) == 1
     assert not (tmp_path / "o.meta").exists()
 
@@ -208,6 +226,15 @@ def test_a_denominator_that_is_a_function_of_totals_is_recomputed(run_cli, tmp_p
     assert "PASS" in out, out
 
 
+def test_a_function_of_totals_is_recomputed_under_ps(run_cli, tmp_path):
+    model = guarded_graph(tmp_path / "m.meta", "guarded_masked_mean")
+    code, out, err = run_cli("verify", "--strategy", "ps", "--cluster", _cluster(tmp_path),
+                             model, "--feeds", _guarded_feeds(tmp_path), "--batch-size", 16,
+                             "--steps", 4)
+    assert code == 0, err
+    assert "PASS" in out, out
+
+
 def positives_normalised_graph(path, mixed=False):
     """An SSD / RetinaNet loss: a box term over the positive examples and a classification
     term over all, each divided by one node, max(number of positives, 1); ``mixed`` makes the
@@ -284,16 +311,13 @@ def test_a_keras_masked_sequence_loss_trains_like_one_device(run_cli, tmp_path):
     assert "PASS" in out, out
 
 
-def test_a_keras_masked_sequence_loss_is_refused_without_collectives(run_cli, tmp_path):
-    cluster = tmp_path / "cluster.json"
-    cluster.write_text('{"ps": ["127.0.0.1:2222"], "worker": ["127.0.0.1:2224", '
-                       '"127.0.0.1:2225"]}')
-    code, _, err = run_cli("apply", "--strategy", "ps", "--cluster", cluster,
-                           keras_masked_sequence_graph(tmp_path / "m.meta"),
-                           "-o", tmp_path / "o.meta")
-    assert code == 1, err
-    assert "which divides by 'loss/dense_loss/Sum', a sum over the batch" in err
-    assert len(err.strip().splitlines()) == 1
+def test_a_keras_masked_sequence_loss_trains_like_one_device_under_ps(run_cli, tmp_path):
+    """ps refused it ('divides by loss/dense_loss/Sum, a sum over the batch')."""
+    code, out, err = run_cli("verify", "--strategy", "ps", "--cluster", _cluster(tmp_path),
+                             keras_masked_sequence_graph(tmp_path / "m.meta"), "--feeds",
+                             _keras_feeds(tmp_path), "--batch-size", 16, "--steps", 3)
+    assert code == 0, err
+    assert "PASS" in out, out
 
 
 def test_apply_counts_the_denominators_collectives(run_cli, tmp_path):
