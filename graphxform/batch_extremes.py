@@ -18,7 +18,7 @@ from graphxform import replica_values
 from graphxform.functions import WHILE_OPS
 from graphxform.ir import parse_tensor
 from graphxform.nodes import replica_prefix
-from graphxform.replica_spread import CROSS_REPLICA_OPS
+from graphxform.replica_spread import CROSS_REPLICA_OPS, combines_every_replica
 from graphxform.training import VARIABLE_OPS
 
 # where a value enters a loop's frame (what the loop does with it changes no value here), or
@@ -53,14 +53,16 @@ def batch_extremes(ir, tg, step) -> tuple[list[str], list[str]]:
 
 def _reaches(ir, source: str, target: str) -> bool:
     """Whether ``source``'s value flows into ``target`` along data edges that enter no loop
-    and pass no cross-replica op (whose value is every replica's already)."""
+    and pass no cross-replica op or combination of every replica's copy (whose value is
+    every replica's already)."""
     seen, stack = {source}, [source]
     while stack:
         name = stack.pop()
         if name == target:
             return True
         for dst, _ in ir.consumers(name):
-            if dst not in seen and ir.op(dst) not in _STOPS:
+            if dst not in seen and ir.op(dst) not in _STOPS and \
+                    not combines_every_replica(ir, dst):
                 seen.add(dst)
                 stack.append(dst)
     return False

@@ -448,7 +448,7 @@ def _check_losses_are_means(ir: GraphIR, tg: TrainingGraph) -> None:
 
 def _check_batch_extremes(ir: GraphIR, tg: TrainingGraph, step) -> None:
     """A loss shaped by the batch's longest sequence (graphxform/batch_extremes.py) must read
-    the whole batch's: global-extremes makes it so where replicas exchange collectives."""
+    the whole batch's: global-extremes makes it so in the synchronous strategies."""
     from graphxform.batch_extremes import batch_extremes
     prefix = replica_prefix(0)
     from_data, from_variables = batch_extremes(ir, tg, step)
@@ -459,8 +459,8 @@ def _check_batch_extremes(ir: GraphIR, tg: TrainingGraph, step) -> None:
             f"'{found[len(prefix):]}' ({ir.op(found)}), the batch's {_EXTREME[ir.op(found)]} "
             "value of its examples (as tf.sequence_mask takes the longest length when given no "
             "maxlen): each replica would take its own slice's, so its loss is not its share of "
-            "one device's; use --strategy allreduce, replicated or hybrid (which take the "
-            "whole batch's in every replica), or give it a fixed bound (tf.sequence_mask's "
+            "one device's (global-extremes takes the whole batch's in every synchronous "
+            "strategy, where it can find it); give it a fixed bound (tf.sequence_mask's "
             "maxlen)")
     if from_variables:
         found = from_variables[0]

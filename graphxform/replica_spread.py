@@ -250,16 +250,26 @@ def _unseeded_random(ir: GraphIR, node: str) -> bool:
 
 
 def combines_every_replica(ir: GraphIR, name: str) -> bool:
-    """Whether ``name`` is an AddN outside every replica over each replica's copy of one
-    tensor (passes/cross_replica.combine_copies' node, the ps strategies' stand-in for an
-    all-reduce): its value is the whole batch's, the same for every replica that reads it."""
-    if ir.op(name) != "AddN" or _REPLICA.search(name):
+    """Whether ``name``, outside every replica, adds up (AddN) or takes the largest or
+    smallest (a chain of Maximum or Minimum) of each replica's copy of one tensor:
+    passes/cross_replica.combine_copies' node, the ps strategies' stand-in for an all-reduce.
+    Its value is the whole batch's, the same for every replica that reads it."""
+    op = ir.op(name)
+    if op not in ("AddN", "Maximum", "Minimum") or _REPLICA.search(name):
         return False
-    inputs = ir.inputs(name)
-    tensors = {(src.split("/", 1)[1] if src.startswith(f"replica_{i}/") else None, port)
-               for i, (src, port) in enumerate(inputs)}
-    if len(tensors) != 1 or None in {rest for rest, _ in tensors}:
+    leaves, stack = [], [name]
+    while stack:
+        node = stack.pop()
+        for src, port in ir.inputs(node):
+            if op != "AddN" and ir.op(src) == op and not _REPLICA.search(src):
+                stack.append(src)  # the chain's previous link
+            else:
+                leaves.append((src, port))
+    copies = {(src.split("/", 1)[1], port) for src, port in leaves
+              if src.startswith("replica_")}
+    if len(copies) != 1 or len(leaves) < 2:
         return False
-    rest, _ = next(iter(tensors))
-    return f"replica_{len(inputs)}/{rest}" not in ir
-
+    rest, _ = next(iter(copies))
+    return (sorted(src for src, _ in leaves) == sorted(f"replica_{i}/{rest}"
+                                                      for i in range(len(leaves)))
+            and f"replica_{len(leaves)}/{rest}" not in ir)

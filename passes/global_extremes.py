@@ -8,7 +8,9 @@ by another count, and a mask meant to match the fed sequences no longer does. Th
 batch's Max is the Max of the replicas' Maxes, so each replica's copy gets a
 CollectiveReduceV2 (merge Max, or Min for a Min) and everything in the replica that read it,
 forward and gradient, reads that instead: every replica then pads exactly as one device does,
-and its per-example terms are one device's."""
+and its per-example terms are one device's. Under the ps strategies (``shared``), which have no
+collectives, one chain of Maximum (Minimum) on the first replica's device reads every
+replica's copy instead."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import itertools
 
 from graphxform.batch_extremes import batch_extremes
 from graphxform.nodes import Builder, replica_prefix
-from graphxform.passes.cross_replica import reduce_copies
+from graphxform.passes.cross_replica import combine_copies, reduce_copies
 from graphxform.pipeline import Pass, PassResult
 
 SCOPE = "global_extremes/"
@@ -27,6 +29,7 @@ INSTANCE_KEYS = 1 << 20  # apart from all-reduce's (1, 2, ..., 1 << 24 on) and t
 @dataclasses.dataclass
 class GlobalExtremes(Pass):
     name = "global-extremes"
+    shared: bool = False
 
     def run(self, ir, ctx):
         if len(ctx.devices) < 2:
@@ -39,17 +42,22 @@ class GlobalExtremes(Pass):
         build = Builder(ir, self.name)
         first = replica_prefix(0)
         for key, node in zip(itertools.count(INSTANCE_KEYS), found):
-            _reduce_each(ir, build, ctx.devices, node[len(first):], key)
+            _reduce_each(ir, build, ctx.devices, node[len(first):], key, self.shared)
         return PassResult(modified=True, summary={
             "the whole batch's": [n[len(first):] for n in found],
-            "collectives_per_replica": len(found)})
+            "collectives_per_replica": 0 if self.shared else len(found)})
 
 
-def _reduce_each(ir, build, devices: list, node: str, instance: int) -> None:
+def _reduce_each(ir, build, devices: list, node: str, instance: int, shared: bool) -> None:
     """Every replica's copy of ``node`` (a Max or Min) reduced across the replicas by the same
-    op; what the replica read it from reads the result."""
+    op (``shared``: combined by one chain); what the replica read it from reads the result."""
     merge = ir.op(replica_prefix(0) + node)
-    for prefix, reduced in reduce_copies(ir, build, devices, node, instance,
-                                         f"{SCOPE}{instance - INSTANCE_KEYS}/", merge=merge):
+    scope = f"{SCOPE}{instance - INSTANCE_KEYS}/"
+    if shared:
+        one = combine_copies(ir, build, len(devices), node, scope, devices[0], merge=merge)
+        combined = [(replica_prefix(i), one) for i in range(len(devices))]
+    else:
+        combined = reduce_copies(ir, build, devices, node, instance, scope, merge=merge)
+    for prefix, reduced in combined:
         ir.replace_all_uses_with(prefix + node + ":0", reduced,
                                  where=lambda n, p=prefix: n.startswith(p))

@@ -2,8 +2,9 @@
 ``maxlen`` is as wide as the longest length in the batch, and the tokens are cut to that width.
 One device pads to the whole batch's longest; a replica, to its slice's. ``reduce_mean(ce *
 mask)`` then divides by another number of tokens, and the transformed graph trained
-differently (apply exited 0, verify failed: 7e-02). allreduce, replicated and hybrid now take
-the whole batch's longest in every replica (passes/global_extremes.py); ps refuses, naming it.
+differently (apply exited 0, verify failed: 7e-02). Every synchronous strategy now takes the
+whole batch's longest in every replica (passes/global_extremes.py: a collective, or under ps
+one node that reads every replica's).
 A longest length that only bounds a loop (dynamic_rnn's) changes no value and is left alone."""
 
 import numpy as np
@@ -99,17 +100,20 @@ def test_every_replica_pads_to_the_whole_batchs_longest(tmp_path):
         assert reduced in readers and not [r for r in readers if r.startswith("replica_")]
 
 
-def test_a_strategy_without_collectives_refuses_it(run_cli, tmp_path):
+@pytest.mark.parametrize("form, strategy, workers", [
+    ("mean_over_padding", "ps", 2), ("per_token_of_the_longest", "partitioned-ps", 3)])
+def test_the_ps_strategies_take_the_whole_batchs_longest_too(run_cli, tmp_path, form, strategy,
+                                                              workers):
+    """ps refused it ('is shaped by 'Max' (Max), the batch's largest value of its
+    examples'): one chain of Maximum on the first worker now reads every replica's Max."""
     cluster = tmp_path / "cluster.json"
-    cluster.write_text('{"ps": ["127.0.0.1:2222"], "worker": ["127.0.0.1:2224", '
-                       '"127.0.0.1:2225"]}')
-    code, _, err = run_cli("apply", "--strategy", "ps", "--cluster", cluster,
-                           padded_graph(tmp_path / "m.meta"), "-o", tmp_path / "o.meta")
-    assert code == 1, err
-    assert "is shaped by 'Max' (Max), the batch's largest value of its examples" in err
-    assert "tf.sequence_mask's maxlen" in err
-    assert len(err.strip().splitlines()) == 1
-    assert not (tmp_path / "o.meta").exists()
+    addresses = ", ".join(f'"127.0.0.1:{2224 + i}"' for i in range(workers))
+    cluster.write_text(f'{{"ps": ["127.0.0.1:2222"], "worker": [{addresses}]}}')
+    code, out, err = run_cli("verify", "--strategy", strategy, "--cluster", cluster,
+                             padded_graph(tmp_path / "m.meta", form), "--feeds",
+                             _feeds(tmp_path), "--batch-size", 24, "--steps", 4)
+    assert code == 0, err
+    assert "PASS" in out, out
 
 
 def test_a_longest_length_that_only_bounds_a_loop_is_left_alone():
