@@ -40,7 +40,7 @@ from graphxform.errors import ContractError, GraphxformError
 from graphxform.ir import colocation_targets, parse_tensor
 from graphxform.nodes import Builder, replica_prefix
 from graphxform.pipeline import Pass, PassResult
-from graphxform.training import REPLICA_SCOPE
+from graphxform.training import REPLICA_SCOPE, is_mutating_op
 
 SYNC_SCOPE = "ps_sync/"
 ASYNC_SCOPE = "ps_async/"
@@ -294,6 +294,7 @@ def _points(aggregates) -> dict:
 # what makes a norm of a tensor's rows (clip_by_global_norm's L2Loss, clip_by_norm's Square)
 _NORM_OPS = frozenset({"L2Loss", "Square", "Pow", "Sqrt", "Norm", "EuclideanNorm",
                        "SquaredDifference", "Abs"})
+_COALESCING_OPS = frozenset({"UnsortedSegmentSum"})  # rows summed per id (the optimizer's dedup)
 
 
 def _refuse_norms_of_sparse_rows(ir, grad_edges, points) -> None:
@@ -302,7 +303,10 @@ def _refuse_norms_of_sparse_rows(ir, grad_edges, points) -> None:
     up twice, two rows). The optimizer sums duplicates itself first, and scaling every row
     (clip_by_global_norm's factor, loss-scale division) commutes with summing them, but a norm
     of the rows does not: tf.clip_by_global_norm or tf.clip_by_norm of such a gradient would
-    clip by another norm. Refuse, naming the gradient and the op."""
+    clip by another norm. Refuse, naming the gradient and the op. The walk ends where the rows
+    are written (a ref variable's ScatterAdd, which the registry does not call stateful) or
+    summed per id (the optimizer's dedup, an UnsortedSegmentSum over unique ids: Adam's norm
+    of its moments after that is one device's)."""
     for consumer, _, tensor in grad_edges:
         agg, part = points[tensor]
         if part != "values":
@@ -322,7 +326,7 @@ def _refuse_norms_of_sparse_rows(ir, grad_edges, points) -> None:
                     "workers before the update reads them, while one device's gradient holds "
                     "a row per lookup, so the norm would differ: use --strategy allreduce, "
                     "which gathers the rows as they are, or clip the dense gradients only")
-            if not opdefs.is_stateful(ir, op):
+            if not (opdefs.is_stateful(ir, op) or is_mutating_op(op) or op in _COALESCING_OPS):
                 stack.extend(dst for dst, _ in ir.consumers(node))
 
 

@@ -393,6 +393,38 @@ def test_allreduce_keeps_the_rows_and_the_norm(run_cli, tmp_path):
     assert code == 0 and "PASS" in out, out + err
 
 
+def embedding_adam(path, use_resource):
+    """word2vec's embedding trained by tf.compat.v1.train.AdamOptimizer: apply_gradients sums
+    an id's rows (its dedup) before Adam's sparse update, whose square roots are of moments."""
+    g = tf.Graph()
+    with g.as_default():
+        ids = tf.compat.v1.placeholder(tf.int32, [None, 3], name="ids")
+        y = tf.compat.v1.placeholder(tf.float32, [None, 1], name="y")
+        emb = tf.compat.v1.get_variable("emb", [10, 4], use_resource=use_resource)
+        w = tf.compat.v1.get_variable("w", [4, 1], use_resource=use_resource)
+        h = tf.reduce_mean(tf.nn.embedding_lookup(emb, ids), 1)
+        loss = tf.reduce_mean(tf.square(tf.matmul(h, w) - y))
+        tf.compat.v1.add_to_collection(
+            "train_op", tf.compat.v1.train.AdamOptimizer(0.1).minimize(loss))
+        tf.compat.v1.train.export_meta_graph(str(path), graph=g)
+    rng = np.random.RandomState(0)
+    np.savez(str(path) + ".npz", ids=rng.randint(0, 3, (32, 3)).astype(np.int32),
+             y=rng.randn(32, 1).astype(np.float32))
+    return str(path)
+
+
+@pytest.mark.parametrize("use_resource", [False, True], ids=["ref", "resource"])
+def test_adams_moments_of_summed_rows_are_no_norm_of_the_rows(run_cli, tmp_path, cluster_file,
+                                                               use_resource):
+    """With reference variables Adam writes its moments by ScatterAdd, which the op registry
+    does not call stateful: the walk went on to the moments' Sqrt and refused the canonical
+    TF1 embedding + Adam under ps as 'a norm of them'."""
+    model = embedding_adam(tmp_path / "m.meta", use_resource)
+    code, out, err = run_cli("verify", "--strategy", "ps", "--cluster", cluster_file, model,
+                             "--feeds", model + ".npz", "--batch-size", 16, "--steps", 3)
+    assert code == 0 and "PASS" in out, out + err
+
+
 def rnn_by_tf_gradients(path):
     """tensorflow/nmt's update: an RNN in a tf.while_loop (control flow v2), tf.gradients of
     the loss, apply_gradients. tf.gradients colocates the gradient loop's function body with
