@@ -709,6 +709,8 @@ def _trace_gradient(ir, starts) -> Gradient | None:
                 born.append((depth, src, port))
             elif ir.op(src) == "IdentityN":  # output k is input k (tf_keras' Adam passes
                 nxt.append(ir.input(src, port))  # every gradient through one)
+            elif ir.op(src) == "ReadVariableOp":  # `m.assign(0.9 * m + g)`'s value: the
+                nxt.extend(_written_before(ir, src))  # read after the write, of what it wrote
             elif ir.op(src) not in VARIABLE_OPS:
                 nxt.extend(ir.inputs(src))
         frontier, depth = nxt, depth + 1
@@ -723,6 +725,17 @@ def _trace_gradient(ir, starts) -> Gradient | None:
         return Gradient("sparse", values=tensor_name(src, port),
                         indices=tensor_name(ints[0][1], ints[0][2]))
     return Gradient("dense", tensor=tensor_name(src, port))
+
+
+_RESOURCE_WRITES = frozenset({"AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp"})
+
+
+def _written_before(ir, read: str) -> list:
+    """The values the writes a resource read waits on (control inputs) wrote to its variable:
+    ``v.assign(x)`` returns such a read, whose value is x (or v plus or minus x)."""
+    handle = ir.input(read, 0)
+    return [ir.input(write, 1) for write in ir.control_inputs(read)
+            if ir.op(write) in _RESOURCE_WRITES and ir.input(write, 0) == handle]
 
 
 def _is_indices(ir, node) -> bool:

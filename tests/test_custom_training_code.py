@@ -364,3 +364,34 @@ def test_a_graph_distributed_by_hand_is_refused(run_cli, tmp_path):
     assert code == 1 and len(err.strip().splitlines()) == 1, err
     assert "already combines gradients across workers" in err
     assert "(ResourceConditionalAccumulator)" in err
+
+
+def momentum_by_hand(x, y):
+    """Heavy-ball momentum as LARS-style code writes it with resource variables:
+    ``m_new = m.assign(0.9 * m + g); w.assign_sub(lr * m_new)``. The assign returns a read of
+    ``m`` that waits on the write, so the gradient's trace ended at ``m`` and the update was
+    refused as 'not found where tf.gradients produced it' (ps: 'no gradient ... found')."""
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+    w = tf1.get_variable("w", [8, 2])
+    loss = tf1.losses.sparse_softmax_cross_entropy(y, tf.matmul(x, w))
+    m = tf1.get_variable("w/momentum", [8, 2], initializer=tf1.zeros_initializer(),
+                         trainable=False)
+    grad, = tf.gradients(loss, [w])
+    m_new = m.assign(0.9 * m + grad)
+    with tf.control_dependencies([w.assign_sub(0.1 * m_new)]):
+        return tf1.train.get_or_create_global_step().assign_add(1)
+
+
+@pytest.mark.parametrize("strategy", ["allreduce", "ps"])
+def test_an_update_from_the_value_an_assign_returns_trains_like_one_device(run_cli, tmp_path,
+                                                                            strategy):
+    model = _export(tmp_path / "m.meta", momentum_by_hand)
+    where = ["--replicas", 2]
+    if strategy == "ps":
+        (tmp_path / "c.json").write_text('{"ps": ["127.0.0.1:2222"], "worker": '
+                                         '["127.0.0.1:2224", "127.0.0.1:2225"]}')
+        where = ["--cluster", tmp_path / "c.json"]
+    code, out, err = run_cli("verify", "--strategy", strategy, *where, model, "--feeds",
+                             model + ".npz", "--batch-size", 16, "--steps", 3)
+    assert code == 0 and "PASS" in out, out + err
