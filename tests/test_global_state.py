@@ -183,6 +183,38 @@ def test_ps_refuses_a_memory_bank_in_one_line(run_cli, tmp_path):
     assert "variable 'memory_bank'" in err and len(err.strip().splitlines()) == 1
 
 
+def baseline_moved_first(path):
+    """A NAS controller's REINFORCE (Zoph & Le): the baseline moves toward the batch's mean
+    reward first, and the advantage reads it after, under tf.control_dependencies."""
+    def build(tf, tf1, x):
+        reward = tf1.placeholder(tf.float32, [None], name="reward")
+        action = tf1.placeholder(tf.int32, [None], name="action")
+        w = tf1.get_variable("policy", [3, 4], initializer=tf1.glorot_uniform_initializer(seed=2))
+        baseline = tf1.get_variable("baseline", [], trainable=False,
+                                    initializer=tf1.zeros_initializer())
+        moved = tf1.assign_sub(baseline, 0.05 * (baseline - tf.reduce_mean(reward)))
+        with tf.control_dependencies([moved]):
+            advantage = reward - tf.identity(baseline)
+        log_prob = -tf.nn.sparse_softmax_cross_entropy_with_logits(labels=action,
+                                                                   logits=tf.matmul(x, w))
+        loss = -tf.reduce_mean(log_prob * advantage)
+        tf1.add_to_collection("train_op", tf1.train.GradientDescentOptimizer(0.5).minimize(loss))
+    return _export(path, build, lambda rng: {
+        "reward": (rng.randn(64) + 1).astype(np.float32),
+        "action": rng.randint(0, 3, 64).astype(np.int32)})
+
+
+@pytest.mark.parametrize("strategy", ["ps", "partitioned-ps"])
+def test_a_read_after_the_one_update_waits_on_it(run_cli, tmp_path, strategy):
+    """ps keeps replica 0's update alone; replica 1's read lost its wait on its own update and
+    read the baseline from before it (verify failed by 3.2e-02 at step 1, apply exited 0)."""
+    cluster = tmp_path / "cluster.json"
+    cluster.write_text(json.dumps(SPEC))
+    model = baseline_moved_first(tmp_path / "m.meta")
+    code, out, err = _verify(run_cli, model, "--strategy", strategy, "--cluster", cluster)
+    assert code == 0 and "PASS" in out, out + err
+
+
 def last_batch_max(path):
     """The largest reward of the last batch, kept for a summary: an assign of reduce_max."""
     def build(tf, tf1, x):
