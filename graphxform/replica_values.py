@@ -1075,12 +1075,21 @@ def _strided_slice(n: _Node):
 
 def _gather(n: _Node):
     """Gather, GatherV2 and ResourceGather: rows of identical params picked by batch ids are
-    batch rows; a gather along another axis keeps a batch params' axis 0."""
+    batch rows; a gather along another axis keeps a batch params' axis 0; with batch_dims
+    (each example's own picks from its own row, `tf.gather(q_values, actions, batch_dims=1)`
+    in DQN's loss) batch params and batch indices make batch rows."""
     params, indices = n.cls[0], n.cls[1]
     rp, ri = n.rank[0], n.rank[1]
-    rank = rp + ri - 1 if rp is not None and ri is not None else None
     batch_dims = n.attr("batch_dims")
-    if not n.others_identical(0, 1) or (batch_dims is not None and batch_dims.i):
+    batch_dims = batch_dims.i if batch_dims is not None else 0
+    rank = rp + ri - 1 - batch_dims if rp is not None and ri is not None else None
+    if not n.others_identical(0, 1):
+        return (UNKNOWN,), (rank,)
+    if batch_dims:
+        axis = n.axis(2, rp)
+        if batch_dims > 0 and axis is not None and axis >= batch_dims and \
+                params in BATCHED and indices in BATCHED:
+            return (BATCH,), (rank,)
         return (UNKNOWN,), (rank,)
     if params == IDENTICAL and indices == IDENTICAL:
         return (IDENTICAL,), (rank,)

@@ -401,11 +401,45 @@ def _step_loss(ir: GraphIR, step: str, closure: set, variables: dict) -> str | N
             merged = REPLICA_SCOPE.sub("", loss)  # a transformed graph: the merged fetch
             return tensor_name(merged if merged in ir else loss, 0)
     if scopes and all(TAPE_SCOPE.search(scope) for scope in scopes):
-        # a GradientTape names its gradients after no forward op: the loss is what the graph
-        # lists as one (tf.compat.v1.losses adds its losses to the 'losses' collection)
+        seeded = [op for scope in scopes for op in _tape_seeded(ir, scope, closure)]
+        loss = _common_consumer(ir, sorted(set(seeded))) if seeded else None
+        if loss:
+            return tensor_name(_unscaled(ir, _climb_identities(ir, loss)), 0)
+        # else the loss is what the graph lists as one (tf.compat.v1.losses adds its losses
+        # to the 'losses' collection)
         listed = [name for name in _losses(ir) if parse_tensor(name)[0] in ir]
         return listed[0] if len(listed) == 1 else None
     return None
+
+
+def _tape_seeded(ir: GraphIR, scope: str, closure: set) -> list[str]:
+    """The ops a GradientTape's ``tape.gradient(target)`` in ``scope`` differentiated first:
+    it seeds the gradient with ones_like(target) (a Fill, OnesLike or Const of ones outside
+    every gradients scope), and names the ops of each op's gradient after that op's name
+    scope, ``<scope><op's scope>/...``. Only an op named as its scope is found so (the last op
+    of a TF function that opened a name scope of its own, tf.nn.compute_average_loss's
+    div_no_nan); a reduce_mean at the top level names its gradient after nothing."""
+    found = []
+    for name in closure:
+        if not name.startswith(scope) or gradient_scope(name) != scope:
+            continue
+        if not any(gradient_scope(src) is None and _ones(ir, src) for src, _ in ir.inputs(name)):
+            continue
+        candidate = name[len(scope):].rpartition("/")[0]  # the op's name scope
+        if candidate in ir and gradient_scope(candidate) is None:
+            found.append(candidate)  # an op named as its scope (tf.math.divide_no_nan's)
+    return found
+
+
+def _ones(ir: GraphIR, node: str) -> bool:
+    """Whether ``node`` is ones_like of something: a OnesLike, a Fill of 1, a Const of ones."""
+    from graphxform.nodes import const_value
+    op = ir.op(node)
+    if op == "OnesLike":
+        return True
+    value = const_value(ir, ir.inputs(node)[1][0]) if op == "Fill" else \
+        const_value(ir, node) if op == "Const" else None
+    return value is not None and value.size > 0 and bool((value == 1).all())
 
 
 def tape_gradients(variables: dict, closure: set) -> list[str]:

@@ -1,7 +1,11 @@
 """Gradients from tf.GradientTape in graph mode (`tape.gradient(loss, variables)` then a v1
 optimizer's `apply_gradients`): TF names them under `gradient_tape/` after no forward op, so
-they must be found by that scope, and the loss they differentiate (which must be a mean for
-averaging to be right) is the one the graph lists in its 'losses' collection."""
+they must be found by that scope. The loss they differentiate (which must be a mean for
+averaging to be right) is the op whose gradient, named after its name scope, reads the tape's
+seed, ones_like(target), where that scope is the op's own name (tf.nn.compute_average_loss's
+div_no_nan); failing that, the one the graph lists in its 'losses' collection, which
+TF-Agents' losses (tf.compat.v1.losses with Reduction.NONE) fill with the per-example vector
+instead."""
 
 import pytest
 from conftest import export_classifier
@@ -9,7 +13,11 @@ from conftest import export_classifier
 
 def tape_graph(path, loss_kind):
     """``loss_kind``: 'tf1_losses' (tf.compat.v1.losses, which lists its loss), 'sum_listed'
-    (reduce_sum, listed by hand) or 'mean_unlisted' (reduce_mean, not listed)."""
+    (reduce_sum, listed by hand), 'mean_unlisted' (reduce_mean, not listed)
+    or 'average_loss' (TF-Agents: per-example tf.compat.v1.losses with Reduction.NONE, which
+    lists the vector, then tf.nn.compute_average_loss with a global batch size: a sum over a
+    constant; the action's Q value taken by tf.gather(batch_dims=1)) or 'tf_agents_mean' (the
+    same without a global batch size: a mean)."""
     import tensorflow as tf
     tf1 = tf.compat.v1
 
@@ -20,6 +28,12 @@ def tape_graph(path, loss_kind):
             logits = tf.matmul(x, w) + b
             if loss_kind == "tf1_losses":
                 loss = tf1.losses.sparse_softmax_cross_entropy(y, logits)
+            elif loss_kind in ("average_loss", "tf_agents_mean"):  # TF-Agents' DQN loss
+                q_taken = tf.gather(logits, y, batch_dims=1)
+                per_example = tf1.losses.huber_loss(tf.ones_like(q_taken), q_taken,
+                                                    reduction=tf1.losses.Reduction.NONE)
+                size = 16 if loss_kind == "average_loss" else None
+                loss = tf.nn.compute_average_loss(per_example, global_batch_size=size)
             else:
                 per_example = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y,
                                                                              logits=logits)
@@ -35,8 +49,9 @@ def tape_graph(path, loss_kind):
     return export_classifier(path, build)
 
 
-def test_tape_gradients_are_reduced_and_train_like_one_device(run_cli, tmp_path):
-    model = tape_graph(tmp_path / "m.meta", "tf1_losses")
+@pytest.mark.parametrize("kind", ["tf1_losses", "tf_agents_mean"])
+def test_tape_gradients_are_reduced_and_train_like_one_device(run_cli, tmp_path, kind):
+    model = tape_graph(tmp_path / "m.meta", kind)
     code, out, err = run_cli("verify", "--replicas", 2, model, "--feeds", model + ".npz",
                              "--batch-size", 16)
     assert code == 0, err
@@ -45,6 +60,8 @@ def test_tape_gradients_are_reduced_and_train_like_one_device(run_cli, tmp_path)
 
 @pytest.mark.parametrize("kind, says", [
     ("sum_listed", "minimises 'Sum:0', a sum over the batch"),
+    ("average_loss", "minimises 'div_no_nan:0', a sum over the batch divided by a constant "
+                     "(16, as tf.nn.compute_average_loss divides by global_batch_size)"),
     ("mean_unlisted", "applies gradients a tf.GradientTape made (of 'b'), of a loss that "
                       "cannot be found")])
 def test_a_tape_loss_not_shown_to_be_a_mean_is_refused(run_cli, tmp_path, kind, says):
