@@ -55,6 +55,7 @@ class ConsistentRandom(Pass):
         _refuse_out_of_reach(ir, prefix, local)
         batched = [n for n in random_ops if n not in unseeded
                    and _batch_shaped(ir, ir.input(prefix + n, 0)[0], local)]
+        _refuse_rows_not_examples(ir, prefix, batched)
         build = Builder(ir, self.name)
         replicas = len(ctx.devices)
         for name in batched:
@@ -92,6 +93,40 @@ def _refuse_out_of_reach(ir, prefix: str, local: set) -> None:
                 f"--consistent-random: '{original}' ({op}) draws from values of each "
                 "example (as tf.random.categorical from logits), which the pass cannot give "
                 "each replica's slice as one device draws it; drop the option")
+
+
+def _refuse_rows_not_examples(ir, prefix: str, batched: list) -> None:
+    """The pass gives replica i rows [i*b, (i+1)*b) of the global draw, which is one device's
+    only where a draw's row k belongs to example k: its shape's first entry is the batch size
+    itself (tf.shape(x), [tf.shape(x)[0], d]). A draw of [N * batch, 1] reshaped to [N, batch]
+    (Dopamine's IQN quantiles) puts example k's numbers in rows k, b + k, ...: refuse."""
+    for name in batched:
+        shape = ir.input(prefix + name, 0)[0]
+        if ir.op(shape) != "Const" and not _leads_with_batch_size(ir, shape):
+            raise GraphxformError(
+                f"--consistent-random: '{name}' ({ir.op(prefix + name)}) draws a shape whose "
+                "first entry is computed from the batch size but is not the batch size itself "
+                "(as [N * batch, 1], reshaped later), so its rows are not the examples and "
+                "the pass cannot give each replica the single-device draws of its slice; "
+                "drop the option")
+
+
+def _leads_with_batch_size(ir, shape: str) -> bool:
+    """Whether the shape vector ``shape`` starts with a tensor's own first dimension:
+    tf.shape(x), or a Pack or concat whose first part is tf.shape(x)[0] (or [:1])."""
+    op = ir.op(shape)
+    while op in ("Identity", "Cast"):
+        shape = ir.inputs(shape)[0][0]
+        op = ir.op(shape)
+    if op in ("Shape", "ShapeN"):
+        return True
+    if op in ("Pack", "ConcatV2") and ir.inputs(shape):
+        first = ir.inputs(shape)[0][0]
+        while ir.op(first) in ("Identity", "Cast"):
+            first = ir.inputs(first)[0][0]
+        return ir.op(first) == "StridedSlice" and ir.op(ir.inputs(first)[0][0]) in (
+            "Shape", "ShapeN")
+    return False
 
 
 def _batch_shaped(ir, shape: str, local: set) -> bool:
