@@ -186,9 +186,9 @@ def _own_scope(update: str) -> str:
 def _statistics_from_first_replica(ir, tg, replicas) -> int:
     """A shared variable the step updates outside the optimizer from each replica's slice
     (batch norm's moving mean and variance) is updated once per step, from replica 0's slice,
-    as allreduce keeps and saves replica 0's copy; the other replicas' updates go, and what
-    waited on one of them (a read of the variable after its update) waits on replica 0's. An
-    update whose output something reads stays (the contract check then names the variable). What
+    as allreduce keeps and saves replica 0's copy; the other replicas' updates go, and a read of
+    the variable that waited on one of them waits on replica 0's instead. An update whose
+    output something reads stays (the contract check then names the variable). What
     goes with an update is its own scope's arithmetic: a loss it averages (CIFAR-10's moving
     averages of the losses) stays in every replica, so fetching it still merges them all.
     Returns how many updates went."""
@@ -204,8 +204,9 @@ def _statistics_from_first_replica(ir, tg, replicas) -> int:
                 kept = replica_prefix(0) + update
                 for consumer in list(ir.control_consumers(copy)):
                     ir.remove_control_input(consumer, copy)
-                    if kept in ir and consumer != kept:  # a read after the update (the
-                        ir.add_control_input(consumer, kept)  # advantage's baseline) waits on it
+                    if kept in ir and any(src == var.name for src, _ in ir.inputs(consumer)):
+                        ir.add_control_input(consumer, kept)  # a read after the update (the
+                        # advantage's baseline) waits on it; what merely ran after it does not
                 scope = replica_prefix(k) + _own_scope(update)
                 removed += ir.remove_dead([copy], keep=lambda n, s=scope: not n.startswith(s)
                                           and n != copy) > 0
