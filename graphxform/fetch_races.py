@@ -61,7 +61,8 @@ def races(ir: GraphIR, tg, fetches=()) -> list[Race]:
                    for name, var in tg.variables.items()}
         reader_of = {read: name for name, var in tg.variables.items() if updates[name]
                      for read in var.reads}
-        reads = sorted(r for r in _value_sources(ir, node) if r in reader_of)
+        reads = sorted(r for r in ir.value_sources(node, stop_at=_SHAPE_READERS)
+                       if r in reader_of)
         if not reads:
             continue
         writes = [u for r in reads for u in updates[reader_of[r]]]
@@ -75,21 +76,6 @@ def races(ir: GraphIR, tg, fetches=()) -> list[Race]:
             seen.add(variable)
             found.append(Race(fetch, read, variable, updates[variable][0]))
     return found
-
-
-def _value_sources(ir: GraphIR, node: str) -> set[str]:
-    """The nodes whose values ``node``'s value depends on: through data edges, not through
-    an op that reads only its input's shape."""
-    seen, stack = {node}, [node]
-    while stack:
-        name = stack.pop()
-        if ir.op(name) in _SHAPE_READERS:
-            continue
-        for src, _ in ir.inputs(name):
-            if src not in seen:
-                seen.add(src)
-                stack.append(src)
-    return seen
 
 
 def _ordered_after(ir: GraphIR, closure: set, marked: list):

@@ -60,3 +60,18 @@ def combine_copies(ir, build, replicas: int, tensor: str, scope: str, device: st
                                                            "Min": "Minimum"}[merge],
                             [combined, other], device=device, T=dtype) + ":0"
     return combined
+
+
+def whole_batch_copies(ir, build, devices: list, tensor: str, instance: int, scope: str,
+                       merge: str = "Add", final: str = "Id",
+                       shared_on: str | None = None) -> list[tuple[str, str]]:
+    """(replica prefix, the whole batch's value) per replica for replica 0's ``tensor``:
+    reduce_copies' collectives, or with ``shared_on`` (the ps strategies) combine_copies' one
+    node on that device, read by every replica."""
+    if shared_on is None:
+        return reduce_copies(ir, build, devices, tensor, instance, scope, merge=merge,
+                             final=final)
+    one = combine_copies(ir, build, len(devices), tensor, scope, shared_on, merge=merge,
+                         final=final)
+    return [(replica_prefix(i), one) for i in range(len(devices))]
+

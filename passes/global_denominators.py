@@ -38,7 +38,7 @@ from graphxform import opdefs, replica_values
 from graphxform.contract import batch_denominators
 from graphxform.ir import parse_tensor, tensor_name
 from graphxform.nodes import Builder, replica_prefix
-from graphxform.passes.cross_replica import combine_copies, reduce_copies
+from graphxform.passes.cross_replica import whole_batch_copies
 from graphxform.pipeline import Pass, PassResult
 
 SCOPE = "global_denominators/"
@@ -271,14 +271,9 @@ def _reduce_each(ir, build, devices: list, tensor: str, instance: int, final: st
     first = replica_prefix(0)
     node, port = parse_tensor(tensor[len(first):])
     scope = f"{scope}{instance - INSTANCE_KEYS}/"
-    if shared:
-        one = combine_copies(ir, build, len(devices), tensor[len(first):], scope, devices[0],
-                             final=final)
-        combined = [(replica_prefix(i), one) for i in range(len(devices))]
-    else:
-        combined = reduce_copies(ir, build, devices, tensor[len(first):], instance, scope,
-                                 final=final)
-    for prefix, reduced in combined:
+    for prefix, reduced in whole_batch_copies(ir, build, devices, tensor[len(first):],
+                                              instance, scope, final=final,
+                                              shared_on=devices[0] if shared else None):
         ir.replace_all_uses_with(tensor_name(prefix + node, port), reduced,
                                  where=lambda n, p=prefix: consumers(n, p))
 

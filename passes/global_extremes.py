@@ -19,7 +19,7 @@ import itertools
 
 from graphxform.batch_extremes import batch_extremes
 from graphxform.nodes import Builder, replica_prefix
-from graphxform.passes.cross_replica import combine_copies, reduce_copies
+from graphxform.passes.cross_replica import whole_batch_copies
 from graphxform.pipeline import Pass, PassResult
 
 SCOPE = "global_extremes/"
@@ -53,11 +53,8 @@ def _reduce_each(ir, build, devices: list, node: str, instance: int, shared: boo
     op (``shared``: combined by one chain); what the replica read it from reads the result."""
     merge = ir.op(replica_prefix(0) + node)
     scope = f"{SCOPE}{instance - INSTANCE_KEYS}/"
-    if shared:
-        one = combine_copies(ir, build, len(devices), node, scope, devices[0], merge=merge)
-        combined = [(replica_prefix(i), one) for i in range(len(devices))]
-    else:
-        combined = reduce_copies(ir, build, devices, node, instance, scope, merge=merge)
-    for prefix, reduced in combined:
+    for prefix, reduced in whole_batch_copies(ir, build, devices, node, instance, scope,
+                                              merge=merge,
+                                              shared_on=devices[0] if shared else None):
         ir.replace_all_uses_with(prefix + node + ":0", reduced,
                                  where=lambda n, p=prefix: n.startswith(p))

@@ -32,7 +32,7 @@ import itertools
 from graphxform import opdefs, replica_values
 from graphxform.ir import tensor_name
 from graphxform.nodes import Builder, replica_prefix
-from graphxform.passes.cross_replica import combine_copies, reduce_copies
+from graphxform.passes.cross_replica import whole_batch_copies
 from graphxform.pipeline import Pass, PassResult
 
 SCOPE = "global_state/"
@@ -91,14 +91,9 @@ class GlobalState(Pass):
                 key = next(keys)
                 tensor = tensor_name(source[0][len(first):], source[1])
                 scope = f"{SCOPE}{key - INSTANCE_KEYS}/"
-                if self.shared:
-                    one = combine_copies(ir, build, len(ctx.devices), tensor, scope,
-                                         ir.node(name)["device"], merge=merge, final=final)
-                    reduced = [(replica_prefix(i), one) for i in range(len(ctx.devices))]
-                else:
-                    reduced = reduce_copies(ir, build, ctx.devices, tensor, key, scope,
-                                            merge=merge, final=final)
-                for prefix, value in reduced:
+                shared_on = ir.node(name)["device"] if self.shared else None
+                for prefix, value in whole_batch_copies(ir, build, ctx.devices, tensor, key,
+                                                        scope, merge, final, shared_on):
                     ir.set_input(prefix + write, 1, value)
                 combined.append(write)
         if not combined:
