@@ -545,9 +545,10 @@ def _constant_denominator(ir: GraphIR, node: str):
 
 
 def _check_custom_gradients(ir: GraphIR, tg: TrainingGraph) -> None:
-    """A custom gradient in a step's backward pass must be linear in the gradient it is given
-    (graphxform/gradient_scale.py says why)."""
-    from graphxform.gradient_scale import nonlinear_custom_gradient
+    """A custom gradient in a step's backward pass must be linear in the gradient it is given,
+    and the backward pass must not compute in float16 (graphxform/gradient_scale.py says
+    why)."""
+    from graphxform.gradient_scale import half_precision_gradient, nonlinear_custom_gradient
     prefix = replica_prefix(0)
     node_table = ir.g._node
 
@@ -555,6 +556,15 @@ def _check_custom_gradients(ir: GraphIR, tg: TrainingGraph) -> None:
         return prefix + name if prefix + name in node_table else name
 
     for step in tg.steps:
+        half = half_precision_gradient(ir, step.closure, name_of)
+        if half is not None:
+            raise ContractError(
+                f"step '{step.name}': its backward pass computes in float16 ('{half}', "
+                f"{ir.op(name_of(half))}); each replica's gradients are N times one device's "
+                "(its loss is the mean of its own slice), so a loss scale that keeps one "
+                "device inside float16's range can overflow in a replica and train something "
+                "else: compute the gradients in float32 or bfloat16 (float16 has a range of "
+                "65504, bfloat16 float32's), or train on one device")
         found = nonlinear_custom_gradient(ir, step.closure, name_of)
         if found is not None:
             forward, op = found

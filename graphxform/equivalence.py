@@ -198,6 +198,12 @@ def mismatch_reasons(ir: GraphIR, tg: training.TrainingGraph, synced_batch_norm=
                        f"{_some([f'{call} ({op})' for call, op in inside])}) draw for each "
                        "replica's slice, and --consistent-random cannot reach into function "
                        "bodies")
+    low = _low_precision_sums(ir, tg)
+    if low:
+        reasons.append(f"the step computes in bfloat16 ({_some(low)}), whose sums round at "
+                       "about 4e-3: each replica sums its own slice before the replicas' sums "
+                       "are added, so the result rounds differently from one device's by about "
+                       "that much; compare with --rtol 1e-2")
     shuffles = _unseeded_shuffles(ir, tg)
     if shuffles:
         reasons.append("the input pipeline shuffles without a seed "
@@ -205,6 +211,20 @@ def mismatch_reasons(ir: GraphIR, tg: training.TrainingGraph, synced_batch_norm=
                        "order, even on one device; set a graph seed "
                        "(tf.compat.v1.set_random_seed) or the shuffle's own")
     return reasons
+
+
+def _low_precision_sums(ir: GraphIR, tg) -> list[str]:
+    """The step's ops that reduce over an axis (matmuls, convolutions, sums) in bfloat16: the
+    partial sums a replica forms over its own slice round at bfloat16's precision."""
+    from graphxform.opdefs import output_dtype
+    return sorted(name for name in tg.train_closure if name in ir
+                  and ir.op(name) in _SUMMING_OPS and output_dtype(ir, name, 0) == BFLOAT16)
+
+
+_SUMMING_OPS = {"MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum", "Sum",
+                "Mean", "Conv2D", "Conv2DBackpropFilter", "Conv2DBackpropInput",
+                "Conv3D", "DepthwiseConv2dNative", "BiasAddGrad", "UnsortedSegmentSum"}
+BFLOAT16 = 14  # DataType enum DT_BFLOAT16
 
 
 def _unseeded_shuffles(ir: GraphIR, tg) -> list[str]:

@@ -11,6 +11,14 @@ incoming gradient clips at N times the threshold and trains something else, sile
 ``nonlinear_custom_gradient`` finds, in a step's backward pass, the first op of a custom
 gradient function that is computed from the incoming gradient by an op not known to be
 linear in it; the contract refuses such a step.
+
+Float16 arithmetic is linear only inside its range. A float16 backward pass (mixed precision
+with loss scaling: NVIDIA's float32-master-weights getter, tf_keras' mixed_float16 with a
+LossScaleOptimizer) carries every per-example gradient at N times one device's, so a loss
+scale chosen near the top of float16's range (65504) overflows in a replica where one device
+did not: infinite gradients, skipped steps and, with a dynamic scale, another schedule.
+``half_precision_gradient`` finds such a backward op; the contract refuses the step. bfloat16
+has float32's range and is not refused.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ LINEAR_OPS = frozenset({
     "NoOp",
 })
 OVERRIDE_ATTR = "_gradient_op_type"  # set by tf.custom_gradient and gradient_override_map
+HALF = 19  # DataType enum DT_HALF (float16)
 
 
 def nonlinear_custom_gradient(ir, closure, name_of=lambda name: name) -> tuple | None:
@@ -51,6 +60,18 @@ def nonlinear_custom_gradient(ir, closure, name_of=lambda name: name) -> tuple |
             found = _first_nonlinear(ir, groups[forward][scope], name_of)
             if found is not None:
                 return forward, found
+    return None
+
+
+def half_precision_gradient(ir, closure, name_of=lambda name: name) -> str | None:
+    """The first node (by name) of a gradients scope in ``closure`` whose output is float16,
+    or None. ``name_of`` as for ``nonlinear_custom_gradient``."""
+    from graphxform.opdefs import output_dtype
+    node_table = ir.g._node
+    for name in sorted(n for n in closure if gradient_scope(n) is not None):
+        node = name_of(name)
+        if node in node_table and output_dtype(ir, node, 0) == HALF:
+            return name
     return None
 
 
