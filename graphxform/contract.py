@@ -271,7 +271,7 @@ def check(ir: GraphIR, tg: TrainingGraph, replicas: int, asynchronous: bool = Fa
     if not tg.steps or replicas < 1:
         return {"variables": 0}
     if replicas > 1 and not asynchronous:
-        _check_losses_are_means(ir, tg)
+        _check_losses_are_means(ir, tg, replicas)
         _check_custom_gradients(ir, tg)
     closure = _union(closures if closures is not None else step_closures(ir, tg))
     function_writes = (_function_writes(ir, tg, closure) if replicas > 1 and not asynchronous
@@ -381,12 +381,14 @@ def _check_shared_writes(ir: GraphIR, shared: list, spread: ReplicaSpread) -> No
                     "the batch reach; the other replicas' data would be ignored")
 
 
-def _check_losses_are_means(ir: GraphIR, tg: TrainingGraph) -> None:
+def _check_losses_are_means(ir: GraphIR, tg: TrainingGraph, replicas: int) -> None:
     """Gradients are averaged across replicas, which is right for a loss that is a mean over
-    the batch. A loss shown to be a sum over it would train with 1/N of its gradient: refuse.
+    the batch. A loss shown to be a sum over it would train with 1/N of its gradient unless its
+    gradients were scaled by N (passes/summed_losses.py): else refuse.
     (A loss whose kind the rules cannot show is taken to be a mean, as losses almost always
     are; graphxform.replica_values has the rules.)"""
     from graphxform import replica_values
+    from graphxform.passes.summed_losses import seeds_scaled
     prefix = replica_prefix(0)
     for step in tg.steps:
         if not step.loss:
@@ -405,14 +407,19 @@ def _check_losses_are_means(ir: GraphIR, tg: TrainingGraph) -> None:
         copies = [n for n in ir.ancestors(copy) if n.startswith(prefix)]
         values = replica_values.classify(ir, prefix, copies=copies)
         if values.of(copy, port) == replica_values.SUM:
+            if seeds_scaled(ir, tg, step, replicas):  # passes/summed_losses.py: the
+                _check_batch_extremes(ir, tg, step)  # replicas' gradients sum
+                continue
             constant = _constant_denominator(ir, copy)
             what = ("a sum over the batch" if constant is None else
                     f"a sum over the batch divided by a constant ({constant}, as "
                     "tf.nn.compute_average_loss divides by global_batch_size)")
             raise ContractError(
-                f"step '{step.name}' minimises '{step.loss}', {what}; gradients are averaged "
-                "across replicas (right for a mean over the batch), so this step would train "
-                "with 1/N of its gradient: use tf.reduce_mean over the batch instead")
+                f"step '{step.name}' minimises '{step.loss}', {what}, and its gradients do not "
+                "all come from one tf.gradients call seeded with ones (a GradientTape's, "
+                "grad_ys given, several losses at once), which graphxform scales to sum the "
+                "replicas' gradients; averaged, this step would train with 1/N of its "
+                "gradient: use tf.reduce_mean over the batch, or tf.gradients of the loss")
         summed = _summed_term(ir, values, (copy, port))
         if summed is not None:
             raise ContractError(

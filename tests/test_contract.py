@@ -198,16 +198,49 @@ def test_one_replica_is_proven():
     assert pipeline.contract["variables"] == 4
 
 
-def test_refuses_a_loss_that_is_a_sum_over_the_batch():
+def _summed_loss_graph(loss_of):
     g = tf.Graph()
     with g.as_default():
         x = v1.placeholder(tf.float32, [None, 3], name="x")
         w = v1.get_variable("w", [3, 1])
-        loss = tf.reduce_sum(tf.square(tf.matmul(x, w)), name="loss")
+        per_example = tf.reduce_sum(tf.square(tf.matmul(x, w)), axis=1)
         v1.train.GradientDescentOptimizer(0.1).minimize(
-            loss, global_step=v1.train.get_or_create_global_step())
+            loss_of(per_example), global_step=v1.train.get_or_create_global_step())
+        return v1.train.export_meta_graph(graph=g)
+
+
+@pytest.mark.parametrize("loss_of", [
+    lambda l: tf.reduce_sum(l, name="loss"),
+    lambda l: tf.nn.compute_average_loss(l, global_batch_size=64)], ids=["sum", "average_loss"])
+def test_a_loss_summed_over_the_batch_sums_the_replicas_gradients(loss_of):
+    """A sum (or a sum over a constant batch size, as TF's custom-training-loop guide's
+    tf.nn.compute_average_loss) needs the replicas' gradients summed: each replica's
+    tf.gradients seed fills with N, and the contract checks it did."""
+    from graphxform.nodes import const_value
+    ir = metagraph.from_metagraph(_summed_loss_graph(loss_of))
+    pipeline = strategies.transform(ir, "allreduce", devices=DEVICES)
+    assert pipeline.contract["variables"] == 2
+    for i in range(2):
+        fill = f"replica_{i}/gradients/grad_ys_0"
+        assert const_value(ir, ir.inputs(fill)[1][0]) == 2
+
+
+def test_a_summed_loss_whose_seed_is_given_is_refused():
+    """grad_ys given by the user is not a seed graphxform may rescale."""
+    def build(l):
+        loss = tf.reduce_sum(l)
+        w = v1.trainable_variables()
+        grads = tf.gradients(loss, w, grad_ys=tf.constant(1.0))
+        return v1.train.GradientDescentOptimizer(0.1).apply_gradients(zip(grads, w))
+    g = tf.Graph()
+    with g.as_default():
+        x = v1.placeholder(tf.float32, [None, 3], name="x")
+        v1.get_variable("w", [3, 1])
+        v1.add_to_collection("train_op", build(tf.reduce_sum(tf.square(tf.matmul(
+            x, v1.trainable_variables()[0])), axis=1)))
         meta = v1.train.export_meta_graph(graph=g)
-    with pytest.raises(ContractError, match="'loss:0', a sum over the batch"):
+    with pytest.raises(ContractError, match="'Sum_1:0', a sum over the batch, and its gradients "
+                                            "do not all come from one tf.gradients call"):
         strategies.transform(metagraph.from_metagraph(meta), "allreduce", devices=DEVICES)
 
 
@@ -248,18 +281,3 @@ def test_refuses_a_loss_adding_a_sum_over_the_batch_to_a_mean(keras):
         strategies.transform(metagraph.from_metagraph(meta), "allreduce", devices=DEVICES)
 
 
-def test_refuses_compute_average_loss_naming_its_constant():
-    """TF's guide for custom training loops divides the sum by the global batch size; under
-    averaged gradients that is a sum: refused, saying so."""
-    g = tf.Graph()
-    with g.as_default():
-        x = v1.placeholder(tf.float32, [None, 3], name="x")
-        w = v1.get_variable("w", [3, 1])
-        per_example = tf.reduce_sum(tf.square(tf.matmul(x, w)), axis=1)
-        loss = tf.nn.compute_average_loss(per_example, global_batch_size=64)
-        v1.train.GradientDescentOptimizer(0.1).minimize(
-            loss, global_step=v1.train.get_or_create_global_step())
-        meta = v1.train.export_meta_graph(graph=g)
-    with pytest.raises(ContractError, match=r"a sum over the batch divided by a constant \(64, "
-                                            "as tf.nn.compute_average_loss"):
-        strategies.transform(metagraph.from_metagraph(meta), "allreduce", devices=DEVICES)

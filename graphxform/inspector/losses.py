@@ -2,7 +2,8 @@
 
 Each replica computes its loss on its slice of the batch. When that loss is a mean over the
 slice (what tf.losses and tf_keras give), the single-device loss is the mean of the replicas'
-and so is the gradient: the served loss must be a Mean over the replicas, an all-reduce of
+and so is the gradient (a sum's gradients are scaled by N at their seed, passes/summed_losses.py,
+so they too are averaged, and the served loss is the replicas' sum): the served loss must be a Mean over the replicas, an all-reduce of
 gradients must divide (``final_op`` Div), a dense accumulator must average (``MEAN``). A sum in
 any of these places trains with an N-times gradient (N replicas or workers) or reports an
 N-times loss."""
@@ -29,14 +30,26 @@ def kind(ir: GraphIR, node: str, depth: int = 0) -> str:
     inputs = ir.inputs(node)
     if op in _PASS_THROUGH and inputs:
         return kind(ir, inputs[0][0], depth + 1)
-    if op in _MEAN_OPS:
+    if op in _MEAN_OPS:  # a sum divided by a constant (a fixed batch size) is still a sum
+        if op != "Mean" and len(inputs) == 2 and _constant(ir, inputs[1][0]):
+            return kind(ir, inputs[0][0], depth + 1)
         return MEAN
+    if op == "Mul" and len(inputs) == 2:  # scaled by a constant
+        consts = [_constant(ir, src) for src, _ in inputs]
+        if any(consts) and not all(consts):
+            return kind(ir, inputs[consts.index(False)][0], depth + 1)
     if op in _SUM_OPS:
         return SUM
     if op in _ADD_OPS:
         kinds = {kind(ir, src, depth + 1) for src, _ in inputs}
         return MEAN if MEAN in kinds else SUM if SUM in kinds else UNKNOWN
     return UNKNOWN
+
+
+def _constant(ir: GraphIR, node: str) -> bool:
+    while ir.op(node) in ("Cast", "Identity") and ir.inputs(node):
+        node = ir.inputs(node)[0][0]
+    return ir.op(node) == "Const"
 
 
 def served(ir: GraphIR, node: str) -> str:

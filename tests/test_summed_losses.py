@@ -1,0 +1,101 @@
+"""Losses summed over the batch, as public recipes write them, train like one device under
+every synchronous strategy (passes/summed_losses.py: each replica's gradient seed fills with
+N, so the averaged gradients are the replicas' sum)."""
+
+import pytest
+from conftest import export_classifier as _export
+
+
+def _dense(x, units, name, activation=None):
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+    with tf1.variable_scope(name):
+        w = tf1.get_variable("w", [x.shape[-1], units],
+                             initializer=tf1.glorot_uniform_initializer(seed=len(name)))
+        b = tf1.get_variable("b", [units], initializer=tf1.zeros_initializer())
+    h = tf.matmul(x, w) + b
+    return activation(h) if activation else h
+
+
+def reduction_sum(x, y):
+    """tf.compat.v1.losses with reduction=SUM."""
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+    logits = _dense(_dense(x, 16, "hidden", tf.nn.relu), 2, "logits")
+    loss = tf1.losses.sparse_softmax_cross_entropy(y, logits, reduction=tf1.losses.Reduction.SUM)
+    return tf1.train.MomentumOptimizer(0.01, 0.9).minimize(loss)
+
+
+def ptb_sum_over_batch_size(x, y):
+    """The TF1 PTB language model's cost: the per-example losses summed, divided by the
+    Python batch size the model was built for."""
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+    batch_size = 16
+    per_example = tf.nn.sparse_softmax_cross_entropy_with_logits(
+        labels=y, logits=_dense(_dense(x, 16, "hidden", tf.nn.tanh), 2, "logits"))
+    cost = tf.reduce_sum(per_example) / batch_size
+    optimizer = tf1.train.GradientDescentOptimizer(0.5)
+    grads, _ = tf.clip_by_global_norm(tf.gradients(cost, tf1.trainable_variables()), 5.0)
+    return optimizer.apply_gradients(zip(grads, tf1.trainable_variables()),
+                                     global_step=tf1.train.get_or_create_global_step())
+
+
+def vae_summed(x, y):
+    """A TF1 variational autoencoder: reconstruction error and KL divergence summed over the
+    batch, the reparameterisation's noise drawn per example."""
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+    hidden = _dense(x, 16, "encoder", tf.nn.relu)
+    mean, log_var = _dense(hidden, 2, "mean"), _dense(hidden, 2, "log_var")
+    z = mean + tf.exp(0.5 * log_var) * tf1.random_normal(tf.shape(mean), seed=3)
+    reconstruction = _dense(_dense(z, 16, "decoder", tf.nn.relu), 8, "reconstruction")
+    loss = (tf.reduce_sum(tf.square(reconstruction - x))
+            - 0.5 * tf.reduce_sum(1 + log_var - tf.square(mean) - tf.exp(log_var)))
+    return tf1.train.AdamOptimizer(1e-3).minimize(loss)
+
+
+RECIPES = {"reduction_sum": reduction_sum, "ptb": ptb_sum_over_batch_size,
+           "vae": vae_summed}
+
+
+def _where(strategy, tmp_path) -> list:
+    if strategy not in ("ps", "hybrid", "partitioned-ps"):
+        return ["--replicas", 2]
+    cluster = tmp_path / "cluster.json"
+    cluster.write_text('{"ps": ["127.0.0.1:1"], "worker": ["127.0.0.1:2", "127.0.0.1:3"]}')
+    return ["--cluster", cluster]
+
+
+CASES = [(recipe, strategy) for recipe in ("reduction_sum", "ptb")
+         for strategy in ("allreduce", "replicated", "ps", "hybrid")]
+CASES += [("vae", "allreduce"), ("vae", "replicated")]  # with --consistent-random
+
+
+@pytest.mark.parametrize("recipe, strategy", CASES)
+def test_a_loss_summed_over_the_batch_trains_like_one_device(run_cli, tmp_path, recipe,
+                                                             strategy):
+    model = _export(tmp_path / "m.meta", RECIPES[recipe])
+    random = ["--consistent-random"] if recipe == "vae" else []
+    code, out, err = run_cli("verify", "--strategy", strategy, *_where(strategy, tmp_path),
+                             *random, model, "--feeds", model + ".npz", "--batch-size", 16)
+    assert code == 0, out + err
+    assert "PASS" in out, out
+
+
+def test_a_summed_loss_from_a_gradient_tape_is_still_refused(run_cli, tmp_path):
+    """A tape's seed (ones_like of the target) is not rescaled: refused, saying why."""
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+
+    def build(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.nn.sparse_softmax_cross_entropy_with_logits(
+                labels=y, logits=_dense(x, 2, "logits")))
+        tf1.add_to_collection("losses", loss)
+        variables = tf1.trainable_variables()
+        return tf1.train.GradientDescentOptimizer(0.01).apply_gradients(
+            zip(tape.gradient(loss, variables), variables))
+    model = _export(tmp_path / "m.meta", build)
+    code, _, err = run_cli("apply", "--replicas", 2, model, "-o", tmp_path / "out.meta")
+    assert code == 1 and "a sum over the batch, and its gradients do not all come" in err, err
