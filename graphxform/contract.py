@@ -424,10 +424,12 @@ def _check_losses_are_means(ir: GraphIR, tg: TrainingGraph, replicas: int) -> No
         if summed is not None:
             raise ContractError(
                 f"step '{step.name}' minimises '{step.loss}', which adds "
-                f"'{summed[len(prefix):]}', a sum over the batch, to terms averaged over it "
-                "(a Keras add_loss of a reduce_sum, say); gradients are averaged across "
-                "replicas, so that term would train with 1/N of its gradient: take its "
-                "tf.reduce_mean over the batch instead")
+                f"'{summed[len(prefix):]}', a sum over the batch, to terms that are not (a "
+                "mean over it, as a Keras add_loss of a reduce_sum adds to the model's loss, "
+                "or a penalty the batch does not change, such as weight decay): a replica's "
+                "copy is then neither its slice's share of the batch's loss nor its slice's "
+                "mean, and neither averaging nor summing the replicas' gradients gives one "
+                "device's: take that term's tf.reduce_mean over the batch instead")
         ratio = _ratio_of_sums(ir, values, copy) or next(
             iter(batch_denominators(ir, (copy, port), lambda: values)), None)
         if ratio is not None:

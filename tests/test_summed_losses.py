@@ -99,3 +99,20 @@ def test_a_summed_loss_from_a_gradient_tape_is_still_refused(run_cli, tmp_path):
     model = _export(tmp_path / "m.meta", build)
     code, _, err = run_cli("apply", "--replicas", 2, model, "-o", tmp_path / "out.meta")
     assert code == 1 and "a sum over the batch, and its gradients do not all come" in err, err
+
+
+def test_a_summed_loss_plus_weight_decay_is_refused(run_cli, tmp_path):
+    """sum(l) + c * l2(w): a replica's copy is its slice's sum plus the whole penalty, so
+    neither the sum nor the mean of the replicas' gradients is one device's."""
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+
+    def build(x, y):
+        loss = tf.reduce_sum(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=y, logits=_dense(x, 2, "logits")))
+        decay = tf.add_n([tf.nn.l2_loss(v) for v in tf1.trainable_variables()])
+        return tf1.train.GradientDescentOptimizer(0.01).minimize(loss + 0.1 * decay)
+    model = _export(tmp_path / "m.meta", build)
+    code, _, err = run_cli("apply", "--replicas", 2, model, "-o", tmp_path / "out.meta")
+    assert code == 1 and "a sum over the batch, to terms that are not" in err, err
+    assert "weight decay" in err and len(err.strip().splitlines()) == 1
