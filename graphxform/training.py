@@ -290,7 +290,13 @@ def find_steps(ir: GraphIR, given=None) -> list[str]:
         for name in names:
             if parse_tensor(name)[0] not in ir:
                 raise GraphxformError(f"train op '{name}' is not a node of the graph")
-        return list(dict.fromkeys(names))
+        twice = next((name for k, name in enumerate(names) if name in names[:k]), None)
+        if twice is not None:
+            raise GraphxformError(
+                f"train op '{twice}' is given twice: a training step runs each train op once, "
+                "in the order given (run a critic several times per generator step in your own "
+                "loop)")
+        return names
     names = list(dict.fromkeys(n.lstrip("^") for n in _collection_values(ir, "train_op")))
     missing = [n for n in names if parse_tensor(n)[0] not in ir]
     if missing:

@@ -488,6 +488,9 @@ def test_apply_already_transformed_and_no_train_op(tmp_path, run_cli):
                            "nope", "-o", tmp_path / "c.meta")
     assert code != 0 and "nope" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.meta"]
+    code, _, err = run_cli("verify", fixture_path("mlp_sgd"), "--replicas", "2", "--train-op",
+                           "GradientDescent,GradientDescent")
+    assert code == 1 and "'GradientDescent' is given twice" in err and err.count("\n") == 1
 
 
 def test_apply_summary_and_default_output(tmp_path, run_cli):
