@@ -38,7 +38,7 @@ def tower_average(ir, node: str, port: int) -> list[str] | None:
     0) ...], 0), 0)``, ``reduce_mean(stack(grads), 0)`` (or reduce_sum), ``add_n(grads)``."""
     from graphxform.training import gradient_scope
     op = ir.op(node)
-    if port != 0:
+    if port != 0 or gradient_scope(node):  # tf.gradients' own sums are no towers'
         return None
     if op in ("Mean", "Sum"):
         from graphxform.nodes import const_value
