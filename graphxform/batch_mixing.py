@@ -130,13 +130,42 @@ def mixing_in(ir, loss: str, sources, shapes=()) -> Mixed | None:
     return found if isinstance(found, Mixed) else None
 
 
+def tower_flow(ir, loss: str, sources, splits) -> tuple | None:
+    """Where a tower's ``loss`` (graphxform/towers.py) mixes the examples of its part of the
+    batch: (node, what it does), or None. The parts the tower ``splits`` make are its batch;
+    besides what ``mixing_in`` reports, batch norm's statistics and the part's integer extremes
+    (which sync-batch-norm and global-extremes would make the whole batch's, not the part's)
+    mix them too."""
+    from graphxform.ir import parse_tensor
+    node, port = parse_tensor(loss)
+    flow = _Flow(ir, set(sources), towers=set(splits))
+    states = flow.run(node)
+    found = _port(states[node], port)
+    if isinstance(found, Curved):
+        found = found.mixed()
+    if isinstance(found, Mixed):
+        return found.node, found.reason
+    for name, state in states.items():
+        if NORM in (state if isinstance(state, list) else [state]):
+            return _norm_source(flow, name), ("takes statistics of the tower's part of the "
+                                              "batch (batch norm in training mode)")
+        op = ir.op(name)
+        if op in ("Max", "Min") and state is None and type(
+                _port(states.get(ir.input(name, 0)[0]), ir.input(name, 0)[1])) is int:
+            return name, f"takes the {op} over the tower's part of the batch"
+    if found != AGGREGATE:
+        return node, "is not shown a sum or mean of per-example terms"
+    return None
+
+
 def _port(state, port: int):
     return state[port] if isinstance(state, list) else state
 
 
 class _Flow:
-    def __init__(self, ir, sources: set, seeds: dict | None = None):
+    def __init__(self, ir, sources: set, seeds: dict | None = None, towers=frozenset()):
         self.ir, self.sources = ir, sources
+        self.towers = towers  # tower code's splits of the batch (tower_flow)
         self.seeds = seeds or {}  # a function body's arguments: name -> (state, degree)
         self.states = {}
         self.degrees = {}  # node -> its degree in the batch's size (or a list, one per port)
@@ -785,12 +814,20 @@ def _unpack_or_split(value_at: int, axis_from: str):
             return state - (axis < state)
         values = n.ints(0 if n.op == "Split" else 2)
         axis = n.axis(values[0], rank) if values else None
+        if axis == state and (n.name in n.flow.towers or _one_part(n)):
+            return state  # each part is its tower's batch (tower_flow)
         if axis == state:
             return n.mixed("splits the batch into parts by position (tf.split along the "
                            "batch axis): on a replica's slice each part holds other examples, "
                            "so what pairs or weighs the parts pairs others")
         return state if axis is not None else UNKNOWN
     return rule
+
+
+def _one_part(n: _Node) -> bool:
+    """A split into one part (``tf.split(x, 1)``, tower code on one tower): the whole."""
+    count = n.attr("num_split")
+    return count is not None and count.i == 1
 
 
 _BY_POSITION = ("picks examples of the batch by their position (a slice along the batch "

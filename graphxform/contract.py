@@ -37,6 +37,7 @@ def check_input(ir: GraphIR, tg: TrainingGraph) -> None:
     """What is refused on the input graph, before any pass, when the batch will be split: a
     step whose loss mixes the examples of its batch (graphxform/batch_mixing.py says why), or
     reads state the step updates from the batch, or applies gradients another op stored."""
+    from graphxform import towers
     from graphxform.batch_mixing import mixing_in
     sources = tg.batch_sources
     _check_batch_axis(tg)
@@ -47,6 +48,8 @@ def check_input(ir: GraphIR, tg: TrainingGraph) -> None:
     _check_selected_means(ir, tg)
     shapes = [parts[2] for parts in tg.sparse_inputs.values()]  # dense shapes: [size, ...]
     for step in tg.steps:
+        if sources:
+            towers.check(ir, tg, step)
         found = mixing_in(ir, step.loss, sources, shapes) if step.loss and sources else None
         if found is not None:
             raise ContractError(
@@ -57,25 +60,28 @@ def check_input(ir: GraphIR, tg: TrainingGraph) -> None:
 def _check_selected_means(ir: GraphIR, tg: TrainingGraph) -> None:
     """A loss that averages over the elements a mask of the batch selects
     (graphxform/selections.py): each replica would divide by its own slice's count."""
-    from graphxform.selections import loss_means, selected_rows
     sources = set(tg.batch_sources)
     if not sources:
         return
     for step in tg.steps:
-        if not step.loss:
-            continue
-        for mean, counted in loss_means(ir, step.loss):
-            selection = selected_rows(ir, counted, sources)
-            if selection is not None:
-                raise ContractError(
-                    f"step '{step.name}' minimises '{step.loss}', which averages ('{mean}') over "
-                    f"the elements that '{selection}' ({ir.op(selection)}) picks with a mask of "
-                    "the batch (tf.boolean_mask, or a gather of tf.where's indices): each replica "
-                    "would divide by its own slice's count of selected elements, so the "
-                    "averaged gradients are not one device's; divide their sum by the mask's "
-                    "sum instead (tf.reduce_sum(tf.boolean_mask(l, m)) / "
-                    "tf.reduce_sum(tf.cast(m, tf.float32)), which allreduce makes the whole "
-                    "batch's), or train on one device")
+        for loss in ([step.loss] if step.loss else []) + list(step.towers):
+            _check_selected_mean(ir, step, loss, sources)
+
+
+def _check_selected_mean(ir: GraphIR, step, loss: str, sources: set) -> None:
+    from graphxform.selections import loss_means, selected_rows
+    for mean, counted in loss_means(ir, loss):
+        selection = selected_rows(ir, counted, sources)
+        if selection is not None:
+            raise ContractError(
+                f"step '{step.name}' minimises '{loss}', which averages ('{mean}') over "
+                f"the elements that '{selection}' ({ir.op(selection)}) picks with a mask of "
+                "the batch (tf.boolean_mask, or a gather of tf.where's indices): each replica "
+                "would divide by its own slice's count of selected elements, so the "
+                "averaged gradients are not one device's; divide their sum by the mask's "
+                "sum instead (tf.reduce_sum(tf.boolean_mask(l, m)) / "
+                "tf.reduce_sum(tf.cast(m, tf.float32)), which allreduce makes the whole "
+                "batch's), or train on one device")
 
 
 def _check_batch_axis(tg: TrainingGraph) -> None:

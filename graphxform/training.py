@@ -69,6 +69,8 @@ class Gradient:
     tensor: str | None = None  # dense
     values: str | None = None  # sparse
     indices: str | None = None
+    # a tower average (graphxform/towers.py): the per-tower gradients ``tensor`` averages
+    towers: tuple = ()
 
     @property
     def tensors(self) -> list[str]:
@@ -172,6 +174,9 @@ class Step:
     op: str
     loss: str | None
     closure: set = dataclasses.field(default_factory=set, repr=False)
+    # tower code (graphxform/towers.py): each tower's loss; ``loss`` is then None, as no
+    # tensor of the graph is the loss of the whole batch
+    towers: tuple = ()
 
     @property
     def is_tensor(self) -> bool:
@@ -264,8 +269,7 @@ def analyze(ir: GraphIR, train_op=None) -> TrainingGraph:
     if var_defs is None:  # bare GraphDef: trainable means updated by the optimizer
         for var in variables.values():
             var.trainable = var.gradient is not None
-    steps = [Step(name, parse_tensor(name)[0], _step_loss(ir, name, closures[name], variables),
-                  closures[name]) for name in step_names]
+    steps = [_step(ir, name, closures[name], variables) for name in step_names]
     losses = list(dict.fromkeys([s.loss for s in steps if s.loss] + _losses(ir)))
     sinks = [n for n in noops if not any(ir.successors(n))
              and not (saver_scope and n.startswith(saver_scope))]
@@ -375,6 +379,43 @@ def gradient_scope(name: str) -> str | None:
     return match.group(0) if match else None
 
 
+def _step(ir: GraphIR, name: str, closure: set, variables: dict) -> "Step":
+    """The Step of train op ``name``; tower code's (graphxform/towers.py) lists its towers'
+    losses instead of one loss."""
+    towers = sorted({t for v in variables.values() if v.gradient and v.gradient.towers
+                     and v.updates and v.updates[0] in closure for t in v.gradient.towers})
+    if towers:
+        losses = tuple(dict.fromkeys(loss for t in towers for loss in [
+            scope_loss(ir, gradient_scope(parse_tensor(t)[0]))] if loss))
+        return Step(name, parse_tensor(name)[0], None, closure, towers=losses)
+    return Step(name, parse_tensor(name)[0], _step_loss(ir, name, closure, variables), closure)
+
+
+def scope_loss(ir: GraphIR, scope: str) -> str | None:
+    """The ``ys`` of the tf.gradients call of gradients scope ``scope``, or None."""
+    seed = scope + "grad_ys_0"
+    if seed not in ir:
+        return None
+    forward = set()
+    for dst, _ in ir.consumers(seed):
+        rest = dst[len(scope):]
+        if "_grad/" in rest:
+            op = rest.split("_grad/", 1)[0]
+            prefix = scope[: -len(scope.split("/")[-2]) - 1] if scope.count("/") > 1 else ""
+            # a replica's own op before merge-fetches' node of its original name
+            order = (prefix + op, op) if REPLICA_SCOPE.match(prefix) else (op, prefix + op)
+            for candidate in order:
+                if candidate in ir:
+                    forward.add(candidate)
+                    break
+    loss = _common_consumer(ir, sorted(forward)) if forward else None
+    if loss:
+        loss = _unscaled(ir, _climb_identities(ir, loss))
+        merged = REPLICA_SCOPE.sub("", loss)  # a transformed graph: the merged fetch
+        return tensor_name(merged if merged in ir else loss, 0)
+    return None
+
+
 def _step_loss(ir: GraphIR, step: str, closure: set, variables: dict) -> str | None:
     """The loss a step minimises: the ``ys`` of the tf.gradients call whose gradients its
     updates apply. tf.gradients starts from ``<scope>grad_ys_0`` (a Fill of ones), read by the
@@ -386,26 +427,9 @@ def _step_loss(ir: GraphIR, step: str, closure: set, variables: dict) -> str | N
     if not scopes and step in ir and ir.op(parse_tensor(step)[0]) == "Identity":
         return tensor_name(*ir.input(parse_tensor(step)[0], 0))
     for scope in scopes:
-        seed = scope + "grad_ys_0"
-        if seed not in ir:
-            continue
-        forward = set()
-        for dst, _ in ir.consumers(seed):
-            rest = dst[len(scope):]
-            if "_grad/" in rest:
-                op = rest.split("_grad/", 1)[0]
-                prefix = scope[: -len(scope.split("/")[-2]) - 1] if scope.count("/") > 1 else ""
-                # a replica's own op before merge-fetches' node of its original name
-                order = (prefix + op, op) if REPLICA_SCOPE.match(prefix) else (op, prefix + op)
-                for candidate in order:
-                    if candidate in ir:
-                        forward.add(candidate)
-                        break
-        loss = _common_consumer(ir, sorted(forward)) if forward else None
+        loss = scope_loss(ir, scope)
         if loss:
-            loss = _unscaled(ir, _climb_identities(ir, loss))
-            merged = REPLICA_SCOPE.sub("", loss)  # a transformed graph: the merged fetch
-            return tensor_name(merged if merged in ir else loss, 0)
+            return loss
     if scopes and all(TAPE_SCOPE.search(scope) for scope in scopes):
         seeded = [op for scope in scopes for op in _tape_seeded(ir, scope, closure)]
         loss = _common_consumer(ir, sorted(set(seeded))) if seeded else None
@@ -729,6 +753,7 @@ def _link_slot(variables, var, slot, slot_name) -> None:
 
 
 def _trace_gradient(ir, starts) -> Gradient | None:
+    from graphxform.towers import tower_average
     """Where a variable's gradient is born: walk back breadth-first from the update ops'
     gradient inputs through every node outside a gradients scope (the optimizer's arithmetic,
     clipping, loss-scale division, finite checks); the tensors where the walk enters a gradients
@@ -747,6 +772,8 @@ def _trace_gradient(ir, starts) -> Gradient | None:
             seen.add((src, port))
             if gradient_scope(src):
                 born.append((depth, src, port))
+            elif tower_average(ir, src, port):  # tower code: the towers' gradients averaged
+                born.append((depth, src, port))
             elif ir.op(src) == "IdentityN":  # output k is input k (tf_keras' Adam passes
                 nxt.append(ir.input(src, port))  # every gradient through one)
             elif ir.op(src) == "ReadVariableOp":  # `m.assign(0.9 * m + g)`'s value: the
@@ -758,6 +785,9 @@ def _trace_gradient(ir, starts) -> Gradient | None:
     if not floats:
         return None
     _, src, port = min(floats, key=lambda t: t[0])
+    towers = tower_average(ir, src, port)
+    if towers:
+        return Gradient("dense", tensor=tensor_name(src, port), towers=tuple(towers))
     scope = src.rsplit("/", 1)[0]
     ints = sorted((d, s, p) for d, s, p in born if s.rsplit("/", 1)[0] == scope
                   and opdefs.output_dtype(ir, s, p) in _INT_TYPES and _is_indices(ir, s))

@@ -78,7 +78,7 @@ class AllReduce(Pass):
             _require_densifiable(ir, tg)
         collectives = Collectives(ir, self.name, ctx.devices, self.hierarchical)
         buckets, sparse, dense_bytes = 0, 0, 0
-        for step_dense, step_sparse in gradients_by_step(tg, self.sparse_as_dense):
+        for step_dense, step_sparse in gradients_by_step(tg, self.sparse_as_dense, ir):
             previous = [None] * len(ctx.devices)
             for bucket in self._buckets(reversed(step_dense)):  # last layers' are ready first
                 previous = collectives.reduce_bucket(buckets, bucket, previous)
@@ -137,27 +137,61 @@ def _require_densifiable(ir, tg) -> None:
                     "Adagrad or Adam")
 
 
-def gradients_by_step(tg, sparse_as_dense: bool = False) -> list[tuple[list, list]]:
+def gradients_by_step(tg, sparse_as_dense: bool = False, ir=None) -> list[tuple[list, list]]:
     """Each step's (dense DenseGrads, sparse (variable, Gradient) pairs), every born gradient
     once (in the first step whose updates apply it); sparse ones as dense with
-    ``sparse_as_dense``."""
+    ``sparse_as_dense``. Given the (replicated) ``ir``, a step whose gradients are computed
+    after some of its own updates ran (``with tf.control_dependencies([train_q]):
+    opt_pi.minimize(...)``, as actor-critic code chains its critic's and actor's steps) comes
+    as one entry per stage (``gradient_stages``), so that no bucket or chain of collectives
+    makes a later stage's gradients wait on each other's updates (a cycle)."""
     seen, out = set(), []
     for step in tg.steps or [None]:
-        dense, sparse = [], []
+        found = []
         for var in tg.trainable:
             grad = var.gradient
             if (step is not None and not (set(var.updates) & step.closure)) \
                     or tuple(grad.tensors) in seen:
                 continue
             seen.add(tuple(grad.tensors))
-            if grad.kind == "dense" or sparse_as_dense:
-                dense.append(DenseGrad(var.name, grad.tensor if grad.kind == "dense" else None,
-                                       var.shape, var.dtype, var.nbytes or 1,
-                                       None if grad.kind == "dense" else grad))
-            else:
-                sparse.append((var, grad))
-        out.append((dense, sparse))
+            found.append(var)
+        for stage in (gradient_stages(ir, found) if ir is not None else [found]):
+            dense, sparse = [], []
+            for var in stage:
+                grad = var.gradient
+                if grad.kind == "dense" or sparse_as_dense:
+                    dense.append(DenseGrad(var.name, grad.tensor if grad.kind == "dense" else
+                                           None, var.shape, var.dtype, var.nbytes or 1,
+                                           None if grad.kind == "dense" else grad))
+                else:
+                    sparse.append((var, grad))
+            out.append((dense, sparse))
     return out
+
+
+def gradient_stages(ir, variables: list) -> list[list]:
+    """``variables`` (in order) in stages: stage k holds those whose gradients run after no
+    update of a variable in stage k or later, i.e. every gradient of a stage may be reduced
+    before any update of that stage runs. One stage unless a step chains its optimizers."""
+    prefix = replica_prefix(0)
+
+    def named(node):
+        return prefix + node if prefix + node in ir else node
+
+    stages, remaining = [], list(variables)
+    while remaining:
+        updates = [named(u) for var in remaining for u in var.updates if named(u) in ir]
+        after = ir.descendants(updates) if updates else set()
+        ready = [var for var in remaining
+                 if not any(named(parse_tensor(t)[0]) in after for t in var.gradient.tensors)]
+        if not ready:
+            raise ContractError(
+                f"variable '{remaining[0].name}': its gradient is computed after its own "
+                "update runs, so no reduction of it across replicas can come before that "
+                "update; compute the gradient before applying it")
+        stages.append(ready)
+        remaining = [var for var in remaining if var not in ready]
+    return stages
 
 
 class Collectives:

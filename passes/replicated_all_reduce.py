@@ -51,7 +51,7 @@ class ReplicatedAllReduce(Pass):
         sparse_gatherer = Collectives(ir, self.name, ctx.devices)
         groups = sparse = 0
         by_algorithm = {}
-        for dense, step_sparse in gradients_by_step(ctx.training):
+        for dense, step_sparse in gradients_by_step(ctx.training, ir=ir):
             for group in self._groups(dense):
                 part = spec.part_for(group.nbytes)
                 reducer.reduce_group(groups, group, part)

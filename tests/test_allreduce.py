@@ -606,3 +606,52 @@ def test_run_bare_graphdef_initializes_without_collections(tmp_path, run_cli):
                              "--batch-size", "4")
     assert code == 0, err
     assert len([line for line in out.splitlines() if line.startswith("step")]) == 2
+
+
+def chained_actor_critic(path, train_op: str) -> str:
+    """Spinning Up's actor-critic step (DDPG/TD3/SAC in TF1): the critic's minimize, the
+    actor's under a control dependency on it (its loss reads the critic after the update),
+    then the target critic's soft update after both; the train op is the actor's step or a
+    tf.group of all three."""
+    import tensorflow as tf
+    from conftest import export_classifier
+    tf1 = tf.compat.v1
+
+    def dense(h, units, name):
+        w = tf1.get_variable(name, [h.shape[1], units])
+        return tf.matmul(h, w)
+
+    def critic(x, action, scope):
+        with tf1.variable_scope(scope, reuse=tf1.AUTO_REUSE):
+            h = tf.nn.relu(dense(tf.concat([x, action], 1), 16, "w0"))
+            return tf.squeeze(dense(h, 1, "w1"), 1)
+
+    def build(x, y):
+        reward = tf.cast(y, tf.float32)
+        taken = tf.one_hot(y, 2)
+        with tf1.variable_scope("pi"):
+            action = tf.tanh(dense(tf.nn.relu(dense(x, 16, "w0")), 2, "w1"))
+        backup = tf.stop_gradient(reward + 0.9 * critic(x, taken, "target_q"))
+        q_loss = tf.reduce_mean(tf.square(critic(x, taken, "q") - backup))
+        q_vars = tf1.trainable_variables("q/")
+        train_q = tf1.train.AdamOptimizer(1e-2).minimize(q_loss, var_list=q_vars)
+        with tf.control_dependencies([train_q]):
+            pi_loss = -tf.reduce_mean(critic(x, action, "q"))
+            train_pi = tf1.train.AdamOptimizer(1e-2).minimize(
+                pi_loss, var_list=tf1.trainable_variables("pi/"))
+        with tf.control_dependencies([train_pi]):
+            target = tf.group([tf1.assign(t, 0.995 * t + 0.005 * v) for v, t in
+                               zip(q_vars, tf1.global_variables("target_q/"))])
+        return train_pi if train_op == "actor" else tf.group(train_q, train_pi, target)
+    return export_classifier(path, build)
+
+
+@pytest.mark.parametrize("train_op", ["actor", "group"])
+def test_chained_optimizers_reduce_each_stage_before_its_update(run_cli, tmp_path, train_op):
+    """The actor's gradients are computed after the critic's update ran: fused into one bucket
+    with the critic's they made a cycle (apply failed with an internal error from
+    rewire-consumers); each stage is reduced on its own now."""
+    model = chained_actor_critic(tmp_path / "ac.meta", train_op)
+    code, out, err = run_cli("verify", "--replicas", 2, model, "--feeds", model + ".npz",
+                             "--batch-size", 16, "--steps", 3)
+    assert code == 0 and "PASS" in out, out + err

@@ -724,3 +724,61 @@ def test_a_loop_summing_terms_that_depend_on_position_is_refused(run_cli, tmp_pa
     code, _, err = run_cli("apply", "--replicas", 2, model, "-o", tmp_path / "out.meta")
     assert code == 1, err
     assert "(While)" in err and "carries" in err
+
+
+def _towers(towers: int, variant: str = ""):
+    """TF1's multi-GPU CIFAR-10 tutorial on one device: tf.split of the batch, one tower per
+    part (variables shared by variable_scope reuse), compute_gradients per tower, the
+    tutorial's average_gradients (reduce_mean of the expanded, concatenated gradients) and one
+    apply_gradients."""
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+
+    def tower_loss(x, y, scale):
+        w1 = tf1.get_variable("w1", [8, 16])
+        h = tf.nn.relu(tf.matmul(x, w1))
+        if variant == "max":
+            h = h - tf.reduce_max(h, axis=0, keepdims=True)
+        logits = tf.matmul(h, tf1.get_variable("w2", [16, 2]))
+        return scale * tf.reduce_mean(
+            tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
+
+    def build(x, y):
+        opt = tf1.train.GradientDescentOptimizer(0.1)
+        tower_grads = []
+        with tf1.variable_scope(tf1.get_variable_scope()):
+            for i, (xs, ys) in enumerate(zip(tf.split(x, towers), tf.split(y, towers))):
+                with tf1.name_scope(f"tower_{i}"):
+                    scale = 2.0 if variant == "unequal" and i == 0 else 1.0
+                    tower_grads.append(opt.compute_gradients(tower_loss(xs, ys, scale)))
+                    tf1.get_variable_scope().reuse_variables()
+        averaged = []
+        for grad_and_vars in zip(*tower_grads):
+            grads = [tf.expand_dims(g, 0) for g, _ in grad_and_vars]
+            averaged.append((tf.reduce_mean(tf.concat(grads, 0), 0), grad_and_vars[0][1]))
+        return opt.apply_gradients(averaged)
+    return build
+
+
+@pytest.mark.parametrize("towers", [1, 2, 4])
+def test_towers_of_per_example_losses_train_the_same(run_cli, tmp_path, towers):
+    """Each replica's slice split into towers: the mean of the towers' means is the slice's
+    mean (equal parts), so the towers' averaged gradient is reduced across replicas (the split
+    was refused as mixing, even tf.split(x, 1))."""
+    model = _export(tmp_path / "towers.meta", _towers(towers))
+    code, out, err = run_cli("verify", "--replicas", 2, model, "--feeds", model + ".npz",
+                             "--batch-size", 16, "--steps", 3)
+    assert code == 0 and "PASS" in out, out + err
+
+
+@pytest.mark.parametrize("variant, message", [
+    ("max", "'tower_0/Max' (Max) takes the Max over the batch"),
+    ("unequal", "towers that compute differently")])
+def test_towers_that_mix_their_part_or_differ_are_refused(run_cli, tmp_path, variant, message):
+    """A replica's tower t holds other examples than the original's tower t: a tower that
+    mixes its part (a max over it) or towers that weigh their parts otherwise would train
+    otherwise."""
+    model = _export(tmp_path / "towers.meta", _towers(2, variant))
+    code, _, err = run_cli("apply", "--replicas", 2, model, "-o", tmp_path / "out.meta")
+    assert code == 1 and len(err.strip().splitlines()) == 1, err
+    assert message in err, err

@@ -1,0 +1,230 @@
+"""Tower code run on one device (TF1's multi-GPU CIFAR-10 tutorial): ``tf.split`` of the batch
+into T equal parts, one tower per part (shared variables), each tower's loss a mean over its
+part, ``opt.compute_gradients`` per tower, and the towers' gradients averaged
+(``tf.reduce_mean`` of the stacked or expanded-and-concatenated gradients, or ``tf.add_n``)
+before one ``apply_gradients``.
+
+Split across N replicas, each replica splits its slice of B/N rows into T parts of B/(NT). The
+average of the towers' gradients is then the mean over the slice of every example's gradient,
+and the all-reduce's mean over the replicas the mean over the batch, exactly as on one device,
+provided that (checked here, else refused):
+
+- the towers compute the same function of their parts (the same ops on the same variables:
+  ``tower_hash`` is equal for every tower), so it does not matter which tower an example is in;
+- each tower keeps its examples apart until its loss takes their mean: batch norm's statistics
+  in training mode, a maximum over the part or any other mixing would see other rows in a
+  replica's tower than in the original's (graphxform/batch_mixing.py, run on each tower's loss
+  with the parts as the batch, plus batch norm and the batch's extremes, which it allows);
+- each part is read by one tower, and the towers' gradients are averaged (or summed) with equal
+  weights.
+
+The towers' gradients are reduced after they are averaged (``training.Gradient.towers`` holds
+the born ones). A batch whose slices do not divide by T fails in the tower's split at run time
+(``uneven_towers``)."""
+
+from __future__ import annotations
+
+import hashlib
+
+from graphxform.errors import ContractError
+from graphxform.ir import parse_tensor, tensor_name
+
+_PASS_THROUGH = ("Identity", "ExpandDims")
+
+
+def tower_average(ir, node: str, port: int) -> list[str] | None:
+    """The per-tower gradients (tensor names, each born in its own gradients scope) whose
+    equal-weight average or sum ``node:port`` is, or None: ``reduce_mean(concat([expand_dims(g,
+    0) ...], 0), 0)``, ``reduce_mean(stack(grads), 0)`` (or reduce_sum), ``add_n(grads)``."""
+    from graphxform.training import gradient_scope
+    op = ir.op(node)
+    if port != 0 or gradient_scope(node):  # tf.gradients' own sums are no towers'
+        return None
+    if op in ("Mean", "Sum"):
+        from graphxform.nodes import const_value
+        axes = const_value(ir, ir.input(node, 1)[0])
+        stacked = ir.input(node, 0)[0]
+        if axes is None or axes.reshape(-1).tolist() != [0]:
+            return None
+        if ir.op(stacked) == "ConcatV2":
+            inputs = ir.inputs(stacked)
+            axis = const_value(ir, inputs[-1][0])
+            if axis is None or int(axis) != 0 or not all(
+                    ir.op(src) == "ExpandDims" for src, _ in inputs[:-1]):
+                return None
+            parts = [ir.input(src, 0) for src, _ in inputs[:-1]]
+        elif ir.op(stacked) == "Pack":
+            attr = ir.attrs(stacked).get("axis")
+            if attr is not None and attr.i != 0:
+                return None
+            parts = ir.inputs(stacked)
+        else:
+            return None
+    elif op == "AddN":
+        parts = ir.inputs(node)
+    else:
+        return None
+    born = []
+    for src, p in parts:
+        while ir.op(src) == "Identity" and not gradient_scope(src):
+            src, p = ir.input(src, 0)
+        born.append((src, p))
+    scopes = [gradient_scope(src) for src, _ in born]
+    if len(born) < 2 or None in scopes or len(set(scopes)) != len(scopes):
+        return None
+    return [tensor_name(src, p) for src, p in born]
+
+
+def check(ir, tg, step) -> set:
+    """The tower splits of ``step`` (Split nodes of the batch into its towers' parts) once the
+    conditions in the module's docstring hold for every variable whose gradient is a tower
+    average; refuses (ContractError) otherwise. Empty for a step without towers."""
+    from graphxform.batch_mixing import tower_flow
+    averaged = [v for v in tg.trainable if v.gradient.towers and set(v.updates) & step.closure]
+    if not averaged:
+        return set()
+    sources = set(tg.batch_sources)
+    scopes, splits, memo = None, set(), {"parts": {}, "hashes": {}}
+    for var in averaged:
+        towers = _towers(ir, var, sources, memo)
+        found = sorted(towers)
+        if scopes is None:
+            scopes = found
+        elif found != scopes:
+            raise ContractError(
+                f"step '{step.name}' averages the gradients of variable '{var.name}' over "
+                f"other towers ({', '.join(found)}) than those of '{averaged[0].name}' "
+                f"({', '.join(scopes)}): a replica's towers would weigh examples otherwise")
+        for _, (split, _) in towers.items():
+            splits |= split
+    counts = {int(ir.attrs(s)["num_split"].i) for s in splits}
+    if len(counts) != 1 or counts.pop() != len(scopes):
+        raise ContractError(
+            f"step '{step.name}' averages the gradients of {len(scopes)} towers, but splits "
+            f"the batch ({', '.join(sorted(splits))}) into another number of parts: only "
+            "equal parts, one per tower, train the same on a replica's slice")
+    losses = _tower_losses(ir, averaged[0])
+    for loss in losses:
+        problem = tower_flow(ir, loss, sources, splits)
+        if problem is not None:
+            raise ContractError(
+                f"step '{step.name}' trains towers on parts of the batch (tf.split at "
+                f"'{sorted(splits)[0]}'), and the tower's loss '{loss}' mixes its part's "
+                f"examples: '{problem[0]}' ({ir.op(problem[0])}) {problem[1]}; a replica's "
+                "tower would see other examples than the original's: make each tower's loss "
+                "a mean of per-example terms, or train on one device")
+    return splits
+
+
+def _towers(ir, var, sources, memo: dict) -> dict:
+    """Gradients scope -> (the splits its tower reads, the part index) for ``var``'s tower
+    average; refuses towers that read several parts, share one, or differ."""
+    from graphxform.training import gradient_scope
+    towers, hashes = {}, {}
+    for tensor in var.gradient.towers:
+        node, port = parse_tensor(tensor)
+        parts = _parts_read(ir, node, sources, memo["parts"])
+        indices = {k for _, k in parts}
+        if len(indices) != 1:
+            read = ", ".join(sorted(f"{s}:{k}" for s, k in parts)) or "no part of the batch"
+            raise ContractError(
+                f"variable '{var.name}': its gradients are averaged over towers, but the one "
+                f"at '{tensor}' reads {read}, not one part of a tf.split of the batch: "
+                "only towers that each read their own part train the same on a replica's "
+                "slice")
+        towers[gradient_scope(node)] = ({s for s, _ in parts}, indices.pop())
+        hashes[tensor] = tower_hash(ir, node, port, sources, memo["hashes"])
+    if len({k for _, k in towers.values()}) != len(towers):
+        raise ContractError(
+            f"variable '{var.name}': two of the towers its gradient averages read the same "
+            "part of the batch")
+    if len(set(hashes.values())) != 1:
+        first, other = next(iter(hashes)), next(t for t in hashes
+                                                  if hashes[t] != next(iter(hashes.values())))
+        raise ContractError(
+            f"variable '{var.name}': its gradients are averaged over towers that compute "
+            f"differently ('{first}' and '{other}': other ops, variables, constants or random "
+            "seeds): on a replica's slice each tower holds other examples, which would be "
+            "weighed otherwise")
+    return towers
+
+
+def _parts_read(ir, node: str, sources, memo: dict) -> frozenset:
+    """(split, index) of each output of a Split of a batch source along axis 0 that ``node``'s
+    value reads (through data inputs; ``memo`` is shared between calls)."""
+    stack, expanded = [node], set()
+    while stack:
+        name = stack[-1]
+        if name in memo:
+            stack.pop()
+            continue
+        inputs = [] if _is_batch_split(ir, name, sources) else ir.inputs(name)
+        missing = [src for src, _ in inputs if src not in memo]
+        if missing and name not in expanded:  # expanded: a loop's back edge
+            expanded.add(name)
+            stack.extend(missing)
+            continue
+        stack.pop()
+        found = set()
+        for src, p in inputs:
+            found |= {(src, p)} if _is_batch_split(ir, src, sources) else memo.get(src, set())
+        memo[name] = frozenset(found)
+    return memo[node]
+
+
+def _is_batch_split(ir, name: str, sources) -> bool:
+    from graphxform.nodes import const_value
+    if ir.op(name) != "Split" or ir.input(name, 1)[0] not in sources:
+        return False
+    axis = const_value(ir, ir.input(name, 0)[0])
+    return axis is not None and int(axis) == 0
+
+
+def tower_hash(ir, node: str, port: int, sources, memo: dict) -> str:
+    """A hash of how ``node:port`` is computed: ops and their attrs (not names, nor the
+    ``_``-attrs TF adds), inputs in order, variables and placeholders by name, a part of the
+    batch by its split but not its index; so two towers hash alike when they compute the same
+    function of their own parts."""
+    stack, expanded = [node], set()
+    while stack:
+        name = stack[-1]
+        if name in memo:
+            stack.pop()
+            continue
+        op = ir.op(name)
+        leaf = _is_batch_split(ir, name, sources) or op in (
+            "Placeholder", "PlaceholderWithDefault", "VarHandleOp", "VariableV2", "Variable")
+        inputs = [] if leaf else ir.inputs(name)
+        missing = [src for src, _ in inputs if src not in memo]
+        if missing and name not in expanded:  # expanded: a loop's back edge
+            expanded.add(name)
+            stack.extend(missing)
+            continue
+        stack.pop()
+        digest = hashlib.sha1(op.encode())
+        if leaf and not _is_batch_split(ir, name, sources):
+            digest.update(name.encode())
+        elif leaf:
+            digest.update(ir.input(name, 1)[0].encode())
+        for key, value in sorted(ir.attrs(name).items()):
+            if not key.startswith("_"):
+                digest.update(key.encode() + value.SerializeToString(deterministic=True))
+        for src, p in inputs:
+            part = "part" if _is_batch_split(ir, src, sources) else p  # not which part
+            digest.update(f"{memo.get(src, 'loop')}:{part}".encode())
+        memo[name] = digest.hexdigest()
+    return f"{memo[node]}:{port}"
+
+
+def _tower_losses(ir, var) -> list[str]:
+    """Each tower's loss: the ``ys`` of the tf.gradients call its gradient comes from."""
+    from graphxform.training import gradient_scope, scope_loss
+    losses = []
+    for tensor in var.gradient.towers:
+        loss = scope_loss(ir, gradient_scope(parse_tensor(tensor)[0]))
+        if loss is None:
+            raise ContractError(
+                f"variable '{var.name}': its gradients are averaged over towers, and the loss "
+                f"that '{tensor}' differentiates was not found")
+        losses.append(loss)
+    return losses
