@@ -155,6 +155,10 @@ def tower_flow(ir, loss: str, sources, splits) -> tuple | None:
             return name, f"takes the {op} over the tower's part of the batch"
     if found != AGGREGATE:
         return node, "is not shown a sum or mean of per-example terms"
+    if flow.degree(node, port) == 1:  # averaged twice (towers, then replicas): 1/N of it
+        return node, ("is a sum over the tower's part, not a mean: the towers' gradients and "
+                      "then the replicas' are averaged, so it would train with 1/N of one "
+                      "device's gradient")
     return None
 
 

@@ -109,10 +109,10 @@ def check(ir, tg, step) -> set:
         if problem is not None:
             raise ContractError(
                 f"step '{step.name}' trains towers on parts of the batch (tf.split at "
-                f"'{sorted(splits)[0]}'), and the tower's loss '{loss}' mixes its part's "
-                f"examples: '{problem[0]}' ({ir.op(problem[0])}) {problem[1]}; a replica's "
-                "tower would see other examples than the original's: make each tower's loss "
-                "a mean of per-example terms, or train on one device")
+                f"'{sorted(splits)[0]}'), and the tower's loss '{loss}' would not train the "
+                f"same on a replica's slice: '{problem[0]}' ({ir.op(problem[0])}) "
+                f"{problem[1]}: make each tower's loss a mean of per-example terms, or train "
+                "on one device")
     return splits
 
 
