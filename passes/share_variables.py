@@ -26,6 +26,14 @@ from graphxform.functions import legacy_loop_frames
 from graphxform.ir import parse_tensor
 from graphxform.training import PLACEHOLDER_OPS, VARIABLE_OPS, Gradient, gradient_scope
 
+# Ops whose state lives for one run of the step: a TensorArray (tf.scan's, a dynamic_rnn's) and a
+# legacy gradient loop's stack. Replicas that shared one would write into the same array (TF
+# refused it besides: each worker's writes are colocated with the array), so each replica whose
+# work uses one owns a copy, however few its inputs are per example (tf.scan's size is a
+# constant).
+PER_RUN_STATE_OPS = frozenset({"TensorArrayV3", "TensorArrayV2", "TensorArray", "StackV2",
+                               "Stack"})
+
 
 @dataclasses.dataclass
 class Aggregate:
@@ -187,8 +195,9 @@ def colocated_with(ir, name) -> list[str]:
 
 def _pull_in_helpers(ir, replicated, region, snapshots) -> set:
     """Replicate stateless helpers that only replicated nodes use (constants, shape arithmetic),
-    so each replica computes them locally, and anything but a variable colocated with a
-    replicated node. Returns the nodes added."""
+    so each replica computes them locally, anything but a variable colocated with a
+    replicated node, and per-run state (``PER_RUN_STATE_OPS``) a replicated node uses. Returns
+    the nodes added."""
     def movable(n):  # a variable's own snapshot (`w/read`) stays with the variable
         return (n not in replicated and n not in region and n not in snapshots
                 and ir.op(n) not in VARIABLE_OPS and ir.op(n) not in PLACEHOLDER_OPS)
@@ -202,7 +211,9 @@ def _pull_in_helpers(ir, replicated, region, snapshots) -> set:
         if n not in ir or not movable(n):
             continue
         tied = colocated_with(ir, n)
-        forced = any(t in replicated for t in tied)  # a loop's gradient stack, say: per replica
+        forced = (any(t in replicated for t in tied)  # a loop's gradient stack, say: per replica
+                  or (ir.op(n) in PER_RUN_STATE_OPS
+                      and any(c in replicated for c in ir.successors(n))))
         if not forced and (tied or opdefs.is_stateful(ir, ir.op(n))
                            or not all(c in replicated for c in ir.successors(n))
                            or not any(True for _ in ir.successors(n))):

@@ -459,3 +459,38 @@ def test_a_gradient_loop_colocated_with_its_forward_loop_runs_on_every_worker(
     code, out, err = run_cli("verify", model, "--strategy", "ps", "--cluster", cluster_file,
                              "--feeds", model + ".npz", "--batch-size", 16, "--steps", 3)
     assert code == 0 and "PASS" in out, out + err
+
+
+def legacy_scan(path):
+    """A TF1-era RNN by tf.scan under legacy control flow: the TensorArray it writes each
+    step's state into is sized by the (constant) number of steps, so it reads no batch."""
+    from conftest import export_classifier
+    tf1 = tf.compat.v1
+    was_v2 = tf1.control_flow_v2_enabled()
+    tf1.disable_control_flow_v2()
+
+    def build(x, y):
+        steps = tf.transpose(tf.reshape(x, [-1, 4, 2]), [1, 0, 2])
+        w = tf1.get_variable("rnn/w", [2, 2], initializer=tf1.glorot_uniform_initializer())
+        states = tf.scan(lambda h, s: tf.tanh(tf.matmul(s, w) + h), steps,
+                         initializer=tf.zeros_like(steps[0]))
+        logits = tf.matmul(states[-1], tf1.get_variable("dense/kernel", [2, 2]))
+        loss = tf.reduce_mean(tf1.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=y, logits=logits))
+        return tf1.train.GradientDescentOptimizer(0.1).minimize(loss)
+    try:
+        return export_classifier(path, build)
+    finally:
+        if was_v2:
+            tf1.enable_control_flow_v2()
+
+
+@pytest.mark.parametrize("strategy", ["ps", "partitioned-ps"])
+def test_a_scans_tensor_arrays_are_each_workers_own(run_cli, tmp_path, cluster_file, strategy):
+    """tf.scan's output TensorArray stayed one for every worker (it reads no batch), and each
+    worker's writes were colocated with it: TF refused the graph ("Cannot colocate nodes ...
+    incompatible tasks") after apply exited 0."""
+    model = legacy_scan(tmp_path / "m.meta")
+    code, out, err = run_cli("verify", model, "--strategy", strategy, "--cluster", cluster_file,
+                             "--feeds", model + ".npz", "--batch-size", 16, "--steps", 3)
+    assert code == 0 and "PASS" in out, out + err
