@@ -115,6 +115,7 @@ class ShareVariables(Pass):
         if not replicated:
             raise GraphxformError("nothing in the training step depends on a batched input; "
                                   "there is no per-replica work to distribute")
+        _reads_after_writes(ir, tg, replicated, placement)
         shared = set(ir.nodes()) - replicated
         placed = 0
         for var in tg.variables.values():
@@ -156,6 +157,35 @@ def _pull_in_control_only(ir, region, per_example, data_dependent) -> None:
                 continue
             region.add(src)
             stack.append(src)
+
+
+def _reads_after_writes(ir, tg, replicated, placement) -> None:
+    """A ref variable's snapshot (``w/read``) is one Identity beside the variable, run as soon
+    as the variable is. On one device a reader that runs after a write of the variable in the
+    step (PopArt's ``w.assign(w * sigma / new_sigma)`` before the forward pass, under
+    control_dependencies) still sees the written value: the snapshot aliases the variable's
+    buffer. A worker gets a copy, sent when the snapshot ran, maybe before the write (verify
+    failed by 4e-01). Such a replicated reader reads a snapshot of its own, beside the
+    variable, that waits on those writes."""
+    for var in tg.variables.values():
+        if var.kind != "ref" or not var.updates:
+            continue
+        reads = [r for r in var.reads if r in ir and ir.op(r) == "Identity"]
+        readers = {(c, p) for r in reads for c, p in ir.consumers(r) if c in replicated}
+        after = {write: ir.descendants([write]) for write in var.updates} if readers else {}
+        made = {}
+        for reader, port in sorted(readers):
+            waits = tuple(w for w, later in after.items() if reader in later)
+            if not waits:
+                continue
+            read = ir.input(reader, port)[0]
+            if (read, waits) not in made:
+                made[read, waits] = ir.add_node(
+                    ir.unique_name(f"{read}_after_write"), "Identity",
+                    [var.name, *("^" + w for w in waits)],
+                    device=placement.get(var.name, ir.node(read)["device"]),
+                    attr=dict(ir.attrs(read)), created_by="share-variables")
+            ir.set_input(reader, port, made[read, waits])
 
 
 def _whole_loops(ir, frames, replicated, region) -> set:

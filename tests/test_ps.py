@@ -494,3 +494,41 @@ def test_a_scans_tensor_arrays_are_each_workers_own(run_cli, tmp_path, cluster_f
     code, out, err = run_cli("verify", model, "--strategy", strategy, "--cluster", cluster_file,
                              "--feeds", model + ".npz", "--batch-size", 16, "--steps", 3)
     assert code == 0 and "PASS" in out, out + err
+
+
+def popart_ref(path):
+    """PopArt's preserving of outputs with TF1 ref variables: the output layer is rescaled by
+    ``assign`` to the new statistics, and the forward pass and the update run under
+    control_dependencies on that (here statistics that read no batch)."""
+    from conftest import export_classifier
+    tf1 = tf.compat.v1
+
+    def build(x, y):
+        def var(name, shape, init=None):
+            return tf1.get_variable(name, shape, initializer=init, use_resource=False)
+        h = tf.nn.relu(tf.matmul(x, var("body/w", [8, 8])))
+        w, b = var("head/w", [8, 1]), var("head/b", [1], tf1.zeros_initializer())
+        mu = tf1.get_variable("popart/mu", [], initializer=tf1.zeros_initializer(),
+                              trainable=False, use_resource=False)
+        sigma, new_mu, new_sigma = tf.constant(1.0), 0.9 * mu + 0.5, tf.constant(2.0)
+        rescale = [w.assign(w * sigma / new_sigma),
+                   b.assign((sigma * b + mu - new_mu) / new_sigma)]
+        with tf.control_dependencies(rescale):
+            stats = [mu.assign(new_mu)]
+        with tf.control_dependencies(stats):
+            out = tf.squeeze(tf.matmul(h, w) + b, 1)
+            loss = tf.reduce_mean(tf.square((tf.cast(y, tf.float32) - mu) / new_sigma - out))
+            return tf1.train.GradientDescentOptimizer(0.05).minimize(loss)
+    return export_classifier(path, build)
+
+
+@pytest.mark.parametrize("strategy", ["ps", "partitioned-ps"])
+def test_a_ref_variable_read_after_its_write_sees_the_write_on_every_worker(
+        run_cli, tmp_path, cluster_file, strategy):
+    """The workers' forward pass read 'head/w/read' on the ps task, sent whenever it ran:
+    before the step's rescaling assign, where one device's snapshot aliases the variable and
+    sees it (verify failed by 4e-01; apply exited 0)."""
+    model = popart_ref(tmp_path / "m.meta")
+    code, out, err = run_cli("verify", model, "--strategy", strategy, "--cluster", cluster_file,
+                             "--feeds", model + ".npz", "--batch-size", 16, "--steps", 3)
+    assert code == 0 and "PASS" in out, out + err
