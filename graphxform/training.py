@@ -90,6 +90,10 @@ class Variable:
     reads: list = dataclasses.field(default_factory=list)
     updates: list = dataclasses.field(default_factory=list)  # ops in the train step writing it
     gradient: Gradient | None = None
+    # the update that applies ``gradient`` (the optimizer's Apply op, or its first op in the
+    # variable's update scope), not any other writer: WGAN's weight clipping and PopArt's
+    # rescaling assign the variable too, in the same step or another
+    applied_by: str | None = None
     slots: dict = dataclasses.field(default_factory=dict)  # slot name -> variable name
     slot_of: str | None = None
     device: str = ""
@@ -115,6 +119,10 @@ class Variable:
         for d in self.shape:
             count *= d
         return count * dtypes.as_dtype(self.dtype).size
+
+    def applied_in(self, closure) -> bool:
+        """Whether a step whose closure is ``closure`` applies this variable's gradient."""
+        return self.gradient is not None and self.applied_by in closure
 
 
 @dataclasses.dataclass
@@ -418,12 +426,12 @@ def scope_loss(ir: GraphIR, scope: str) -> str | None:
 
 def _step_loss(ir: GraphIR, step: str, closure: set, variables: dict) -> str | None:
     """The loss a step minimises: the ``ys`` of the tf.gradients call whose gradients its
-    updates apply. tf.gradients starts from ``<scope>grad_ys_0`` (a Fill of ones), read by the
+    updates apply (``Variable.applied_by``; whatever else writes those variables, a weight
+    clipping run as a step of its own, applies no gradient). tf.gradients starts from ``<scope>grad_ys_0`` (a Fill of ones), read by the
     gradient of the op that made ys; Identity-like ops pass the gradient through unnamed, so the
     walk climbs from that op through Identity/AddN consumers to the tensor the user named."""
-    scopes = sorted({gradient_scope(n) for v in variables.values() if v.gradient
-                     for t in v.gradient.tensors for n in [parse_tensor(t)[0]]
-                     if v.updates and v.updates[0] in closure} - {None})
+    scopes = sorted({gradient_scope(n) for v in variables.values() if v.applied_in(closure)
+                     for t in v.gradient.tensors for n in [parse_tensor(t)[0]]} - {None})
     if not scopes and step in ir and ir.op(parse_tensor(step)[0]) == "Identity":
         return tensor_name(*ir.input(parse_tensor(step)[0], 0))
     for scope in scopes:
@@ -475,7 +483,7 @@ def _ones(ir: GraphIR, node: str) -> bool:
 def tape_gradients(variables: dict, closure: set) -> list[str]:
     """The variables (updated in ``closure``) whose gradients a GradientTape made."""
     return sorted(v.name for v in variables.values()
-                  if v.gradient and v.updates and v.updates[0] in closure
+                  if v.applied_in(closure)
                   and any(TAPE_SCOPE.search(gradient_scope(parse_tensor(t)[0]) or "")
                           for t in v.gradient.tensors))
 
@@ -677,7 +685,8 @@ def _link_optimizer(ir, variables, writers) -> Optimizer | None:
             continue
         var.trainable = True
         var.role = "trainable"
-        scope = _update_scope((applies or scoped)[0][0], name)
+        var.applied_by = (applies or scoped)[0][0]
+        scope = _update_scope(var.applied_by, name)
         starts = []
         for op_name, _ in applies:
             ports = opdefs.input_ports(ir, op_name)
@@ -721,11 +730,16 @@ def _written_under(scope: str, writers: dict) -> list[str]:
 def _link_own_optimizer(ir, var, writes) -> None:
     """A trainable variable its own code assigns (BERT's AdamWeightDecayOptimizer: ``param.
     assign(param - lr * update)`` with slots from get_variable, no Apply op, no update scope):
-    its gradient is born where the assigned value enters tf.gradients' scope, as for Apply."""
-    gradient = _trace_gradient(ir, [(op, p) for op, _ in writes
-                                    for p in range(1, len(ir.inputs(op)))])
+    its gradient is born where the assigned value enters tf.gradients' scope, as for Apply.
+    The write that applies it is the first whose value comes from a gradient."""
+    def starts(ops):
+        return [(op, p) for op in ops for p in range(1, len(ir.inputs(op)))]
+    ops = list(dict.fromkeys(op for op, _ in writes))
+    gradient = _trace_gradient(ir, starts(ops))
     if gradient is not None:
         var.role, var.gradient = "trainable", gradient
+        var.applied_by = next((op for op in ops if len(ops) == 1
+                               or _trace_gradient(ir, starts([op])) is not None), None)
 
 
 def _children_by_name(variables) -> dict:

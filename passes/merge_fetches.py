@@ -236,8 +236,7 @@ def _gradient_losses(ir, first: str, tg) -> dict:
         if not loss:
             continue
         for var in tg.trainable:
-            if (var.gradient.kind != "dense" or not var.updates
-                    or var.updates[0] not in step.closure):
+            if var.gradient.kind != "dense" or not var.applied_in(step.closure):
                 continue
             for gradient in _copies_of(ir, first, [var.gradient.tensor]):
                 found[gradient] = next(iter(loss))

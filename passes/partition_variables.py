@@ -282,7 +282,8 @@ class _Partition:
 
     # ----------------------------------------------------------- gradient and update
     def _update_scope(self) -> str:
-        return _update_scope(self.var.updates[0], self.var.name) if self.var.updates else "\0"
+        update = self.var.applied_by or (self.var.updates[0] if self.var.updates else None)
+        return _update_scope(update, self.var.name) if update else "\0"
 
     def _applied_gradient(self) -> Gradient:
         """What the update reads of the gradient: the born gradient, or what post-processing
@@ -393,7 +394,7 @@ class _Partition:
                 reads=[f"{shard}/Read/ReadVariableOp" if member.kind == "resource"
                        else f"{shard}/read"],
                 updates=[updates[k][u] for u in member.updates if u in updates[k]],
-                device=member.device)
+                applied_by=updates[k].get(member.applied_by), device=member.device)
             if member is self.var:
                 g = self.applied
                 if not self.whole:  # each shard's part is aggregated on its own

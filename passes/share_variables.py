@@ -26,6 +26,14 @@ from graphxform.functions import legacy_loop_frames
 from graphxform.ir import parse_tensor
 from graphxform.training import PLACEHOLDER_OPS, VARIABLE_OPS, Gradient, gradient_scope
 
+# Ops whose state lives for one run of the step: a TensorArray (tf.scan's, a dynamic_rnn's) and a
+# legacy gradient loop's stack. Replicas that shared one would write into the same array (TF
+# refused it besides: each worker's writes are colocated with the array), so each replica whose
+# work uses one owns a copy, however few its inputs are per example (tf.scan's size is a
+# constant).
+PER_RUN_STATE_OPS = frozenset({"TensorArrayV3", "TensorArrayV2", "TensorArray", "StackV2",
+                               "Stack"})
+
 
 @dataclasses.dataclass
 class Aggregate:
@@ -107,6 +115,7 @@ class ShareVariables(Pass):
         if not replicated:
             raise GraphxformError("nothing in the training step depends on a batched input; "
                                   "there is no per-replica work to distribute")
+        _reads_after_writes(ir, tg, replicated, placement)
         shared = set(ir.nodes()) - replicated
         placed = 0
         for var in tg.variables.values():
@@ -150,6 +159,35 @@ def _pull_in_control_only(ir, region, per_example, data_dependent) -> None:
             stack.append(src)
 
 
+def _reads_after_writes(ir, tg, replicated, placement) -> None:
+    """A ref variable's snapshot (``w/read``) is one Identity beside the variable, run as soon
+    as the variable is. On one device a reader that runs after a write of the variable in the
+    step (PopArt's ``w.assign(w * sigma / new_sigma)`` before the forward pass, under
+    control_dependencies) still sees the written value: the snapshot aliases the variable's
+    buffer. A worker gets a copy, sent when the snapshot ran, maybe before the write (verify
+    failed by 4e-01). Such a replicated reader reads a snapshot of its own, beside the
+    variable, that waits on those writes."""
+    for var in tg.variables.values():
+        if var.kind != "ref" or not var.updates:
+            continue
+        reads = [r for r in var.reads if r in ir and ir.op(r) == "Identity"]
+        readers = {(c, p) for r in reads for c, p in ir.consumers(r) if c in replicated}
+        after = {write: ir.descendants([write]) for write in var.updates} if readers else {}
+        made = {}
+        for reader, port in sorted(readers):
+            waits = tuple(w for w, later in after.items() if reader in later)
+            if not waits:
+                continue
+            read = ir.input(reader, port)[0]
+            if (read, waits) not in made:
+                made[read, waits] = ir.add_node(
+                    ir.unique_name(f"{read}_after_write"), "Identity",
+                    [var.name, *("^" + w for w in waits)],
+                    device=placement.get(var.name, ir.node(read)["device"]),
+                    attr=dict(ir.attrs(read)), created_by="share-variables")
+            ir.set_input(reader, port, made[read, waits])
+
+
 def _whole_loops(ir, frames, replicated, region) -> set:
     """A legacy while loop runs in one frame: when part of it is per replica (its data), all of
     it is (the trip counter, the reads of weights inside it), or the replicas' loops would share
@@ -187,8 +225,9 @@ def colocated_with(ir, name) -> list[str]:
 
 def _pull_in_helpers(ir, replicated, region, snapshots) -> set:
     """Replicate stateless helpers that only replicated nodes use (constants, shape arithmetic),
-    so each replica computes them locally, and anything but a variable colocated with a
-    replicated node. Returns the nodes added."""
+    so each replica computes them locally, anything but a variable colocated with a
+    replicated node, and per-run state (``PER_RUN_STATE_OPS``) a replicated node uses. Returns
+    the nodes added."""
     def movable(n):  # a variable's own snapshot (`w/read`) stays with the variable
         return (n not in replicated and n not in region and n not in snapshots
                 and ir.op(n) not in VARIABLE_OPS and ir.op(n) not in PLACEHOLDER_OPS)
@@ -202,7 +241,9 @@ def _pull_in_helpers(ir, replicated, region, snapshots) -> set:
         if n not in ir or not movable(n):
             continue
         tied = colocated_with(ir, n)
-        forced = any(t in replicated for t in tied)  # a loop's gradient stack, say: per replica
+        forced = (any(t in replicated for t in tied)  # a loop's gradient stack, say: per replica
+                  or (ir.op(n) in PER_RUN_STATE_OPS
+                      and any(c in replicated for c in ir.successors(n))))
         if not forced and (tied or opdefs.is_stateful(ir, ir.op(n))
                            or not all(c in replicated for c in ir.successors(n))
                            or not any(True for _ in ir.successors(n))):

@@ -459,3 +459,76 @@ def test_a_gradient_loop_colocated_with_its_forward_loop_runs_on_every_worker(
     code, out, err = run_cli("verify", model, "--strategy", "ps", "--cluster", cluster_file,
                              "--feeds", model + ".npz", "--batch-size", 16, "--steps", 3)
     assert code == 0 and "PASS" in out, out + err
+
+
+def legacy_scan(path):
+    """A TF1-era RNN by tf.scan under legacy control flow: the TensorArray it writes each
+    step's state into is sized by the (constant) number of steps, so it reads no batch."""
+    from conftest import export_classifier
+    tf1 = tf.compat.v1
+    was_v2 = tf1.control_flow_v2_enabled()
+    tf1.disable_control_flow_v2()
+
+    def build(x, y):
+        steps = tf.transpose(tf.reshape(x, [-1, 4, 2]), [1, 0, 2])
+        w = tf1.get_variable("rnn/w", [2, 2], initializer=tf1.glorot_uniform_initializer())
+        states = tf.scan(lambda h, s: tf.tanh(tf.matmul(s, w) + h), steps,
+                         initializer=tf.zeros_like(steps[0]))
+        logits = tf.matmul(states[-1], tf1.get_variable("dense/kernel", [2, 2]))
+        loss = tf.reduce_mean(tf1.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=y, logits=logits))
+        return tf1.train.GradientDescentOptimizer(0.1).minimize(loss)
+    try:
+        return export_classifier(path, build)
+    finally:
+        if was_v2:
+            tf1.enable_control_flow_v2()
+
+
+@pytest.mark.parametrize("strategy", ["ps", "partitioned-ps"])
+def test_a_scans_tensor_arrays_are_each_workers_own(run_cli, tmp_path, cluster_file, strategy):
+    """tf.scan's output TensorArray stayed one for every worker (it reads no batch), and each
+    worker's writes were colocated with it: TF refused the graph ("Cannot colocate nodes ...
+    incompatible tasks") after apply exited 0."""
+    model = legacy_scan(tmp_path / "m.meta")
+    code, out, err = run_cli("verify", model, "--strategy", strategy, "--cluster", cluster_file,
+                             "--feeds", model + ".npz", "--batch-size", 16, "--steps", 3)
+    assert code == 0 and "PASS" in out, out + err
+
+
+def popart_ref(path):
+    """PopArt's preserving of outputs with TF1 ref variables: the output layer is rescaled by
+    ``assign`` to the new statistics, and the forward pass and the update run under
+    control_dependencies on that (here statistics that read no batch)."""
+    from conftest import export_classifier
+    tf1 = tf.compat.v1
+
+    def build(x, y):
+        def var(name, shape, init=None):
+            return tf1.get_variable(name, shape, initializer=init, use_resource=False)
+        h = tf.nn.relu(tf.matmul(x, var("body/w", [8, 8])))
+        w, b = var("head/w", [8, 1]), var("head/b", [1], tf1.zeros_initializer())
+        mu = tf1.get_variable("popart/mu", [], initializer=tf1.zeros_initializer(),
+                              trainable=False, use_resource=False)
+        sigma, new_mu, new_sigma = tf.constant(1.0), 0.9 * mu + 0.5, tf.constant(2.0)
+        rescale = [w.assign(w * sigma / new_sigma),
+                   b.assign((sigma * b + mu - new_mu) / new_sigma)]
+        with tf.control_dependencies(rescale):
+            stats = [mu.assign(new_mu)]
+        with tf.control_dependencies(stats):
+            out = tf.squeeze(tf.matmul(h, w) + b, 1)
+            loss = tf.reduce_mean(tf.square((tf.cast(y, tf.float32) - mu) / new_sigma - out))
+            return tf1.train.GradientDescentOptimizer(0.05).minimize(loss)
+    return export_classifier(path, build)
+
+
+@pytest.mark.parametrize("strategy", ["ps", "partitioned-ps"])
+def test_a_ref_variable_read_after_its_write_sees_the_write_on_every_worker(
+        run_cli, tmp_path, cluster_file, strategy):
+    """The workers' forward pass read 'head/w/read' on the ps task, sent whenever it ran:
+    before the step's rescaling assign, where one device's snapshot aliases the variable and
+    sees it (verify failed by 4e-01; apply exited 0)."""
+    model = popart_ref(tmp_path / "m.meta")
+    code, out, err = run_cli("verify", model, "--strategy", strategy, "--cluster", cluster_file,
+                             "--feeds", model + ".npz", "--batch-size", 16, "--steps", 3)
+    assert code == 0 and "PASS" in out, out + err

@@ -184,3 +184,49 @@ def test_a_transformed_graph_s_step_loss_is_the_one_the_user_named(tmp_path):
     assert [s.loss for s in training.analyze(ir).steps] == ["loss:0"]
     strategies.transform(ir, "allreduce", devices=["/device:CPU:0", "/device:CPU:1"])
     assert [s.loss for s in training.analyze(ir).steps] == ["loss:0"]
+
+
+def wgan_clipping(path):
+    """The original WGAN recipe: RMSProp on the critic and the generator, and the critic's
+    weights clipped by ``clip_D = [p.assign(tf.clip_by_value(p, -0.01, 0.01)) ...]``, run as
+    ``sess.run([D_solver, clip_D])``: both in the 'train_op' collection, then G_solver."""
+    from conftest import export_classifier
+
+    def dense(x, name, n_in, n_out):
+        w = tf1.get_variable(name + "/w", [n_in, n_out])
+        return tf.matmul(x, w) + tf1.get_variable(name + "/b", [n_out],
+                                                  initializer=tf1.zeros_initializer())
+
+    def build(x, y):
+        with tf1.variable_scope("G"):
+            fake = dense(tf.nn.relu(dense(x[:, :4], "h", 4, 8)), "out", 8, 8)
+
+        def critic(v, reuse):
+            with tf1.variable_scope("D", reuse=reuse):
+                return dense(tf.nn.relu(dense(v, "h", 8, 8)), "out", 8, 1)
+        d_real, d_fake = critic(x, False), critic(fake, True)
+        d_loss = tf.identity(tf.reduce_mean(d_fake) - tf.reduce_mean(d_real), name="d_loss")
+        g_loss = tf.identity(-tf.reduce_mean(d_fake), name="g_loss")
+        theta_d, theta_g = tf1.trainable_variables("D"), tf1.trainable_variables("G")
+        d_solver = tf1.train.RMSPropOptimizer(5e-3).minimize(d_loss, var_list=theta_d)
+        g_solver = tf1.train.RMSPropOptimizer(5e-3).minimize(g_loss, var_list=theta_g)
+        clip_d = [p.assign(tf.clip_by_value(p, -0.01, 0.01)) for p in theta_d]
+        tf1.add_to_collection("train_op", d_solver)
+        tf1.add_to_collection("train_op", tf.group(*clip_d, name="clip_D"))
+        return g_solver
+    return export_classifier(path, build)
+
+
+def test_a_steps_loss_is_what_its_optimizer_differentiates_not_a_clipping(tmp_path, run_cli):
+    """The critic's variables were first written by clip_D, so D_solver's step found no loss
+    and clip_D's step, which applies no gradient, took the critic's: verify compared d_loss
+    read beside the clipping (a false FAIL where the reads raced with it)."""
+    model = wgan_clipping(tmp_path / "wgan.meta")
+    steps = training.analyze(metagraph.load(model)).steps
+    assert {s.name: s.loss for s in steps} == {"RMSProp": "d_loss:0", "clip_D": None,
+                                               "RMSProp_1": "g_loss:0"}
+    code, out, err = run_cli("verify", model, "--strategy", "allreduce", "--replicas", 2,
+                             "--feeds", model + ".npz", "--batch-size", 16, "--steps", 2)
+    assert code == 0 and "PASS" in out, out + err
+    assert any(line.split()[1:2] == ["RMSProp"] and "-" not in line.split()[2:]
+               for line in out.splitlines() if line.strip().startswith("1 ")), out
