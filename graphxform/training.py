@@ -391,7 +391,7 @@ def _step(ir: GraphIR, name: str, closure: set, variables: dict) -> "Step":
     """The Step of train op ``name``; tower code's (graphxform/towers.py) lists its towers'
     losses instead of one loss."""
     towers = sorted({t for v in variables.values() if v.gradient and v.gradient.towers
-                     and v.updates and v.updates[0] in closure for t in v.gradient.towers})
+                     and v.applied_in(closure) for t in v.gradient.towers})
     if towers:
         losses = tuple(dict.fromkeys(loss for t in towers for loss in [
             scope_loss(ir, gradient_scope(parse_tensor(t)[0]))] if loss))
@@ -427,9 +427,10 @@ def scope_loss(ir: GraphIR, scope: str) -> str | None:
 def _step_loss(ir: GraphIR, step: str, closure: set, variables: dict) -> str | None:
     """The loss a step minimises: the ``ys`` of the tf.gradients call whose gradients its
     updates apply (``Variable.applied_by``; whatever else writes those variables, a weight
-    clipping run as a step of its own, applies no gradient). tf.gradients starts from ``<scope>grad_ys_0`` (a Fill of ones), read by the
-    gradient of the op that made ys; Identity-like ops pass the gradient through unnamed, so the
-    walk climbs from that op through Identity/AddN consumers to the tensor the user named."""
+    clipping run as a step of its own, applies no gradient). tf.gradients starts from
+    ``<scope>grad_ys_0`` (a Fill of ones), read by the gradient of the op that made ys;
+    Identity-like ops pass the gradient through unnamed, so the walk climbs from that op
+    through Identity/AddN consumers to the tensor the user named."""
     scopes = sorted({gradient_scope(n) for v in variables.values() if v.applied_in(closure)
                      for t in v.gradient.tensors for n in [parse_tensor(t)[0]]} - {None})
     if not scopes and step in ir and ir.op(parse_tensor(step)[0]) == "Identity":

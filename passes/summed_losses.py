@@ -75,8 +75,7 @@ def seed_of(tg, step) -> str | None:
     """``<scope>grad_ys_0``, the one seed of the one tf.gradients call whose gradients the
     step's updates apply (names of the input graph), or None."""
     scopes = {gradient_scope(parse_tensor(t)[0]) for v in tg.variables.values()
-              if v.gradient and v.updates and v.updates[0] in step.closure
-              for t in v.gradient.tensors}
+              if v.applied_in(step.closure) for t in v.gradient.tensors}
     if len(scopes) != 1 or None in scopes:
         return None
     scope = scopes.pop()
