@@ -142,3 +142,19 @@ def _const_int(ir, name: str) -> int | None:
     from graphxform.nodes import const_value  # TF's protos: not at import (training's)
     value = const_value(ir, name)
     return int(value) if value is not None and value.ndim == 0 else None
+
+
+
+def queue_runners(ir) -> dict:
+    """queue node -> the enqueue ops its QueueRunners run, one per thread (the graph's
+    ``queue_runners`` collection, as ``tf.compat.v1.train.start_queue_runners`` reads it)."""
+    collection = ir.meta.collection_def.get("queue_runners")
+    if collection is None or not collection.HasField("bytes_list"):
+        return {}
+    from tensorflow.core.protobuf import queue_runner_pb2  # TF's protos: not at import
+    found = {}
+    for raw in collection.bytes_list.value:
+        runner = queue_runner_pb2.QueueRunnerDef.FromString(raw)
+        queue = runner.queue_name.split(":")[0]
+        found.setdefault(queue, []).extend(n.split(":")[0] for n in runner.enqueue_op_name)
+    return found

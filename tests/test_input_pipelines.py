@@ -204,3 +204,53 @@ def test_launched_workers_each_read_the_batch_and_train_on_their_slice(run_cli, 
     got = [float(x) for x in re.findall(r"^step \d+  loss (\S+)$", out, re.M)]
     np.testing.assert_allclose(got, losses, rtol=1e-5)
     assert_launched_tasks_gone(out)
+
+
+def census_graph(path, rows=256):
+    """The TF1 wide-and-deep (census) recipe: a CSV read by string_input_producer +
+    TextLineReader + decode_csv, batched by shuffle_batch (queue runners all along)."""
+    xs, ys = _examples(rows)
+    csv = str(path) + ".csv"
+    with open(csv, "w") as f:
+        f.writelines(",".join(f"{v:.5f}" for v in x) + f",{y}\n" for x, y in zip(xs, ys))
+
+    def build(tf, tf1):
+        files = tf1.train.string_input_producer([csv], shuffle=False)
+        _, line = tf1.TextLineReader().read(files)
+        columns = tf1.decode_csv(line, record_defaults=[[0.0]] * 8 + [[0]])
+        x, y = tf.stack(columns[:8]), tf.cast(columns[8], tf.int64)
+        xs, ys = tf1.train.shuffle_batch([x, y], batch_size=16, capacity=128,
+                                         min_after_dequeue=32, seed=3)
+        _model_and_step(tf1, xs, ys)
+    return _export(build, path)
+
+
+def _cluster_file(tmp_path):
+    cluster = tmp_path / "cluster.json"  # verify starts its own servers on free ports
+    cluster.write_text('{"ps": ["127.0.0.1:23010"], "worker": ["127.0.0.1:23011", '
+                       '"127.0.0.1:23012"]}')
+    return cluster
+
+
+def test_ps_trains_a_queue_runner_pipeline_like_one_device(run_cli, tmp_path):
+    # train.batch's queue is input, not a token queue of the workers' barrier: it was refused
+    # ("takes 16 token(s) from 'batch/fifo_queue' per step, but the tasks' steps put 0")
+    _passes(run_cli, "--strategy", "ps", "--cluster", _cluster_file(tmp_path), "--steps", 3,
+            queue_graph(tmp_path / "m.meta"))
+
+
+@pytest.mark.parametrize("strategy", [["--strategy", "ps", "--cluster"],
+                                      ["--strategy", "allreduce", "--replicas"]])
+def test_shuffle_batch_is_accepted_and_verify_names_its_racing_threads(run_cli, tmp_path,
+                                                                       strategy):
+    model = census_graph(tmp_path / "m.meta")
+    how = strategy + [_cluster_file(tmp_path) if "ps" in strategy else 2]
+    code, _, err = run_cli("apply", *how, model, "-o", tmp_path / "out.meta")
+    assert code == 0, err
+    ir = metagraph.load(model)
+    reasons = " ".join(equivalence.mismatch_reasons(ir, training.analyze(ir)))
+    assert "race to fill its queues (shuffle_batch/random_shuffle_queue: a RandomShuffle" \
+        in reasons
+    batched = metagraph.load(queue_graph(tmp_path / "b.meta"))  # one thread, FIFO: repeats
+    assert "race" not in " ".join(equivalence.mismatch_reasons(batched,
+                                                               training.analyze(batched)))
