@@ -254,3 +254,96 @@ def test_shuffle_batch_is_accepted_and_verify_names_its_racing_threads(run_cli, 
     batched = metagraph.load(queue_graph(tmp_path / "b.meta"))  # one thread, FIFO: repeats
     assert "race" not in " ".join(equivalence.mismatch_reasons(batched,
                                                                training.analyze(batched)))
+
+
+def fed_queue_graph(path, queue_runner=False):
+    """The TF1 recipe whose own loop fills the queue: `sess.run(enqueue, feed_dict=...)`, then
+    the train op, which dequeues a batch (optionally with a QueueRunner of that enqueue)."""
+    def build(tf, tf1):
+        x = tf1.placeholder(tf.float32, [None, 8], name="x")
+        y = tf1.placeholder(tf.int64, [None], name="y")
+        queue = tf1.FIFOQueue(256, [tf.float32, tf.int64], shapes=[[8], []], name="input_queue")
+        enqueue = queue.enqueue_many([x, y], name="enqueue")
+        if queue_runner:
+            tf1.train.add_queue_runner(tf1.train.QueueRunner(queue, [enqueue]))
+        _model_and_step(tf1, *queue.dequeue_many(16, name="batch"))
+    return _export(build, path)
+
+
+def blocking_graph(path):
+    """A step that waits for ever: it puts one example into the queue it takes 4 from."""
+    def build(tf, tf1):
+        queue = tf1.FIFOQueue(64, [tf.float32, tf.int64], shapes=[[8], []], name="q")
+        with tf.control_dependencies([queue.enqueue([tf.ones([8]), tf.constant(1, tf.int64)])]):
+            x, y = queue.dequeue_many(4)
+        _model_and_step(tf1, x, y)
+    return _export(build, path)
+
+
+@pytest.mark.parametrize("queue_runner", [False, True])
+def test_a_queue_the_training_loop_fills_is_refused_by_run_and_verify(run_cli, tmp_path,
+                                                                      queue_runner):
+    # run and verify hung for ever on it, deaf to SIGTERM; apply keeps it (the user's loop
+    # still fills the queue through the placeholders, which keep their names)
+    model = fed_queue_graph(tmp_path / "m.meta", queue_runner)
+    xs, ys = _examples(64)
+    np.savez(tmp_path / "feeds.npz", x=xs, y=ys)
+    why = ("its queue runner runs 'enqueue', which needs placeholder 'x' fed" if queue_runner
+           else "is filled only by 'enqueue', which a training loop runs with a feed dict")
+    for command in (["run", "--steps", 2], ["verify", "--replicas", 2]):
+        code, _, err = run_cli(*command, model, "--feeds", tmp_path / "feeds.npz")
+        assert code == 1
+        assert "cannot run the graph: queue 'input_queue' (read by 'batch')" in err
+        assert why in err
+        assert len(err.strip().splitlines()) == 1
+    assert run_cli("apply", "--replicas", 2, model, "-o", tmp_path / "out.meta")[0] == 0
+
+
+def test_a_step_that_blocks_stops_at_the_timeout_in_one_line(run_cli, tmp_path):
+    code, _, err = run_cli("run", blocking_graph(tmp_path / "m.meta"), "--timeout", 1)
+    assert code == 1
+    assert "did not finish in 1 s (--timeout), so TensorFlow stopped it" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def _cpu_time(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/stat"), reason="Linux /proc")
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_blocked_run_dies_promptly_on_a_signal_leaving_nothing(tmp_path, sig):
+    """A run blocked inside TF heard no signal before (Python runs a handler only back in the
+    main thread); now it stops at once, says so in one line, and writes no checkpoint."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    model = blocking_graph(tmp_path / "m.meta")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    proc = subprocess.Popen([sys.executable, "-m", "graphxform", "run", model, "--save",
+                             tmp_path / "ck" / "model"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        before, deadline = -1, time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(1)  # blocked: its CPU time stands still (importing TF moves it)
+            now = _cpu_time(proc.pid)
+            if now == before:
+                break
+            before = now
+        assert proc.poll() is None, proc.communicate()
+        proc.send_signal(getattr(signal, sig))
+        out, err = proc.communicate(timeout=15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 128 + getattr(signal, sig)
+    lines = [line for line in err.splitlines() if line.startswith("graphxform")]
+    assert lines == ["graphxform: interrupted" if sig == "SIGINT"
+                     else "graphxform: stopped by SIGTERM"], err
+    assert not (tmp_path / "ck").exists()
