@@ -15,7 +15,7 @@ import traceback
 import click
 
 from graphxform import cleanup, tf_import
-from graphxform.runtime.servers import DEFAULT_TIMEOUT_S
+from graphxform.runtime.servers import DEFAULT_TIMEOUT_S, LOCAL_TIMEOUT_S
 from graphxform.errors import GraphxformError, clip
 
 EXIT_ERROR = 1
@@ -491,10 +491,10 @@ def _prepare_dump_dir(dump_dir: str) -> None:
               "TF_CONFIG).")
 @click.option("--task", "task_index", type=click.IntRange(min=0),
               help="cluster graphs: this task's index in its job (default: TF_CONFIG).")
-@click.option("--timeout", default=DEFAULT_TIMEOUT_S, show_default=True,
-              type=click.FloatRange(min=0, min_open=True),
-              help="cluster graphs: seconds any blocking op or wait may take before the task "
-              "stops, naming the peer that died or froze.")
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True),
+              help="seconds any blocking op or wait may take: a cluster task then stops, "
+              f"naming the peer that died or froze (default {DEFAULT_TIMEOUT_S:g}); a local "
+              f"run stops a session.run still blocked (default {LOCAL_TIMEOUT_S:g}).")
 @debug_option
 def run(model, steps, feeds, batch_size, restore, save_to, fetches, train_op, cluster_file, job,
         task_index, timeout, debug):
@@ -511,12 +511,13 @@ def run(model, steps, feeds, batch_size, restore, save_to, fetches, train_op, cl
         from graphxform.runtime import task as task_mod
         found, job, task_index = task_mod.resolve_task(cluster_file, job, task_index)
         task_mod.run_task(ir, found, job, task_index, steps, feeds=feeds, batch_size=batch_size,
-                          restore=restore, save=save_to, fetches=fetches, timeout_s=timeout,
+                          restore=restore, save=save_to, fetches=fetches,
+                          timeout_s=timeout or DEFAULT_TIMEOUT_S,
                           echo=_echo_flush, fail=_fail_now)
         from graphxform.runtime.launch import finish_child
         finish_child()
         return
-    with Runner(ir, train_op=train_op, fetches=fetches) as runner:
+    with Runner(ir, train_op=train_op, fetches=fetches, timeout_s=timeout) as runner:
         source = Feeds(runner.inputs, feeds, batch_size)
         if restore:
             runner.restore(restore)

@@ -22,7 +22,7 @@ import tempfile
 
 import numpy as np
 
-from graphxform import fetch_races, functions, training
+from graphxform import fetch_races, functions, input_pipeline, training
 from graphxform.plan import ClusterPlan
 from graphxform.errors import GraphxformError
 from graphxform.ir import GraphIR, parse_tensor
@@ -210,7 +210,31 @@ def mismatch_reasons(ir: GraphIR, tg: training.TrainingGraph, synced_batch_norm=
                        f"({_some(shuffles)}): every session reads the examples in another "
                        "order, even on one device; set a graph seed "
                        "(tf.compat.v1.set_random_seed) or the shuffle's own")
+    racing = _racing_queues(ir, tg)
+    if racing:
+        reasons.append("the input pipeline's queue runners race to fill its queues "
+                       f"({_some(racing)}): which examples a step reads depends on their "
+                       "threads' timing, even with a seed, so no two sessions read the same "
+                       "batches, even on one device (tf.compat.v1.train.batch with "
+                       "num_threads=1, or tf.data with a seeded shuffle, reads the same)")
     return reasons
+
+
+def _racing_queues(ir: GraphIR, tg) -> list[str]:
+    """The pipeline's queues whose contents depend on thread timing: a RandomShuffleQueue
+    (``shuffle_batch``) samples whatever its runners have enqueued so far, and a queue that
+    several threads fill (``num_threads`` > 1) gets their examples interleaved as they come."""
+    if not tg.pipeline:
+        return []
+    found = []
+    for queue, enqueues in sorted(input_pipeline.queue_runners(ir).items()):
+        if queue not in tg.pipeline.nodes or queue not in ir:
+            continue
+        if ir.op(queue).startswith("RandomShuffleQueue"):
+            found.append(f"{queue}: a RandomShuffleQueue")
+        elif len(enqueues) > 1:
+            found.append(f"{queue}: filled by {len(enqueues)} threads")
+    return found
 
 
 def _low_precision_sums(ir: GraphIR, tg) -> list[str]:

@@ -142,3 +142,73 @@ def _const_int(ir, name: str) -> int | None:
     from graphxform.nodes import const_value  # TF's protos: not at import (training's)
     value = const_value(ir, name)
     return int(value) if value is not None and value.ndim == 0 else None
+
+
+_QUEUE_OP = re.compile(r"(FIFO|PaddingFIFO|RandomShuffle|Priority)Queue(V2)?$")
+
+
+def queue_runners(ir) -> dict:
+    """queue node -> the enqueue ops its QueueRunners run, one per thread (the graph's
+    ``queue_runners`` collection, as ``tf.compat.v1.train.start_queue_runners`` reads it)."""
+    collection = ir.meta.collection_def.get("queue_runners")
+    if collection is None or not collection.HasField("bytes_list"):
+        return {}
+    from tensorflow.core.protobuf import queue_runner_pb2  # TF's protos: not at import
+    found = {}
+    for raw in collection.bytes_list.value:
+        runner = queue_runner_pb2.QueueRunnerDef.FromString(raw)
+        queue = runner.queue_name.split(":")[0]
+        found.setdefault(queue, []).extend(n.split(":")[0] for n in runner.enqueue_op_name)
+    return found
+
+
+def require_filled(ir, analysis) -> None:
+    """Refuse to run a graph whose steps read a queue nothing would fill (unfilled_queue)."""
+    why = unfilled_queue(ir, analysis.pipeline, analysis.train_closure)
+    if why:
+        raise GraphxformError(f"cannot run the graph: {why}")
+
+
+def unfilled_queue(ir, pipeline: InputPipeline, step_closure: set) -> str | None:
+    """Why a queue the steps read would never be filled when graphxform runs them (None when
+    each is): graphxform feeds the steps' placeholders and starts the graph's queue runners,
+    nothing else. A queue filled only by an enqueue the user's own loop runs with a feed dict
+    (``q.enqueue_many([x_ph, y_ph])``), or by a runner whose enqueue needs a placeholder fed,
+    stays empty, and the step's dequeue would wait for ever. Queues that fill a queue (a
+    ``shuffle_batch`` over a ``string_input_producer``) are followed."""
+    runners = queue_runners(ir)
+    node_table = ir.g._node
+    seen = set()
+    stack = [(r.node, None) for r in pipeline.reads] if pipeline else []
+    while stack:
+        read, via = stack.pop()
+        inputs = ir.inputs(read)
+        queue = inputs[0][0] if inputs else None
+        if queue is None or queue in seen or not _QUEUE_OP.search(node_table[queue]["op"]):
+            continue  # an iterator (its dataset fills it), or a queue already followed
+        seen.add(queue)
+        where = f"queue '{queue}' (read by '{read}'{via or ''})"
+        enqueues = runners.get(queue, [])
+        if not enqueues:
+            if any(user in step_closure for user, _ in ir.consumers(queue)
+                   if node_table[user]["op"].startswith("QueueEnqueue")):
+                continue  # the step fills it itself, from what graphxform feeds
+            fed = sorted(user for user, _ in ir.consumers(queue)
+                         if node_table[user]["op"].startswith("QueueEnqueue"))
+            by = (f"is filled only by '{fed[0]}', which a training loop runs with a feed "
+                  "dict," if fed else "is filled by nothing:")
+            return (f"{where} {by} not by a queue runner; graphxform feeds the step's inputs "
+                    "and starts the graph's queue runners only, so the step would wait for "
+                    "ever (read the input through placeholders or tf.data, or fill the queue "
+                    "with a tf.compat.v1.train.QueueRunner)")
+        for enqueue in dict.fromkeys(enqueues):
+            upstream = ir.ancestors(enqueue)
+            placeholders = sorted(n for n in upstream if node_table[n]["op"] == "Placeholder")
+            if placeholders:
+                return (f"{where}: its queue runner runs '{enqueue}', which needs placeholder "
+                        f"'{placeholders[0]}' fed, and a queue runner's thread feeds nothing, "
+                        "so the step would wait for ever (fill the queue from tensors, not "
+                        "placeholders, or read the input through placeholders or tf.data)")
+            stack += [(n, f", filled from it by '{enqueue}'") for n in upstream
+                      if node_table[n]["op"] in READ_OPS]
+    return None

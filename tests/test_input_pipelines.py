@@ -204,3 +204,146 @@ def test_launched_workers_each_read_the_batch_and_train_on_their_slice(run_cli, 
     got = [float(x) for x in re.findall(r"^step \d+  loss (\S+)$", out, re.M)]
     np.testing.assert_allclose(got, losses, rtol=1e-5)
     assert_launched_tasks_gone(out)
+
+
+def census_graph(path, rows=256):
+    """The TF1 wide-and-deep (census) recipe: a CSV read by string_input_producer +
+    TextLineReader + decode_csv, batched by shuffle_batch (queue runners all along)."""
+    xs, ys = _examples(rows)
+    csv = str(path) + ".csv"
+    with open(csv, "w") as f:
+        f.writelines(",".join(f"{v:.5f}" for v in x) + f",{y}\n" for x, y in zip(xs, ys))
+
+    def build(tf, tf1):
+        files = tf1.train.string_input_producer([csv], shuffle=False)
+        _, line = tf1.TextLineReader().read(files)
+        columns = tf1.decode_csv(line, record_defaults=[[0.0]] * 8 + [[0]])
+        x, y = tf.stack(columns[:8]), tf.cast(columns[8], tf.int64)
+        xs, ys = tf1.train.shuffle_batch([x, y], batch_size=16, capacity=128,
+                                         min_after_dequeue=32, seed=3)
+        _model_and_step(tf1, xs, ys)
+    return _export(build, path)
+
+
+def _cluster_file(tmp_path):
+    cluster = tmp_path / "cluster.json"  # verify starts its own servers on free ports
+    cluster.write_text('{"ps": ["127.0.0.1:23010"], "worker": ["127.0.0.1:23011", '
+                       '"127.0.0.1:23012"]}')
+    return cluster
+
+
+def test_ps_trains_a_queue_runner_pipeline_like_one_device(run_cli, tmp_path):
+    # train.batch's queue is input, not a token queue of the workers' barrier: it was refused
+    # ("takes 16 token(s) from 'batch/fifo_queue' per step, but the tasks' steps put 0")
+    _passes(run_cli, "--strategy", "ps", "--cluster", _cluster_file(tmp_path), "--steps", 3,
+            queue_graph(tmp_path / "m.meta"))
+
+
+@pytest.mark.parametrize("strategy", [["--strategy", "ps", "--cluster"],
+                                      ["--strategy", "allreduce", "--replicas"]])
+def test_shuffle_batch_is_accepted_and_verify_names_its_racing_threads(run_cli, tmp_path,
+                                                                       strategy):
+    model = census_graph(tmp_path / "m.meta")
+    how = strategy + [_cluster_file(tmp_path) if "ps" in strategy else 2]
+    code, _, err = run_cli("apply", *how, model, "-o", tmp_path / "out.meta")
+    assert code == 0, err
+    ir = metagraph.load(model)
+    reasons = " ".join(equivalence.mismatch_reasons(ir, training.analyze(ir)))
+    assert "race to fill its queues (shuffle_batch/random_shuffle_queue: a RandomShuffle" \
+        in reasons
+    batched = metagraph.load(queue_graph(tmp_path / "b.meta"))  # one thread, FIFO: repeats
+    assert "race" not in " ".join(equivalence.mismatch_reasons(batched,
+                                                               training.analyze(batched)))
+
+
+def fed_queue_graph(path, queue_runner=False):
+    """The TF1 recipe whose own loop fills the queue: `sess.run(enqueue, feed_dict=...)`, then
+    the train op, which dequeues a batch (optionally with a QueueRunner of that enqueue)."""
+    def build(tf, tf1):
+        x = tf1.placeholder(tf.float32, [None, 8], name="x")
+        y = tf1.placeholder(tf.int64, [None], name="y")
+        queue = tf1.FIFOQueue(256, [tf.float32, tf.int64], shapes=[[8], []], name="input_queue")
+        enqueue = queue.enqueue_many([x, y], name="enqueue")
+        if queue_runner:
+            tf1.train.add_queue_runner(tf1.train.QueueRunner(queue, [enqueue]))
+        _model_and_step(tf1, *queue.dequeue_many(16, name="batch"))
+    return _export(build, path)
+
+
+def blocking_graph(path):
+    """A step that waits for ever: it puts one example into the queue it takes 4 from."""
+    def build(tf, tf1):
+        queue = tf1.FIFOQueue(64, [tf.float32, tf.int64], shapes=[[8], []], name="q")
+        with tf.control_dependencies([queue.enqueue([tf.ones([8]), tf.constant(1, tf.int64)])]):
+            x, y = queue.dequeue_many(4)
+        _model_and_step(tf1, x, y)
+    return _export(build, path)
+
+
+@pytest.mark.parametrize("queue_runner", [False, True])
+def test_a_queue_the_training_loop_fills_is_refused_by_run_and_verify(run_cli, tmp_path,
+                                                                      queue_runner):
+    # run and verify hung for ever on it, deaf to SIGTERM; apply keeps it (the user's loop
+    # still fills the queue through the placeholders, which keep their names)
+    model = fed_queue_graph(tmp_path / "m.meta", queue_runner)
+    xs, ys = _examples(64)
+    np.savez(tmp_path / "feeds.npz", x=xs, y=ys)
+    why = ("its queue runner runs 'enqueue', which needs placeholder 'x' fed" if queue_runner
+           else "is filled only by 'enqueue', which a training loop runs with a feed dict")
+    for command in (["run", "--steps", 2], ["verify", "--replicas", 2]):
+        code, _, err = run_cli(*command, model, "--feeds", tmp_path / "feeds.npz")
+        assert code == 1
+        assert "cannot run the graph: queue 'input_queue' (read by 'batch')" in err
+        assert why in err
+        assert len(err.strip().splitlines()) == 1
+    assert run_cli("apply", "--replicas", 2, model, "-o", tmp_path / "out.meta")[0] == 0
+
+
+def test_a_step_that_blocks_stops_at_the_timeout_in_one_line(run_cli, tmp_path):
+    code, _, err = run_cli("run", blocking_graph(tmp_path / "m.meta"), "--timeout", 1)
+    assert code == 1
+    assert "did not finish in 1 s (--timeout), so TensorFlow stopped it" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def _cpu_time(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/stat"), reason="Linux /proc")
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_blocked_run_dies_promptly_on_a_signal_leaving_nothing(tmp_path, sig):
+    """A run blocked inside TF heard no signal before (Python runs a handler only back in the
+    main thread); now it stops at once, says so in one line, and writes no checkpoint."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    model = blocking_graph(tmp_path / "m.meta")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    proc = subprocess.Popen([sys.executable, "-m", "graphxform", "run", model, "--save",
+                             tmp_path / "ck" / "model"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        before, deadline = -1, time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(1)  # blocked: its CPU time stands still (importing TF moves it)
+            now = _cpu_time(proc.pid)
+            if now == before:
+                break
+            before = now
+        assert proc.poll() is None, proc.communicate()
+        proc.send_signal(getattr(signal, sig))
+        out, err = proc.communicate(timeout=15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 128 + getattr(signal, sig)
+    lines = [line for line in err.splitlines() if line.startswith("graphxform")]
+    assert lines == ["graphxform: interrupted" if sig == "SIGINT"
+                     else "graphxform: stopped by SIGTERM"], err
+    assert not (tmp_path / "ck").exists()

@@ -145,7 +145,7 @@ def _check_steps(ir, result, plan, accumulators) -> int:
         if task == chief:
             continue
         takers += 1
-        tokens = [n for n in upstream if ir.op(n) in DEQUEUE_OPS]
+        tokens = [n for n in upstream if _is_token_read(ir, n)]
         if not tokens:
             result.error(f"{task}'s step '{step}' takes no token: it can start its next step "
                          "before the update of this one", [step])
@@ -197,7 +197,7 @@ def _task_of(device: str) -> str | None:
 def _check_barriers(ir, result, chief, upstreams) -> None:
     """Every dequeue of N tokens in the chief's step is fed N per step by the tasks' steps."""
     for node in upstreams.get(chief, ()):
-        if ir.op(node) != "QueueDequeueManyV2":
+        if ir.op(node) != "QueueDequeueManyV2" or not _is_token_read(ir, node):
             continue
         queue, wanted = ir.inputs(node)[0][0], const_value(ir, ir.inputs(node)[1][0])
         fed = sum(_enqueued(ir, upstream).get(queue, 0) for upstream in upstreams.values())
@@ -214,7 +214,7 @@ def _released(ir, upstream) -> dict:
     releases)."""
     found = _enqueued(ir, upstream)
     for node in upstream:
-        if ir.op(node) in DEQUEUE_OPS:
+        if _is_token_read(ir, node):
             found.pop(ir.inputs(node)[0][0], None)
     return found
 
@@ -224,13 +224,24 @@ def _enqueued(ir, upstream) -> collections.Counter:
     constants only)."""
     found = collections.Counter()
     for node in upstream:
-        if ir.op(node) not in ENQUEUE_OPS:
+        if ir.op(node) not in ENQUEUE_OPS or not _is_token_queue(ir, ir.inputs(node)[0][0]):
             continue
         queue = ir.inputs(node)[0][0]
         tokens = ir.inputs(node)[1][0] if len(ir.inputs(node)) > 1 else None
         many = ir.op(node).startswith("QueueEnqueueMany")
         found[queue] += _rows(ir, tokens) if many and tokens else 1
     return found
+
+
+def _is_token_queue(ir, queue) -> bool:
+    """Whether ``queue`` holds tokens: graphxform's passes made it (ps' and model-average's
+    token queues, hybrid's barrier). The graph's own queues are its input pipeline
+    (``tf.compat.v1.train.batch``, ``shuffle_batch``: filled by queue runners, not by steps)."""
+    return bool(ir.node(queue)["created_by"])
+
+
+def _is_token_read(ir, node) -> bool:
+    return ir.op(node) in DEQUEUE_OPS and _is_token_queue(ir, ir.inputs(node)[0][0])
 
 
 def _rows(ir, tokens) -> int:

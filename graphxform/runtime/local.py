@@ -4,15 +4,17 @@ initialise or restore, feeds from a .npz pool or synthetic ones, steps, save."""
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import numpy as np
 
-from graphxform import cluster, metagraph, training
+from graphxform import cluster, input_pipeline, metagraph, training
 from graphxform.errors import GraphxformError, tf_error_line
 from graphxform.ir import GraphIR
 from graphxform.passes.split_inputs import uneven_batch
 from graphxform.runtime import sparse_batches
 from graphxform.runtime.input_threads import InputThreads
+from graphxform.runtime.servers import LOCAL_TIMEOUT_S
 
 DEFAULT_BATCH = 32
 
@@ -272,11 +274,14 @@ class Runner:
     devices it places on are created locally."""
 
     def __init__(self, ir: GraphIR, train_op: str | None = None, fetches=(),
-                 threads: int = 0, target: str = "", config=None, steps=None):
+                 threads: int = 0, target: str = "", config=None, steps=None,
+                 timeout_s: float | None = None):
         """``target``/``config``: a TF server's session target and its ConfigProto (a cluster
         graph); by default a local session with the CPU devices the graph names. ``steps``:
         another graph's ``training.Step`` list to run here by name (verify runs the original's
-        steps and losses on the transformed graph)."""
+        steps and losses on the transformed graph). ``timeout_s`` bounds each session.run (by
+        default ``config``'s operation timeout, else LOCAL_TIMEOUT_S): TF stops a run still
+        blocked then (an input queue nothing fills any more)."""
         import tensorflow as tf
         tf1 = tf.compat.v1
         self.tf1 = tf1
@@ -285,6 +290,7 @@ class Runner:
             train_op = [s.name for s in steps]
         self.analysis = training.analyze(ir, train_op=train_op)
         self.analysis.require_train_op("run")
+        input_pipeline.require_filled(ir, self.analysis)
         self.steps = list(steps) if steps is not None else self.analysis.steps
         self.train_op = self.steps[0].op
         self.loss = self.steps[0].loss
@@ -324,12 +330,21 @@ class Runner:
                                      allow_soft_placement=True,
                                      inter_op_parallelism_threads=threads,
                                      intra_op_parallelism_threads=threads)
+        if timeout_s is None:
+            timeout_s = config.operation_timeout_in_ms / 1000 or LOCAL_TIMEOUT_S
+        self.timeout_s = timeout_s
+        self.run_options = tf1.RunOptions(timeout_in_ms=max(1, int(timeout_s * 1000)))
         self.session = tf1.Session(target, graph=self.graph, config=config)
         self.input_threads = InputThreads(self.graph, self.session)
+        self._in_flight = None  # the thread of a session.run a signal left running
 
     def close(self):
+        """Stop the input threads and close the session, which cancels a run still in
+        flight (one a signal interrupted) and lets its thread end."""
         self.input_threads.stop()
         self.session.close()
+        if self._in_flight is not None:
+            self._in_flight.join(5)
 
     def __enter__(self):
         return self
@@ -393,11 +408,38 @@ class Runner:
     def _run(self, names, feed) -> list:
         import tensorflow as tf
         try:
-            return self.session.run(names, feed)
+            return self._interruptible(names, feed)
+        except tf.errors.DeadlineExceededError as e:
+            what = names[0] if isinstance(names, list) else getattr(names, "name", names)
+            raise GraphxformError(f"running '{what}' did not finish in {self.timeout_s:g} s "
+                                  "(--timeout), so TensorFlow stopped it: something it waits "
+                                  "on (an input queue's dequeue, say) never came "
+                                  f"({tf_error_line(e)})") from None
         except tf.errors.OpError as e:
             raise GraphxformError(_explain(e)) from None
         except (ValueError, TypeError) as e:  # a feed TF's client refuses before running
             raise GraphxformError(f"cannot feed the graph: {tf_error_line(e)}") from None
+
+    def _interruptible(self, names, feed):
+        """``session.run`` in a thread of its own while this one waits: a signal's handler
+        runs only once the main thread is back in Python, which a run blocked inside TF
+        never is; a wait on a thread is interrupted (a Terminated raised here, and close()
+        cancels the run)."""
+        box = {}
+
+        def run():
+            try:
+                box["value"] = self.session.run(names, feed, options=self.run_options)
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+                box["error"] = e
+        thread = threading.Thread(target=run, name="graphxform-session-run", daemon=True)
+        self._in_flight = thread
+        thread.start()
+        thread.join()
+        self._in_flight = None
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
 
     def _check_batch(self, feed):
         if self.replicas <= 1:

@@ -19,6 +19,7 @@ from graphxform.errors import GraphxformError
 
 LOCALHOST = "127.0.0.1"
 DEFAULT_TIMEOUT_S = 120.0
+LOCAL_TIMEOUT_S = 600.0  # one session.run of a local Runner (a step of a large model on CPUs)
 
 
 # ---------------------------------------------------------------- addresses and files

@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from graphxform import metagraph, training
+from graphxform import input_pipeline, metagraph, training
 from graphxform.cluster import Cluster
 from graphxform.plan import CLUSTER_COLLECTION, ClusterPlan
 from graphxform.runtime import faults, servers
@@ -85,7 +85,9 @@ class TaskRunner:
         self.timeout_s = timeout_s
         self.tf_timeout_s = timeout_s + faults.GRACE_S if on_stuck else timeout_s
         self.fetches = list(fetches)
-        self.inputs = training.analyze(ir).inputs
+        analysis = training.analyze(ir)
+        input_pipeline.require_filled(ir, analysis)
+        self.inputs = analysis.inputs
         self.steps_run = 0
         self.watchdog = faults.Watchdog(self._stuck) if on_stuck else None
         self.on_stuck = on_stuck
