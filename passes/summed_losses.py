@@ -64,11 +64,27 @@ def summed_loss(ir, step) -> bool:
         return False
     node, port = parse_tensor(step.loss)
     copy = replica_prefix(0) + node
-    if copy not in ir:
+    if copy not in ir or not _may_be_sum(ir, copy):
         return False
     copies = [n for n in ir.ancestors(copy) if n.startswith(replica_prefix(0))]
     values = replica_values.classify(ir, replica_prefix(0), copies=copies)
     return values.of(copy, port) == replica_values.SUM
+
+
+_SUMS = {"Sum", "L2Loss", "AddN", "AddV2", "Add", "Sub"}
+_SCALINGS = {"Identity", "Snapshot", "Neg", "Mul", "RealDiv", "Div", "DivNoNan", "Cast"}
+
+
+def _may_be_sum(ir, node: str, depth: int = 0) -> bool:
+    """Whether ``node`` could be a sum over the batch: a Sum, L2Loss, addition or difference,
+    reached through scalings. A cheap filter before the classification, which costs a walk over the
+    whole forward pass (a mean loss, the common case, is passed over at once); the contract
+    classifies every loss again, so a sum this filter missed is refused, never trained."""
+    op = ir.op(node)
+    if op in _SUMS or depth > 16:
+        return True
+    inputs = ir.inputs(node)
+    return op in _SCALINGS and any(_may_be_sum(ir, src, depth + 1) for src, _ in inputs[:2])
 
 
 def seed_of(tg, step) -> str | None:
