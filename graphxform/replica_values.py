@@ -684,8 +684,12 @@ WEIGHT_OPS = frozenset({"Reshape", "ExpandDims", "Squeeze", "Cast", "StopGradien
                         "BroadcastTo", "Tile"})
 
 
+_EXTREME_OPS = {"Maximum": MAX, "Minimum": MIN}
+
+
 def _linear_combination(op: str, classes) -> str:
-    """Means, sums and counts through +, -, * and / by identical values (and sum / count)."""
+    """Means, sums and counts through +, -, * and / by identical values (and sum / count);
+    maxima (minima) through Maximum (Minimum) with identical values or each other."""
     others = [c for c in classes if c != IDENTICAL]
     kinds = set(others)
     if op in _ADDITIVE:
@@ -696,6 +700,9 @@ def _linear_combination(op: str, classes) -> str:
     elif op in _MULTIPLY:
         if len(others) == 1 and others[0] in LINEAR:
             return others[0]
+    elif op in _EXTREME_OPS:  # max(c, max_r m_r) = max_r max(c, m_r): a running maximum
+        if kinds == {_EXTREME_OPS[op]}:
+            return _EXTREME_OPS[op]
     elif op in DIVIDE_OPS and len(classes) == 2:
         top, bottom = classes
         if bottom == IDENTICAL and top in LINEAR:

@@ -234,6 +234,33 @@ def test_an_extreme_of_the_batch_is_the_whole_batch_s(run_cli, tmp_path):
     assert code == 0 and "PASS" in out, out + err
 
 
+def running_activation_range(path):
+    """Quantization-aware training's range: the largest activation seen so far,
+    ``rmax.assign(tf.maximum(rmax, tf.reduce_max(h)))``, read by a fake-quant op after its
+    update (refused: the Maximum of the state and the batch's max was no max class)."""
+    def build(tf, tf1, x):
+        h = tf.nn.relu(_regression(tf, tf1, x))
+        rmax = tf1.get_variable("rmax", [], trainable=False, initializer=tf1.zeros_initializer())
+        update = tf1.assign(rmax, tf.maximum(rmax, tf.reduce_max(h)))
+        with tf.control_dependencies([update]):
+            quantized = tf.quantization.fake_quant_with_min_max_vars(
+                h, 0.0, tf.maximum(rmax, 1e-3))
+        train = tf1.train.GradientDescentOptimizer(0.1).minimize(tf.reduce_mean(quantized))
+        tf1.add_to_collection("train_op", train)
+    return _export(path, build, lambda rng: {})
+
+
+@pytest.mark.parametrize("strategy", [("--replicas", 2), ("--strategy", "ps", "--cluster")])
+def test_a_running_maximum_is_the_whole_batch_s(run_cli, tmp_path, strategy):
+    if "ps" in strategy:
+        cluster = tmp_path / "cluster.json"
+        cluster.write_text(json.dumps(SPEC))
+        strategy += (cluster,)
+    model = running_activation_range(tmp_path / "m.meta")
+    code, out, err = _verify(run_cli, model, *strategy)
+    assert code == 0 and "PASS" in out and "rmax" in out, out + err
+
+
 def in_a_cond(path, what):
     """An update inside tf.cond (control flow v2, TF2's default) after the optimizer's: a
     count of the examples from the batch, or Lookahead's sync of the weights into a slow copy,
