@@ -605,9 +605,11 @@ def verify_command(model, steps, feeds, batch_size, fetches, rtol, debug, **opti
     compare every variable and each step's loss (a cluster graph runs on its cluster's servers,
     started in this process on 127.0.0.1)."""
     from graphxform import equivalence
-    original, ir, _ = _transform(model, options)
+    original, ir, pipeline = _transform(model, options)
+    unmerged = [name for t in pipeline.timings for name in t.summary.get("unmerged", ())]
     report = equivalence.compare(original, ir, feeds, steps=steps, batch_size=batch_size,
-                                 fetches=fetches, rtol=rtol, train_op=options["train_op"])
+                                 fetches=fetches, rtol=rtol, train_op=options["train_op"],
+                                 unmerged=unmerged)
     click.echo(equivalence.format_report(report))
     if not report.ok:
         sys.exit(EXIT_ERROR)

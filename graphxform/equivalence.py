@@ -402,10 +402,13 @@ def _drawn_per_example(ir: GraphIR, name: str, from_inputs: set, fixed: set) -> 
 
 def compare(original: GraphIR, transformed: GraphIR, feeds_path: str | None = None,
             steps: int = 5, batch_size: int | None = None, fetches=(), rtol: float = 1e-5,
-            train_op: str | None = None) -> Report:
+            train_op: str | None = None, unmerged=frozenset()) -> Report:
+    """``unmerged``: the original names the transformed graph serves from replica 0's copy
+    (merge-fetches' summary): a fetch of one is named among the reasons, and a tower's loss
+    among them is not compared."""
     tg = training.analyze(original, train_op=train_op)
     tg.require_train_op("verify")
-    fetches = list(fetches)
+    fetches = [_tensor_of(original, name) for name in fetches]
     _require_numbers(original, fetches)
     feeds = Feeds(needed_inputs(original, tg.inputs, fetches), feeds_path, batch_size)
     with tempfile.TemporaryDirectory(prefix="graphxform-verify-") as tmp:
@@ -426,10 +429,16 @@ def compare(original: GraphIR, transformed: GraphIR, feeds_path: str | None = No
         if max(d.scaled for d in variables) > rtol and _reorderable(original, tg):
             noise = _reordered_noise(original, tg, feeds, start, steps,
                                      (expected, initial, floor))
-    step_losses = {s.name: [(b.losses[s.name], a.losses[s.name]) for b, a in zip(before, after)]
-                   for s in tg.steps}
+    unmerged = set(unmerged)
+    first_only = {s.name for s in tg.steps
+                  if any(parse_tensor(t)[0] in unmerged for t in s.towers)}
+    step_losses = {s.name: [(b.losses[s.name], None if s.name in first_only else a.losses[s.name])
+                            for b, a in zip(before, after)] for s in tg.steps}
     series = [compare_series(s.loss, [b for b, _ in step_losses[s.name]],
                              [a for _, a in step_losses[s.name]]) for s in tg.steps if s.loss]
+    towers = [t for s in tg.steps for t in s.towers if parse_tensor(t)[0] not in unmerged]
+    series += [compare_series(t, [b.towers[t] for b in before], [a.towers[t] for a in after])
+               for t in dict.fromkeys(towers)]
     series += [compare_series(name, [b.fetches[name] for b in before],
                               [a.fetches[name] for a in after]) for name in fetches]
     plan = ClusterPlan.from_ir(transformed)
@@ -454,6 +463,14 @@ def compare(original: GraphIR, transformed: GraphIR, feeds_path: str | None = No
         reasons.append("--async: each worker applies its own gradient when it is ready, so "
                        "updates interleave in no fixed order")
     reasons += [race.describe() for race in fetch_races.races(original, tg, fetches)]
+    first = [name for name in fetches if parse_tensor(name)[0] in unmerged]
+    losses = [t for s in tg.steps if s.name in first_only for t in s.towers
+              if parse_tensor(t)[0] in unmerged]
+    if first or losses:
+        reasons.append("the transformed graph gives replica 0's value for "
+                       f"{_some(list(dict.fromkeys(first + losses)))}, not the whole batch's: "
+                       "merge-fetches could not merge it across replicas"
+                       + (" (so the towers' losses are not compared)" if losses else ""))
     if noise is not None and noise > rtol:
         reasons.append(f"the original itself moves by up to {noise:.2e} (scaled) when each "
                        "batch's examples come in reverse order, which for per-example work "
@@ -465,6 +482,19 @@ def compare(original: GraphIR, transformed: GraphIR, feeds_path: str | None = No
 
 
 _NOT_NUMBERS = {7: "string", 20: "resource", 21: "variant"}  # DataType enum values
+
+
+def _tensor_of(ir: GraphIR, name: str) -> str:
+    """``name`` as a tensor: an op's name is its output 0 (fetched as an op, it gives None on
+    both sides, which would compare equal whatever the graphs compute); refuses an op
+    without outputs."""
+    from graphxform import opdefs
+    if ":" in name or name not in ir:
+        return name
+    if not opdefs.num_outputs(ir, name):
+        raise GraphxformError(f"cannot compare fetch '{name}': {ir.op(name)} has no outputs "
+                              "(verify compares values; `graphxform run --fetch` runs ops)")
+    return name + ":0"
 
 
 def _require_numbers(ir: GraphIR, fetches: list) -> None:

@@ -238,6 +238,9 @@ def transform(ir, strategy: str = "allreduce", devices=None, train_op: str | Non
         from graphxform import contract
         require_single_device(ir)
         contract.check_input(ir, ctx.training)
+    if len(devices) > 1:  # the input's towers, before replicate renames them (merge-fetches)
+        from graphxform import towers
+        ctx.state["towers"] = towers.layout(ir, ctx.training)
     pipeline = STRATEGIES[strategy](**options)
     pipeline.run(ir, ctx)
     with ir.indexed_by_op():  # the graph changes no more

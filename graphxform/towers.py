@@ -19,12 +19,24 @@ provided that (checked here, else refused):
   weights.
 
 The towers' gradients are reduced after they are averaged (``training.Gradient.towers`` holds
-the born ones). A batch whose slices do not divide by T fails in the tower's split at run time
-(``uneven_towers``)."""
+the born ones). A fed batch whose slices do not divide by T is refused before it runs
+(``uneven_feed``); one read from an input pipeline fails in the tower's split, which
+``uneven_towers`` says in one line. A fixed batch is refused at apply time (split-inputs): TF
+folded the part's size into the towers' constants (a mean's divisor), which a replica's part
+does not have.
+
+A tower's own values (its loss, its logits) are another matter: the single device's tower t
+holds rows [tB/T, (t+1)B/T), replica r's tower t part t of replica r's slice. The batch is N*T
+pieces; piece k is tower k % T of replica k // T, and the single device's part t is pieces
+[tN, (t+1)N). ``layout`` finds, for each value a tower computes from its part alone, the node of
+every other tower that computes the same function of its own part (``tower_hash``), which
+merge-fetches serves the single device's value from (passes/merge_fetches.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import re
 
 from graphxform.errors import ContractError
 from graphxform.ir import parse_tensor, tensor_name
@@ -149,9 +161,10 @@ def _towers(ir, var, sources, memo: dict) -> dict:
     return towers
 
 
-def _parts_read(ir, node: str, sources, memo: dict) -> frozenset:
+def _parts_read(ir, node: str, sources, memo: dict, whole: bool = False) -> frozenset:
     """(split, index) of each output of a Split of a batch source along axis 0 that ``node``'s
-    value reads (through data inputs; ``memo`` is shared between calls)."""
+    value reads (through data inputs; ``memo`` is shared between calls). ``whole``: a batch
+    source read other than through such a split counts too, as (source, None)."""
     stack, expanded = [node], set()
     while stack:
         name = stack[-1]
@@ -167,7 +180,12 @@ def _parts_read(ir, node: str, sources, memo: dict) -> frozenset:
         stack.pop()
         found = set()
         for src, p in inputs:
-            found |= {(src, p)} if _is_batch_split(ir, src, sources) else memo.get(src, set())
+            if _is_batch_split(ir, src, sources):
+                found.add((src, p))
+            elif whole and src in sources:
+                found.add((src, None))
+            else:
+                found |= memo.get(src, set())
         memo[name] = frozenset(found)
     return memo[node]
 
@@ -228,3 +246,103 @@ def _tower_losses(ir, var) -> list[str]:
                 f"that '{tensor}' differentiates was not found")
         losses.append(loss)
     return losses
+
+
+@dataclasses.dataclass
+class Layout:
+    """Where the input graph's tower values are: ``count`` towers, the ``splits`` of the batch
+    into their parts, ``part``: node -> the index of the one part it reads (and no other batch
+    data; not the insides of tf.gradients, scaled by the part's size), ``digest``: node -> its
+    ``tower_hash``, ``peers``: (part index, digest) -> a node computing that from that part."""
+    count: int
+    splits: frozenset
+    reads: dict  # split -> the batch tensor it splits
+    part: dict
+    digest: dict
+    peers: dict
+
+    def pieces(self, name: str, port: int, replicas: int) -> list | None:
+        """(replica, node, port) of each piece of what ``name:port`` holds on one device, in
+        batch order (see the module's docstring); None when it is no tower value, or a tower
+        lacks its counterpart."""
+        towers = self.count
+        if name in self.splits:
+            return [(k // towers, name, k % towers)
+                    for k in range(port * replicas, (port + 1) * replicas)]
+        part = self.part.get(name)
+        if part is None:
+            return None
+        found = []
+        for k in range(part * replicas, (part + 1) * replicas):
+            peer = self.peers.get((k % towers, self.digest[name]))
+            if peer is None:
+                return None
+            found.append((k // towers, peer, port))
+        return found
+
+
+def layout(ir, tg) -> Layout | None:
+    """The Layout of the input graph's towers, or None when it has none (or steps that split
+    the batch into different numbers of towers, or towers ``check`` refuses)."""
+    from graphxform.training import gradient_scope
+    splits = set()
+    if not tg.batch_sources:
+        return None
+    try:
+        for step in tg.steps:
+            splits |= check(ir, tg, step)
+    except ContractError:
+        return None
+    counts = {int(ir.attrs(s)["num_split"].i) for s in splits}
+    if len(counts) != 1:
+        return None
+    sources = set(tg.batch_sources)
+    reads, hashes = {}, {}
+    part, digest, peers = {}, {}, {}
+    for name in ir.nodes():
+        if gradient_scope(name) or name in splits:
+            continue
+        read = _parts_read(ir, name, sources, reads, whole=True)
+        indices = {k for _, k in read}
+        if len(indices) != 1 or not {s for s, _ in read} <= splits:
+            continue
+        part[name] = indices.pop()
+        digest[name] = tower_hash(ir, name, 0, sources, hashes).rsplit(":", 1)[0]
+        peers.setdefault((part[name], digest[name]), name)
+    reads = {split: tensor_name(*ir.input(split, 1)) for split in splits}
+    return Layout(counts.pop(), frozenset(splits), reads, part, digest, peers)
+
+
+def replica_splits(ir) -> list[tuple[str, str, int]]:
+    """(original split, input, towers) of each tower split in a transformed graph: replica 0's
+    Split along axis 0 of its slice of a batch (split-inputs' Split of input ``input``)."""
+    from graphxform.nodes import const_value
+    found = []
+    for name in ir.nodes_of({"Split"}):
+        if not name.startswith("replica_0/"):
+            continue
+        src = ir.input(name, 1)[0]
+        axis = const_value(ir, ir.input(name, 0)[0])
+        if (src.startswith("split_inputs/") and ir.op(src) == "Split"
+                and axis is not None and int(axis) == 0):
+            found.append((name[len("replica_0/"):], ir.input(src, 1)[0],
+                          int(ir.attrs(name)["num_split"].i)))
+    return found
+
+
+_UNEVEN = re.compile(r"node (replica_(\d+)/[^\s:}]+).*?Number of ways to split should evenly "
+                     r"divide the split dimension, but got split_dim 0 \(size = (\d+)\) and "
+                     r"num_split (\d+)", re.S)
+
+
+def uneven_towers(error_text: str) -> str | None:
+    """One line for a run that failed in a replica's tower split (its slice of the batch does
+    not divide into the towers); None when it failed elsewhere."""
+    found = _UNEVEN.search(error_text)
+    if found is None:
+        return None
+    node, replica, size, towers = found.groups()
+    original = node.split("/", 1)[1]
+    return (f"replica {replica}'s slice of the batch has {size} rows, which tf.split "
+            f"'{original}' cannot divide into its {towers} towers: the global batch must divide "
+            f"by the replicas times {towers}")

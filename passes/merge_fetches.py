@@ -16,6 +16,14 @@ graphxform/replica_values.py finds for its output (its docstring has the rules),
   two running totals served as sums: see _recompute); else Identity of replica 0's copy, and
   the name is listed in the summary's `unmerged`.
 
+Tower code run on one device (graphxform/towers.py) keeps its towers' values apart: the
+single device's tower t holds another part of the batch than any replica's tower t. A value a
+tower computes from its part alone is served from the pieces of the batch that part is made of
+(``towers.Layout.pieces``: copies of the towers that compute the same, on the replicas that hold
+them), merged by its class with each piece as the batch: a tower's mean loss is the mean of the
+pieces', its logits their concatenation; what combines towers (the sum of their losses) is then
+recomputed from them. A tower value of no known class stays replica 0's, listed in `unmerged`.
+
 A node with several outputs is an IdentityN of its outputs, each merged as above under
 ``merge_fetches/<name>/output_<k>`` (listed if one is served from replica 0 unknown). A node without outputs (NoOp, AssignVariableOp, ...) is a NoOp that waits on every
 replica's copy. An Identity or IdentityN of a node whose running has effects (a train op such as
@@ -74,15 +82,17 @@ class MergeFetches(Pass):
             return PassResult(modified=False)
         tg = ctx.training
         only_first = ctx.state.get("sync-init", {}).get("first_only", set())
+        single = {first + name for name in only_first}
+        step = {first + name for name in tg.train_closure}
         values = replica_values.classify(ir, first, forced=forced,
                                          gradients=_gradient_losses(ir, first, tg),
-                                         copies=copies,
-                                         single={first + name for name in only_first},
-                                         step={first + name for name in tg.train_closure})
+                                         copies=copies, single=single, step=step)
+        towers = _tower_values(ir, ctx.state.get("towers"), first, forced, copies, single,
+                               step, self._overrides(ir, first))
         steps = {parse_tensor(step.name)[0] for step in tg.steps}
         tensor_steps = [step.name for step in tg.steps if step.is_tensor]
         _losses_as_means(values, _copies_of(ir, first, [*tg.losses, *tensor_steps]), forced)
-        merge = _Merge(ir, Builder(ir, self.name), prefixes, values)
+        merge = _Merge(ir, Builder(ir, self.name), prefixes, values, towers)
         for name in originals:
             merge.node(name, effect=name in steps or first + name in values.effects,
                        only_first=name in only_first)
@@ -117,6 +127,21 @@ class MergeFetches(Pass):
                                           "output can be merged")
                 forced[(first + node, port)] = kind
         return forced
+
+
+def _tower_values(ir, layout, first: str, forced: dict, copies: list, single: set, step: set,
+                  overrides: dict):
+    """(layout, classes, names not served so) for serving tower values, or None without
+    towers: replica 0's copies classified with each part of a tower split as the batch, so
+    that a class says how a tower's value relates to its piece (a mean over it, its rows).
+    The user's overrides name tensors served as they say, not from towers."""
+    if layout is None or not any(first + split in ir for split in layout.splits):
+        return None
+    parts = {(first + split, k): replica_values.BATCH
+             for split in layout.splits for k in range(layout.count)}
+    values = replica_values.classify(ir, first, forced={**forced, **parts}, copies=copies,
+                                     single=single, step=step)
+    return layout, values, {node[len(first):] for node, _ in overrides}
 
 
 def _recompute(ir, build, first: str, unmerged: list) -> set:
@@ -246,8 +271,9 @@ def _gradient_losses(ir, first: str, tg) -> dict:
 class _Merge:
     """Collects the merged nodes by op and attrs, then adds each group with one bulk call."""
 
-    def __init__(self, ir, build: Builder, prefixes: list, values):
+    def __init__(self, ir, build: Builder, prefixes: list, values, towers=None):
         self.ir, self.build, self.prefixes, self.values = ir, build, prefixes, values
+        self.towers = towers  # _tower_values
         self.groups = {}  # (op, attr values) -> (op, attrs, rows), in the order first seen
         self.stacks = {}  # the same for the Packs that Means read (added first)
         self.counts = collections.Counter()
@@ -265,6 +291,8 @@ class _Merge:
                       ["^" + c for c in self._copies(name, only_first)])
             self._served(name, "no_outputs" if dtypes == [] else None)
             return
+        if self.towers is not None and not only_first and self._tower(name, dtypes, effect):
+            return
         values = _IDENTICAL if only_first else self.values.classes.get(first, _UNKNOWN)
         copies = None
         if len(dtypes) == 1 and values[0] != IDENTICAL:
@@ -281,6 +309,37 @@ class _Merge:
             outputs, identical = self._outputs(name, only_first, values, dtypes)
             self._add(self.groups, "IdentityN", {"T": tuple(dtypes)}, name, outputs + waits)
         self._served(name, "identical" if identical else None)
+
+    def _tower(self, name: str, dtypes: list, effect: bool) -> bool:
+        """Serve ``name`` from the pieces of the batch its tower's part is made of, merged by
+        its class as a tower computes it (_tower_values); False when it is no tower value,
+        or none of its outputs can be so served."""
+        layout, values, overridden = self.towers
+        replicas = len(self.prefixes)
+        if name in overridden or layout.pieces(name, 0, replicas) is None:
+            return False
+        first = self.prefixes[0] + name
+        read = {self.prefixes[r] + node for r, node, _ in layout.pieces(name, 0, replicas)}
+        # running a node with effects runs every replica's copy, also those no piece is of
+        waits = ["^" + c for c in self._copies(name, False) if c not in read] if effect else []
+        outputs, right = [], True
+        for port, dtype in enumerate(dtypes):
+            kind = values.of(first, port)
+            tensors = [f"{self.prefixes[r]}{node}:{p}"
+                       for r, node, p in layout.pieces(name, port, replicas)]
+            merged = name if len(dtypes) == 1 else f"{SCOPE}{name}/output_{port}"
+            if kind not in (IDENTICAL, UNKNOWN) and self._merged(
+                    merged, tensors, kind, dtype, count=False, waits=waits):
+                outputs.append(merged)
+            elif len(dtypes) == 1:
+                return False
+            else:  # the other outputs are still served right
+                outputs.append(f"{first}:{port}")
+                right = right and kind == IDENTICAL
+        if len(dtypes) > 1:
+            self._add(self.groups, "IdentityN", {"T": tuple(dtypes)}, name, outputs + waits)
+        self._served(name, "towers" if right else None)
+        return True
 
     def _outputs(self, name: str, only_first: bool, values: tuple, dtypes: list):
         """The inputs of the IdentityN serving a node with several outputs (tf.split,
@@ -335,21 +394,25 @@ class _Merge:
         return None if None in dtypes else dtypes
 
     def _merged(self, name: str, copies: list, kind: str, dtype: int,
-                count: bool = True) -> bool:
+                count: bool = True, waits=()) -> bool:
         """Add ``name``: the ConcatV2, Mean, AddN, Max or Min of the tensors ``copies`` that
         ``kind`` asks for; False when it asks for none (or the dtype allows none). ``count``:
-        count ``name`` as served (not an output of a node served whole)."""
+        count ``name`` as served (not an output of a node served whole). ``waits``: control
+        inputs it also gets."""
+        waits = list(waits)
         if kind in BATCHED and dtype not in _NOT_CONCATENABLE:
             self._add(self.groups, "ConcatV2", {"N": len(copies), "T": dtype}, name,
-                      copies + [self.axis()])
+                      copies + [self.axis()] + waits)
             how = "batch"
         elif kind == MEAN and dtype in _FLOATS or kind in EXTREMES and dtype in _NUMBERS:
             stack = name + "/stack" if name.startswith(SCOPE) else SCOPE + name + "/stack"
             self._add(self.stacks, "Pack", {"N": len(copies), "T": dtype}, stack, copies)
-            self._add(self.groups, _REDUCE_OP[kind], {"T": dtype}, name, [stack, self.axis()])
+            self._add(self.groups, _REDUCE_OP[kind], {"T": dtype}, name,
+                      [stack, self.axis()] + waits)
             how = kind
         elif kind in (SUM, COUNT) and dtype in _NUMBERS:
-            self._add(self.groups, "AddN", {"N": len(copies), "T": dtype}, name, copies)
+            self._add(self.groups, "AddN", {"N": len(copies), "T": dtype}, name,
+                      copies + waits)
             how = "sum"
         else:
             return False

@@ -37,11 +37,14 @@ class SplitInputs(Pass):
         build = Builder(ir, self.name)
         replicas = len(ctx.devices)
         split, splits, fixed = [], [], []
+        towers = ctx.state.get("towers")
         for tensor, scope, dtype, batch in _batches(ir, ctx.training):
             name = tensor[:-2] if tensor.endswith(":0") else tensor
             if batch and batch % replicas:
                 raise GraphxformError(f"input '{name}' has a fixed batch of {batch}, which "
                                       f"does not divide evenly across {replicas} replicas")
+            if batch and towers:
+                _refuse_fixed_towers(towers, tensor, name, batch, replicas)
             axis = build.const(scope + "axis", 0, np.int32)
             node = build.op(scope + "split", "Split", [axis, tensor], num_split=replicas,
                             T=dtype)
@@ -66,6 +69,28 @@ class SplitInputs(Pass):
         if states:
             summary["filled_batches"] = states
         return PassResult(modified=bool(split), summary=summary)
+
+
+def _refuse_fixed_towers(towers, tensor: str, name: str, batch: int, replicas: int) -> None:
+    """Tower code (graphxform/towers.py) on a fixed batch: TF folded the size of a tower's
+    part (batch / towers) into the towers' constants (a mean's gradient divides by it), which
+    nothing here rewrites to a replica's part; refused, as is a slice that does not divide
+    into the towers."""
+    split = next((s for s, read in sorted(towers.reads.items())
+                  if read in (tensor, tensor[:-2])), None)
+    if split is None:
+        return
+    count, slice_ = towers.count, batch // replicas
+    if slice_ % count:
+        raise GraphxformError(
+            f"input '{name}' has a fixed batch of {batch}: each of {replicas} replicas gets "
+            f"{slice_} rows, which tf.split '{split}' cannot divide into its {count} towers; "
+            f"give a batch that divides by {replicas * count}, or an unknown batch dimension")
+    raise GraphxformError(
+        f"input '{name}' has a fixed batch of {batch}, which tf.split '{split}' divides into "
+        f"{count} towers of {batch // count} rows: TensorFlow folded that size into the "
+        f"towers' constants (a mean's gradient divides by it), but a replica's tower holds "
+        f"{slice_ // count}; give '{name}' an unknown batch dimension (shape [None, ...])")
 
 
 def _batches(ir, tg):

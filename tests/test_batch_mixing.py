@@ -785,3 +785,55 @@ def test_towers_that_mix_their_part_or_differ_are_refused(run_cli, tmp_path, var
     code, _, err = run_cli("apply", "--replicas", 2, model, "-o", tmp_path / "out.meta")
     assert code == 1 and len(err.strip().splitlines()) == 1, err
     assert message in err, err
+
+
+@pytest.mark.parametrize("replicas, towers, batch", [(2, 2, 16), (3, 2, 12), (2, 4, 16)])
+def test_a_towers_values_are_served_as_one_device_computes_them(run_cli, tmp_path, replicas,
+                                                               towers, batch):
+    """One device's tower t holds rows [tB/T, (t+1)B/T), replica r's tower t part t of r's
+    slice: a tower's loss and logits (and the split's parts) are served from the pieces of
+    the batch that part is made of, so each compares (they were replica 0's); the step's
+    loss is the mean of its towers' (it was "none found"). A fetch named without a port is
+    compared as its output 0 (it was run as an op: None against None)."""
+    model = _export(tmp_path / "towers.meta", _towers(towers))
+    last = towers - 1
+    code, out, err = run_cli("verify", "--replicas", replicas, model, "--feeds",
+                             model + ".npz", "--batch-size", batch, "--steps", 2, "--fetch",
+                             f"tower_{last}/MatMul_1", "--fetch", "split:1")
+    assert code == 0 and "PASS" in out, out + err
+    for name in (f"tower_0/mul:0", f"tower_{last}/mul:0", f"tower_{last}/MatMul_1:0",
+                 "split:1"):
+        assert f"fetch {name} " in out, out
+    assert "loss: none found" not in out and "loss (transformed)" in out, out
+    assert "replica 0's value" not in out, out
+
+
+def test_a_feed_that_does_not_divide_into_replicas_and_towers_is_one_line(run_cli, tmp_path):
+    """6 rows divide by 2 replicas, but a replica's 3 do not split into 2 towers: TF's
+    'Number of ways to split should evenly divide' becomes one line naming the split."""
+    model = _export(tmp_path / "towers.meta", _towers(2))
+    code, _, err = run_cli("verify", "--replicas", 2, model, "--feeds", model + ".npz",
+                           "--batch-size", 6, "--steps", 1)
+    assert code == 1 and len(err.strip().splitlines()) == 1, err
+    assert "2 replicas x 2 towers" in err and "tf.split 'split'" in err, err
+
+
+@pytest.mark.parametrize("batch, message", [
+    (12, "each of 2 replicas gets 6 rows, which tf.split 'split' cannot divide into its 4"),
+    (16, "divides into 4 towers of 4 rows: TensorFlow folded that size")])
+def test_towers_on_a_fixed_batch_are_refused(run_cli, tmp_path, batch, message):
+    """A fixed batch folds the tower's part size into constants (the mean's gradient divides
+    by it), which would hold it in each replica's smaller part: verify failed by 5.0e-01
+    while apply exited 0; a slice that does not divide into the towers failed at import."""
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf1.placeholder(tf.float32, [batch, 8], name="x")
+        y = tf1.placeholder(tf.int64, [batch], name="y")
+        tf1.add_to_collection("train_op", _towers(4)(x, y))
+        tf1.train.export_meta_graph(str(tmp_path / "fixed.meta"), graph=graph)
+    code, _, err = run_cli("apply", "--replicas", 2, tmp_path / "fixed.meta", "-o",
+                           tmp_path / "out.meta")
+    assert code == 1 and len(err.strip().splitlines()) == 1, err
+    assert message in err, err

@@ -258,9 +258,12 @@ def replicas_of(ir: GraphIR) -> int:
 @dataclasses.dataclass
 class StepResult:
     """One ``Runner.step``: each step's loss by the step's name, in run order (None where no
-    loss was found), and the fetched values."""
+    loss was found), and the fetched values. A step of tower code (graphxform/towers.py) has
+    no loss tensor of its own: its loss is the mean of its towers' losses (equal parts, equal
+    weights: what their averaged gradients train), each of which is in ``towers``."""
     losses: dict
     fetches: dict
+    towers: dict = dataclasses.field(default_factory=dict)
 
     @property
     def loss(self) -> float | None:
@@ -295,6 +298,8 @@ class Runner:
         self.train_op = self.steps[0].op
         self.loss = self.steps[0].loss
         self.replicas = replicas_of(ir)
+        from graphxform.towers import replica_splits
+        self.tower_splits = replica_splits(ir) if self.replicas > 1 else []
         self.fetches = list(fetches)
         self.inputs = needed_inputs(ir, self.analysis.inputs, self.fetches)
         meta = metagraph.to_metagraph(ir)
@@ -320,7 +325,8 @@ class Runner:
                 self.init_op = tf.group(*[self.graph.get_operation_by_name(v.initializer)
                                           for v in self.analysis.variables.values()
                                           if v.initializer])
-            for name in self.fetches + [s.loss for s in self.steps if s.loss]:
+            for name in self.fetches + [t for s in self.steps
+                                        for t in ([s.loss] if s.loss else s.towers)]:
                 try:
                     self.graph.as_graph_element(name)
                 except (KeyError, ValueError):
@@ -396,14 +402,17 @@ class Runner:
         """Run every step once, in order, on the same feed. The fetches are read in the last
         step's ``session.run``, as a user's loop fetching them beside its train op would."""
         self._check_batch(feed)
-        losses, fetched = {}, {}
+        losses, fetched, towers = {}, {}, {}
         for index, step in enumerate(self.steps):
             extra = self.fetches if index == len(self.steps) - 1 else []
-            names = [step.name] + ([step.loss] if step.loss else []) + extra
-            values = self._run(names, feed)[1:]
-            losses[step.name] = float(np.mean(values.pop(0))) if step.loss else None
-            fetched.update(zip(extra, values))
-        return StepResult(losses, fetched)
+            own = [step.loss] if step.loss else list(step.towers)
+            values = self._run([step.name] + own + extra, feed)[1:]
+            found = [float(np.mean(v)) for v in values[:len(own)]]
+            losses[step.name] = float(np.mean(found)) if found else None
+            if not step.loss:
+                towers.update(zip(own, found))
+            fetched.update(zip(extra, values[len(own):]))
+        return StepResult(losses, fetched, towers)
 
     def _run(self, names, feed) -> list:
         import tensorflow as tf
@@ -454,6 +463,14 @@ class Runner:
                 raise GraphxformError(f"batch of {value[0]} rows for sparse input "
                                       f"'{inp.sparse}' does not divide evenly across "
                                       f"{self.replicas} replicas")
+        for split, name, towers in self.tower_splits:
+            value = feed.get(f"{name}:0")
+            if value is not None and len(value) % (self.replicas * towers):
+                raise GraphxformError(
+                    f"batch of {len(value)} rows for input '{name}' does not divide into "
+                    f"{self.replicas} replicas x {towers} towers: each replica's slice of "
+                    f"{len(value) // self.replicas} rows is split into {towers} parts "
+                    f"(tf.split '{split}'); feed a multiple of {self.replicas * towers} rows")
 
     def variable_values(self) -> dict:
         """Every global variable's value by node name (replica copies under their own names)."""
@@ -476,7 +493,8 @@ def cpus_by_job(ir: GraphIR) -> dict:
 
 def _explain(error) -> str:
     """One line for a TF runtime error, naming the node."""
-    uneven = uneven_batch(str(error))
+    from graphxform.towers import uneven_towers
+    uneven = uneven_batch(str(error)) or uneven_towers(str(error))
     if uneven:
         return uneven
     return f"TensorFlow failed at {tf_error_line(error)}"
