@@ -1,4 +1,4 @@
-"""Fetches of the original graph whose value races with the step's own updates.
+"""Reads and writes of the original graph that race with the step's own updates.
 
 A loss such as Kendall et al.'s uncertainty weighting, ``exp(-s) * L + s``, reads the
 variable ``s`` twice: once under ``Exp``, whose gradient needs that read, and once in the sum,
@@ -14,12 +14,20 @@ differ with the order too.
 Only reads the fetch's value depends on count (a read whose output only a ``ZerosLike`` takes,
 as tf_keras' RNN does for its first step's shape, changes nothing).
 
+The same holds inside the step: a write whose value comes from a read of a variable the step
+also writes elsewhere, with no order between the two (WGAN's weight clipping,
+``p.assign(tf.clip_by_value(p, -c, c))``, grouped with the critic's optimizer step), and two
+writes of one variable in no order, which leave it with either write's value. Every write of
+the variable in the step must be ordered against the read, not just one of them.
+
 A read counts as ordered before an update when a path of data or control edges leads from it
 to the update, but not through an op that reads only its input's shape (``Shape``, ``Size``,
 ``ZerosLike``, ...): Grappler folds those to constants wherever the shape is known, and the
 order goes with them (``tf.gradients`` seeds the loss's gradient with ``Fill(Shape(loss))``,
 which would otherwise order every read of the loss before every update). A read that comes
-after an update (a path from the update to it) is ordered too."""
+after an update (a path from the update to it) is ordered too. A ref variable's snapshot
+(``w/read``) aliases the variable's buffer: it runs early, and the ops that consume it read the
+variable when they run, so those consumers are what must be ordered."""
 
 from __future__ import annotations
 
@@ -29,17 +37,33 @@ from graphxform.ir import SHAPE_ONLY_OPS, GraphIR, parse_tensor
 
 # ops whose output depends on their input's shape alone (the input's value orders nothing)
 _SHAPE_READERS = SHAPE_ONLY_OPS | {"ZerosLike", "OnesLike", "VariableShape"}
+# ops that hand their input's buffer on without reading it: a ref variable's snapshot through
+# them still aliases the variable
+_ALIASING = frozenset({"Identity", "IdentityN", "Reshape", "ExpandDims", "Squeeze",
+                       "StopGradient", "PreventGradient", "Enter", "RefEnter", "Switch",
+                       "RefSwitch", "Bitcast", "RefIdentity"})
+# writes that add up the same in either order (two unordered `assign_add`s)
+_ACCUMULATING = frozenset({"AssignAdd", "AssignSub", "AssignAddVariableOp",
+                           "AssignSubVariableOp", "ScatterAdd", "ScatterSub",
+                           "ResourceScatterAdd", "ResourceScatterSub"})
 
 
 @dataclasses.dataclass(frozen=True)
 class Race:
-    fetch: str  # the fetched tensor
-    read: str  # the read no edge orders against the update
+    fetch: str  # what the step computes from the read (a fetched tensor, a write), or the step
+    read: str  # what reads the variable unordered with ``update``, or another write of it
     variable: str
     update: str  # one of the step's writes of the variable
+    kind: str = "read"  # "write": two writes; "write_reads": ``fetch`` is a write reading it
 
     def describe(self) -> str:
-        return (f"the original's '{self.fetch}' reads '{self.variable}' through "
+        if self.kind == "write":
+            return (f"the original's step '{self.fetch}' writes '{self.variable}' with "
+                    f"'{self.read}' and with '{self.update}', which nothing orders: TF runs "
+                    "the two in either order, so the variable ends the step with either one's "
+                    "value, and what reads it sees either, on one device as on several")
+        what = f"write '{self.fetch}'" if self.kind == "write_reads" else f"'{self.fetch}'"
+        return (f"the original's {what} reads '{self.variable}' through "
                 f"'{self.read}', which nothing orders before or after the step's update of it "
                 f"('{self.update}'): TF runs the two in either order, so what the read gives, "
                 "and whatever the step computes from it, is the value from before the update "
@@ -47,35 +71,120 @@ class Race:
 
 
 def races(ir: GraphIR, tg, fetches=()) -> list[Race]:
-    """Each step's loss, fetched with its train op, and each of ``fetches`` (tensor names,
-    fetched with every train op) whose read of a variable that run updates is unordered
-    against every such update; one race per variable and fetch."""
-    runs = [(step.loss, step.closure) for step in tg.steps if step.loss]
-    runs += [(fetch, tg.train_closure) for fetch in fetches]
+    """Reads and writes of a variable that one run of a step makes in no order with a write of
+    it: reads that each step's loss (fetched with its train op) or its writes' values depend
+    on, or that each of ``fetches`` (tensor names, fetched with every train op) depends on, and
+    pairs of writes; one race per variable and run."""
+    runs = [(step.name, [step.loss] if step.loss else [], step.closure, True)
+            for step in tg.steps]
+    runs += [(fetch, [fetch], tg.train_closure, False) for fetch in fetches]
     found = []
-    for fetch, run in runs:
-        node = parse_tensor(fetch)[0]
-        if node not in ir:
+    for name, outputs, run, with_writes in runs:
+        updates = {var: [u for u in v.updates if u in run and u in ir]
+                   for var, v in tg.variables.items()}
+        updates = {var: u for var, u in updates.items() if u}
+        targets = [parse_tensor(t)[0] for t in outputs]
+        targets = [t for t in targets if t in ir]
+        targets += sorted({u for us in updates.values() for u in us}) if with_writes else []
+        if not targets:
             continue
-        updates = {name: [u for u in var.updates if u in run]
-                   for name, var in tg.variables.items()}
-        reader_of = {read: name for name, var in tg.variables.items() if updates[name]
-                     for read in var.reads}
-        reads = sorted(r for r in ir.value_sources(node, stop_at=_SHAPE_READERS)
-                       if r in reader_of)
-        if not reads:
-            continue
-        writes = [u for r in reads for u in updates[reader_of[r]]]
-        before = _ordered_after(ir, ir.ancestors(node), reads + writes)
-        seen = set()
-        for read in reads:
-            variable = reader_of[read]
-            if variable in seen or any(before(read, u) or before(u, read)
-                                       for u in updates[variable]):
-                continue
-            seen.add(variable)
-            found.append(Race(fetch, read, variable, updates[variable][0]))
+        source_of = _value_sources(ir, targets)
+        label = {parse_tensor(t)[0]: t for t in outputs}  # a fetched node by its tensor
+        points = {var: [(p, t) for r in tg.variables[var].reads if r in source_of
+                        for p, t in _read_points(ir, r, source_of)]
+                  for var in updates}
+        marked = [p for ps in points.values() for p, _ in ps]
+        marked += [u for writes in updates.values() for u in writes]
+        before = _ordered_after(ir, set(run) | set(targets), marked)
+        guards = _Guards(ir)
+
+        def unordered(a, b):
+            return (a != b and not (before(a, b) or before(b, a))
+                    and not guards.exclusive(a, b))
+
+        for var, writes in sorted(updates.items()):
+            pair = next(((a, b) for i, a in enumerate(writes) for b in writes[i + 1:]
+                         if with_writes and unordered(a, b)
+                         and not {ir.op(a), ir.op(b)} <= _ACCUMULATING), None)
+            race = Race(name, pair[0], var, pair[1], kind="write") if pair else next(
+                (Race(label.get(target, target), point, var, write,
+                      kind="read" if target in label else "write_reads")
+                 for point, target in points[var] for write in writes
+                 if unordered(point, write)), None)
+            if race:
+                found.append(race)
     return found
+
+
+def _value_sources(ir: GraphIR, targets: list) -> dict:
+    """{node: the first of ``targets`` whose value depends on it} (``GraphIR.value_sources``
+    of each, in one sweep)."""
+    source_of = {}
+    for target in targets:
+        if target in source_of:
+            continue
+        source_of[target] = target
+        stack = [target]
+        while stack:
+            node = stack.pop()
+            if ir.op(node) in _SHAPE_READERS:
+                continue
+            for src, _ in ir.inputs(node):
+                if src not in source_of:
+                    source_of[src] = target
+                    stack.append(src)
+    return source_of
+
+
+def _read_points(ir: GraphIR, read: str, source_of: dict) -> list:
+    """(node, target) pairs where ``read``'s value is taken: the read itself (a resource
+    variable's ReadVariableOp copies it), or for a ref variable's snapshot the first
+    consumers through aliasing ops that some target's value depends on (not a shape read)."""
+    if ir.op(read) not in _ALIASING:
+        return [(read, source_of[read])]
+    points, seen, stack = [], {read}, [read]
+    while stack:
+        node = stack.pop()
+        for dst, _ in ir.consumers(node):
+            if dst in seen or dst not in source_of or ir.op(dst) in _SHAPE_READERS:
+                continue
+            seen.add(dst)
+            if ir.op(dst) in _ALIASING:
+                stack.append(dst)
+            else:
+                points.append((dst, source_of[dst]))
+    return points or [(read, source_of[read])]
+
+
+class _Guards:
+    """Which branch of which legacy ``tf.cond`` each node runs in: the (predicate, Switch
+    output port) pairs it depends on, short of a Merge (after which both branches meet). Two
+    nodes in opposite branches of one predicate never both run (loss scaling's reset of
+    ``good_steps`` and its increment)."""
+
+    def __init__(self, ir: GraphIR):
+        self.ir, self._of = ir, {}
+
+    def of(self, name: str) -> frozenset:
+        if name not in self._of:
+            found, seen, stack = set(), {name}, [name]
+            while stack:
+                node = stack.pop()
+                if self.ir.op(node) in ("Merge", "RefMerge"):
+                    continue
+                for src, port in self.ir.inputs(node):
+                    if self.ir.op(src) in ("Switch", "RefSwitch"):
+                        found.add((self.ir.input(src, 1), port))
+                for src in self.ir.predecessors(node):
+                    if src not in seen:
+                        seen.add(src)
+                        stack.append(src)
+            self._of[name] = frozenset(found)
+        return self._of[name]
+
+    def exclusive(self, a: str, b: str) -> bool:
+        theirs = self.of(b)
+        return any((pred, 1 - port) in theirs for pred, port in self.of(a))
 
 
 def _ordered_after(ir: GraphIR, closure: set, marked: list):

@@ -69,7 +69,8 @@ class ClusterPlan:
         if not isinstance(train_ops, list) or not all(isinstance(t, str) for t in train_ops):
             raise GraphxformError(f"{where}: 'train_ops' is not a list of names")
         for key in ("cluster", "steps"):
-            empty_ok = key == "steps" and len(train_ops) > 1  # several: one client only
+            empty_ok = key == "steps" and (len(train_ops) > 1  # several: one client only
+                                           or bool(data.get("one_client_only")))
             if not isinstance(data.get(key), dict) or not (data[key] or empty_ok):
                 raise GraphxformError(f"{where} has no '{key}'")
         Cluster(data["cluster"], source=where)  # the same checks as a cluster file

@@ -89,13 +89,14 @@ class InsertAccumulators(Pass):
         if self.asynchronous:
             region = ctx.state["share-variables"]["optimizer_region"]
             plan_steps = self._asynchronous(ir, build, grad_edges, points, steps, region)
-            chief_init = None
+            chief_init = one_client_only = None
         else:
-            plan_steps, chief_init = self._synchronous(ir, build, grad_edges, points, steps)
+            plan_steps, chief_init, one_client_only = self._synchronous(
+                ir, build, grad_edges, points, steps)
         _recolocate_shared(ir, build.takes)
         losses = build.worker_losses() if plan_steps else {}
         _write_plan(ir, ctx, workers, plan_steps, losses, chief_init, self,
-                    [s.name for s in tg.steps])
+                    [s.name for s in tg.steps], one_client_only)
         return PassResult(modified=True, summary={
             "workers": len(workers.tasks), "steps": len(steps), "statistics": statistics,
             "aggregated": len({points[t][0].name for _, _, t in grad_edges})})
@@ -117,7 +118,18 @@ class InsertAccumulators(Pass):
                         ir.add_control_input(step.entry, apply)
         handles = [a.handle for a in accumulators.values()]
         if len(steps) != 1:  # per-task plans run one step; `plan_of` refuses these graphs
-            return {}, None
+            return {}, None, None
+        staged = _staged_apply(ir, accumulators.values())
+        if staged:
+            if self.staleness:
+                raise GraphxformError(
+                    f"--staleness: '{staged}' sends a gradient computed after an update of "
+                    "the same step (a step that chains its optimizers); a stale gradient "
+                    "cannot wait on this step's update: drop --staleness")
+            return {}, None, (
+                f"'{staged}' sends a gradient computed after an update of the same step (the "
+                "step chains its optimizers), and one process per task would run that update "
+                "once per worker")
         (step,) = steps
         done = build.after_update(step.core, handles, self.staleness)
         release = build.release(done, workers.token_takers())
@@ -137,7 +149,7 @@ class InsertAccumulators(Pass):
             plan[workers.chief_task] = build.op(build.scope(workers.chief_task) + "step",
                                                 "NoOp", ["^" + (release or done)])
         chief_init = build.chief_init(handles, self.staleness, workers.token_takers())
-        return plan, chief_init
+        return plan, chief_init, None
 
     def _asynchronous(self, ir, build, grad_edges, points, steps, region):
         workers = build.workers
@@ -174,6 +186,16 @@ class InsertAccumulators(Pass):
         if plan and workers.chief is None:
             plan[workers.chief_task] = build.op(build.scope(workers.chief_task) + "step", "NoOp")
         return plan
+
+
+def _staged_apply(ir, accumulators) -> str | None:
+    """An accumulator apply that runs after some accumulator's take (a step whose later
+    optimizer's gradients wait on an earlier optimizer's update, as actor-critic code chains
+    them): one client runs it in one `session.run`, but each worker's own step would run the
+    update between them too. The first such apply, or None."""
+    accumulators = list(accumulators)
+    after = ir.descendants([a.take for a in accumulators]) if accumulators else set()
+    return next((apply for a in accumulators for apply in a.applies if apply in after), None)
 
 
 def _own_scope(update: str) -> str:
@@ -661,9 +683,11 @@ def _np(dtype_enum):
     return numpy_dtype(dtype_enum)
 
 
-def _write_plan(ir, ctx, workers, steps, losses, chief_init, options, train_ops) -> None:
+def _write_plan(ir, ctx, workers, steps, losses, chief_init, options, train_ops,
+                one_client_only=None) -> None:
     from graphxform.plan import ClusterPlan
     ClusterPlan(cluster=ctx.cluster.as_dict() if ctx.cluster is not None else {}, steps=steps,
                 losses=losses, chief=workers.chief_task, chief_init=chief_init,
                 strategy=ctx.strategy or "ps", staleness=options.staleness,
-                is_async=options.asynchronous, train_ops=list(train_ops)).write_to(ir.meta)
+                is_async=options.asynchronous, train_ops=list(train_ops),
+                one_client_only=one_client_only).write_to(ir.meta)

@@ -63,9 +63,17 @@ def aggregates(ctx) -> list[Aggregate]:
     return found
 
 
-def update_region(ir, step_ops, born_nodes) -> set:
+def update_region(ir, step_ops, born_nodes, data_dependent=frozenset()) -> set:
     """Per step, the nodes of its closure that depend on a born gradient (through data or
-    control edges, outside gradients scopes), and the step op itself."""
+    control edges, outside gradients scopes), and the step op itself.
+
+    A step may chain its optimizers (actor-critic code builds the actor's loss under
+    ``tf.control_dependencies([train_q])``): the later loss's forward pass waits on the first
+    update, but it is per-replica work of a later stage, not part of the update. So the walk
+    skips what a born gradient depends on and that reads the batch (``data_dependent``) other
+    than through a born gradient; that stage's own update is reached from its gradients."""
+    later_stages = (_ancestors(ir, born_nodes) & set(data_dependent)) - ir.data_descendants(
+        born_nodes)
     region = set()
     for step in step_ops:
         closure = ir.ancestors(step)
@@ -73,7 +81,8 @@ def update_region(ir, step_ops, born_nodes) -> set:
         seen = set(frontier)
         while frontier:
             for dst in ir.successors(frontier.pop()):
-                if dst in closure and dst not in seen and not gradient_scope(dst):
+                if (dst in closure and dst not in seen and not gradient_scope(dst)
+                        and dst not in later_stages):
                     seen.add(dst)
                     region.add(dst)
                     frontier.append(dst)
@@ -96,8 +105,8 @@ class ShareVariables(Pass):
         batched = tg.batch_sources
         per_example = _descendants(ir, batched)
         born = {parse_tensor(t)[0] for p in points for t in p.gradient.tensors}
-        region = update_region(ir, [s.op for s in tg.steps], born)
         data_dependent = ir.data_descendants(batched)
+        region = update_region(ir, [s.op for s in tg.steps], born, data_dependent)
         _pull_in_control_only(ir, region, per_example, data_dependent)
         _pull_in_waiting(ir, region, per_example, data_dependent)
         single = shared_nodes(ir, tg) | region
@@ -115,7 +124,7 @@ class ShareVariables(Pass):
         if not replicated:
             raise GraphxformError("nothing in the training step depends on a batched input; "
                                   "there is no per-replica work to distribute")
-        _reads_after_writes(ir, tg, replicated, placement)
+        _reads_after_writes(ir, tg, placement)
         shared = set(ir.nodes()) - replicated
         placed = 0
         for var in tg.variables.values():
@@ -130,6 +139,17 @@ class ShareVariables(Pass):
                                 "aggregates": points}
         return PassResult(modified=placed > 0, summary={
             "shared_nodes": len(shared), "update_region": len(region)})
+
+
+def _ancestors(ir, sinks) -> set:
+    """What any of ``sinks`` depends on through data or control edges, and ``sinks``."""
+    seen, stack = set(sinks), list(sinks)
+    while stack:
+        for src in ir.predecessors(stack.pop()):
+            if src not in seen:
+                seen.add(src)
+                stack.append(src)
+    return seen
 
 
 def _descendants(ir, sources) -> set:
@@ -159,19 +179,21 @@ def _pull_in_control_only(ir, region, per_example, data_dependent) -> None:
             stack.append(src)
 
 
-def _reads_after_writes(ir, tg, replicated, placement) -> None:
+def _reads_after_writes(ir, tg, placement) -> None:
     """A ref variable's snapshot (``w/read``) is one Identity beside the variable, run as soon
     as the variable is. On one device a reader that runs after a write of the variable in the
     step (PopArt's ``w.assign(w * sigma / new_sigma)`` before the forward pass, under
-    control_dependencies) still sees the written value: the snapshot aliases the variable's
-    buffer. A worker gets a copy, sent when the snapshot ran, maybe before the write (verify
-    failed by 4e-01). Such a replicated reader reads a snapshot of its own, beside the
-    variable, that waits on those writes."""
+    control_dependencies; SAC's polyak update of the target network under
+    control_dependencies([train_value_op])) still sees the written value: the snapshot aliases
+    the variable's buffer. A worker, or the chief running the once-per-step part, gets a copy,
+    sent when the snapshot ran, maybe before the write (verify failed by 4e-01 and 9e-02).
+    Such a reader reads a snapshot of its own, beside the variable, that waits on those
+    writes."""
     for var in tg.variables.values():
         if var.kind != "ref" or not var.updates:
             continue
         reads = [r for r in var.reads if r in ir and ir.op(r) == "Identity"]
-        readers = {(c, p) for r in reads for c, p in ir.consumers(r) if c in replicated}
+        readers = {(c, p) for r in reads for c, p in ir.consumers(r)}
         after = {write: ir.descendants([write]) for write in var.updates} if readers else {}
         made = {}
         for reader, port in sorted(readers):

@@ -532,3 +532,67 @@ def test_a_ref_variable_read_after_its_write_sees_the_write_on_every_worker(
     code, out, err = run_cli("verify", model, "--strategy", strategy, "--cluster", cluster_file,
                              "--feeds", model + ".npz", "--batch-size", 16, "--steps", 3)
     assert code == 0 and "PASS" in out, out + err
+
+
+@pytest.mark.parametrize("strategy, train_op", [("ps", "actor"), ("partitioned-ps", "group")])
+def test_chained_optimizers_update_each_stage_once_after_its_gradients(
+        run_cli, tmp_path, cluster_file, strategy, train_op):
+    """Spinning Up's actor-critic step: the actor's loss is built under a control dependency on
+    the critic's update. Its forward pass was taken for part of the once-per-step update, and
+    apply refused it ("'q_1/concat' runs once per step ... reads 'pi/Tanh:0'"); each stage's
+    forward and backward pass is per replica now, and its update runs once on its aggregated
+    gradients. Such a step runs with one client only: a worker's own step would run the
+    critic's update too."""
+    from test_allreduce import chained_actor_critic
+    model = chained_actor_critic(tmp_path / "ac.meta", train_op)
+    code, out, err = run_cli("verify", model, "--strategy", strategy, "--cluster", cluster_file,
+                             "--feeds", model + ".npz", "--batch-size", 16, "--steps", 3)
+    assert code == 0 and "PASS" in out, out + err
+    out_path = str(tmp_path / "out.meta")
+    code, _, err = run_cli("apply", model, "--strategy", strategy, "--cluster", cluster_file,
+                           "-o", out_path)
+    assert code == 0, err
+    code, _, err = run_cli("run", out_path, "--cluster", cluster_file, "--job", "worker",
+                           "--task", 0)
+    assert code == 1 and "one client only" in err and "chains its optimizers" in err, err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_a_polyak_update_after_the_step_reads_the_updated_ref_variables(
+        run_cli, tmp_path, cluster_file):
+    """Spinning Up's SAC with TF1 ref variables: the target network's polyak update runs under
+    control_dependencies([train_value_op]) and reads 'v/w/read', which on one device aliases
+    the variable and sees the update. The chief's copy of it was sent before the update
+    (verify failed by 9e-02; apply exited 0)."""
+    from conftest import export_classifier
+    tf1 = tf.compat.v1
+
+    def build(x, y):
+        def dense(h, units, name):
+            return tf.matmul(h, tf1.get_variable(name, [h.shape[1], units], use_resource=False))
+        with tf1.variable_scope("pi"):
+            action = tf.tanh(dense(tf.nn.relu(dense(x, 16, "w0")), 2, "w1"))
+        with tf1.variable_scope("q"):
+            q_pi = dense(tf.nn.relu(dense(tf.concat([x, action], 1), 16, "w0")), 1, "w1")
+        values = {}
+        for scope in ("v", "target_v"):
+            with tf1.variable_scope(scope):
+                values[scope] = dense(tf.nn.relu(dense(x, 16, "w0")), 1, "w1")
+        reward = tf.cast(y, tf.float32)[:, None]
+        pi_loss = -tf.reduce_mean(q_pi)
+        value_loss = tf.reduce_mean(tf.square(tf.stop_gradient(q_pi) - values["v"])) + \
+            tf.reduce_mean(tf.square(reward + 0.9 * tf.stop_gradient(values["target_v"]) - q_pi))
+        train_pi = tf1.train.AdamOptimizer(1e-2).minimize(
+            pi_loss, var_list=tf1.trainable_variables("pi/"))
+        with tf.control_dependencies([train_pi]):
+            train_value = tf1.train.AdamOptimizer(1e-2).minimize(
+                value_loss, var_list=tf1.trainable_variables("q/") + tf1.trainable_variables("v/"))
+        with tf.control_dependencies([train_value]):
+            target = tf.group([tf1.assign(t, 0.5 * t + 0.5 * v) for v, t in
+                               zip(tf1.global_variables("v/"), tf1.global_variables("target_v/"))])
+        return tf.group(pi_loss, value_loss, train_pi, train_value, target)
+
+    model = export_classifier(tmp_path / "sac.meta", build)
+    code, out, err = run_cli("verify", model, "--strategy", "ps", "--cluster", cluster_file,
+                             "--feeds", model + ".npz", "--batch-size", 16, "--steps", 3)
+    assert code == 0 and "PASS" in out, out + err
