@@ -586,18 +586,23 @@ def _join_shards(got: dict, expected: dict) -> None:
 @contextlib.contextmanager
 def _transformed_runner(transformed: GraphIR, fetches, steps):
     """A Runner for the transformed graph running the original's ``steps``; a cluster graph
-    gets its cluster's servers started in this process on fresh 127.0.0.1 ports and a session
-    on its chief."""
+    gets its cluster's servers in this process on 127.0.0.1 ports (fresh ones where the step
+    runs collectives) and a session on its chief."""
     plan = ClusterPlan.from_ir(transformed)
     if plan is None:
         with Runner(transformed, fetches=fetches, steps=steps) as run:
             yield run
         return
-    cluster = servers.local_cluster(plan.job_sizes())
     job, task = plan.chief.split(":")
     leader = plan.collective_leader
-    with servers.InProcessCluster(cluster, cpus=cpus_by_job(transformed),
-                                  collective_leader=leader) as running:
+    from graphxform.inspector.collectives import COLLECTIVE_OPS
+    if leader or transformed.op_types() & COLLECTIVE_OPS:
+        started = servers.InProcessCluster(servers.local_cluster(plan.job_sizes()),
+                                           cpus=cpus_by_job(transformed),
+                                           collective_leader=leader)
+    else:  # a ps graph: servers an earlier verify in this process left idle will do
+        started = servers.reused_cluster(plan.job_sizes(), cpus_by_job(transformed))
+    with started as running:
         config = servers.session_config(plan.filters_of(job, int(task)),
                                         collective_leader=leader)
         with Runner(transformed, fetches=fetches, target=running.target(job, int(task)),

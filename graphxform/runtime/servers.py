@@ -254,3 +254,32 @@ class InProcessCluster(contextlib.AbstractContextManager):
 
     def target(self, job: str, task: int) -> str:
         return grpc_target(self.cluster.require(job, task))
+
+
+# Idle in-process clusters, by (job sizes, CPUs per job): see reused_cluster.
+_IDLE: dict = {}
+
+
+@contextlib.contextmanager
+def reused_cluster(sizes: dict, cpus: dict | None = None):
+    """An InProcessCluster of ``sizes`` ({"ps": 1, "worker": 2}), reusing one an earlier call
+    left idle in this process. TensorFlow cannot stop a server, so a process that verifies
+    graph after graph (a test session) would otherwise hold every server it ever started, some
+    35 MB each. On the way out every resource container of the cluster is reset (variables,
+    queues, accumulators: what a session leaves on its servers), so the next graph starts on
+    clean servers. Only for graphs without collectives: a server's collective executor keeps
+    its groups and instances' shapes after a reset, so those get fresh servers
+    (InProcessCluster over ``local_cluster``)."""
+    import tensorflow as tf
+    key = (tuple(sorted(sizes.items())), tuple(sorted((cpus or {}).items())))
+    running = _IDLE.pop(key, None)
+    if running is None:
+        running = InProcessCluster(local_cluster(sizes), cpus=cpus).__enter__()
+    job = next(iter(running.cluster.jobs))
+    yield running
+    try:
+        tf.compat.v1.Session.reset(running.target(job, 0))
+    except (tf.errors.OpError, RuntimeError):
+        return  # a server that cannot be reset is not reused
+    _IDLE[key] = running
+
