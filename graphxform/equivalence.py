@@ -430,6 +430,14 @@ def compare(original: GraphIR, transformed: GraphIR, feeds_path: str | None = No
         reasons.append("--async: each worker applies its own gradient when it is ready, so "
                        "updates interleave in no fixed order")
     reasons += [race.describe() for race in fetch_races.races(original, tg, fetches)]
+    served = served_from_replica_0(transformed, [d.name for d in series if d.scaled > rtol
+                                                 and d.name in fetches])
+    if served:
+        reasons.append(f"the fetches {_some(served)} are served from replica 0's copy: "
+                       "merge-fetches could not show how the replicas' copies make the whole "
+                       "batch's value (apply lists them among the names it could not merge; "
+                       "a tf_keras metric whose total a placeholder can set, as fit()'s "
+                       "reset_metrics does, is one), so they give replica 0's figure")
     if noise is not None and noise > rtol:
         reasons.append(f"the original itself moves by up to {noise:.2e} (scaled) when each "
                        "batch's examples come in reverse order, which for per-example work "
@@ -454,6 +462,31 @@ def _require_numbers(ir: GraphIR, fetches: list) -> None:
                 f"cannot compare fetch '{name}': it is {kind}, not numbers (a summary, a "
                 "variable's handle); fetch the values it holds instead (a variable's "
                 "ReadVariableOp or read, the tensors a summary records)")
+
+
+def served_from_replica_0(transformed: GraphIR, fetches) -> list[str]:
+    """Of ``fetches``, those whose name in ``transformed`` is merge-fetches' Identity (or
+    IdentityN output) of replica 0's copy where that copy is not shown equal on every
+    replica: the names merge-fetches could not merge (graphxform/replica_values.py)."""
+    from graphxform import replica_values
+    prefix = replica_prefix(0)
+    found, values = [], None
+    for fetch in fetches:
+        node, port = parse_tensor(fetch)
+        copy = prefix + node
+        if copy not in transformed or node not in transformed:
+            continue
+        op = transformed.op(node)
+        inputs = transformed.inputs(node)
+        served = (op == "Identity" and inputs[:1] == [(copy, port)]
+                  or op == "IdentityN" and port < len(inputs) and inputs[port] == (copy, port))
+        if not served:
+            continue
+        if values is None:
+            values = replica_values.classify(transformed, prefix)
+        if values.of(copy, port) != replica_values.IDENTICAL:
+            found.append(fetch)
+    return found
 
 
 def merged_running_totals(transformed: GraphIR) -> set:
