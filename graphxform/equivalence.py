@@ -166,7 +166,8 @@ def mismatch_reasons(ir: GraphIR, tg: training.TrainingGraph, synced_batch_norm=
     elif batch_norm and not synced_batch_norm:
         reasons.append("batch norm in training mode: each replica normalises its slice with that "
                        "slice's own mean and variance and updates the moving averages from it "
-                       f"({_some(batch_norm)}); --sync-batch-norm uses the global batch's")
+                       f"({_some(batch_norm)}); --sync-batch-norm (--strategy allreduce) uses the "
+                       "global batch's")
     metrics = sorted(v.name for v in tg.variables.values()
                      if v.local and any(u in from_inputs for u in v.updates)
                      and v.name not in running_totals)
@@ -180,7 +181,8 @@ def mismatch_reasons(ir: GraphIR, tg: training.TrainingGraph, synced_batch_norm=
     if seeded and not consistent_random:
         reasons.append("random ops run in the step (dropout, sampling) and each replica draws "
                        f"its own numbers for its slice ({_some(seeded)}); --consistent-random "
-                       "gives each replica its slice of the single-device draw")
+                       "(--strategy allreduce) gives each replica its slice of the single-device "
+                       "draw")
     if out_of_reach:
         reasons.append("random ops run in the step where each replica draws its own numbers for "
                        "its slice and --consistent-random cannot reach them: inside a legacy "
