@@ -410,7 +410,8 @@ class _Sweep:
         the single-device value. What reads it is unknown; merge-fetches runs such a read again
         after every replica's writes (passes/merge_fetches.py's _recompute). A set of an
         identical value is no race, nor a write replica 0 alone keeps (ps's batch-norm
-        statistics)."""
+        statistics); an addition is, even of an identical value (a tf_keras Mean metric of
+        the loss counts one per call)."""
         found = set()
         other = "replica_1/" if self.prefix != "replica_1/" else "replica_0/"
         for name in self.writes:
@@ -424,12 +425,11 @@ class _Sweep:
                     or self.nodes[variable]["op"] not in VARIABLE_OPS):
                 continue
             values = node.cls[1:]
-            if node.op in _SETS and all(c in (IDENTICAL, SAME) for c in values):
-                continue
-            if step is not None and name not in step and all(
-                    c in (IDENTICAL, SAME, UNKNOWN) for c in values):
+            if node.op in _SETS and (all(c in (IDENTICAL, SAME) for c in values) or (
+                    step is not None and name not in step
+                    and all(c in (IDENTICAL, SAME, UNKNOWN) for c in values))):
                 continue  # outside the step, of nothing the batch is known to make
-            found.add(variable)
+            found.add(variable)  # an addition races even of an identical value (a count)
         return found
 
     def _running_total(self, variable: str) -> str:
