@@ -415,8 +415,9 @@ class _Sweep:
         found = set()
         other = "replica_1/" if self.prefix != "replica_1/" else "replica_0/"
         for name in self.writes:
-            if not name.startswith(self.prefix) or other + name[len(self.prefix):] not in self.nodes:
-                continue
+            if (not name.startswith(self.prefix)
+                    or other + name[len(self.prefix):] not in self.nodes):
+                continue  # replica 0's alone
             node = self._node(name, self.nodes[name]["op"])
             if not node.inputs:
                 continue

@@ -133,9 +133,9 @@ def _recompute(ir, build, first: str, unmerged: list) -> set:
     copy's. A variable read is run again too: of a variable every replica shares and writes
     (ps keeps a metric's total and count once, and every replica adds to it), its copies read
     after their own replica's writes only, the one read waiting on every replica's writes
-    reads what one device reads. Not the insides of tf.gradients, fetched by nobody and thousands on a large model
-    (6,126 of the 24-layer transformer's 6,702): they stay listed. Returns the names
-    recomputed."""
+    reads what one device reads. Not the insides of tf.gradients, fetched by nobody and
+    thousands on a large model (6,126 of the 24-layer transformer's 6,702): they stay
+    listed. Returns the names recomputed."""
     inexact, done = set(unmerged), set()
     for name in unmerged:
         copy = first + name
