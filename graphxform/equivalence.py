@@ -166,7 +166,8 @@ def mismatch_reasons(ir: GraphIR, tg: training.TrainingGraph, synced_batch_norm=
     elif batch_norm and not synced_batch_norm:
         reasons.append("batch norm in training mode: each replica normalises its slice with that "
                        "slice's own mean and variance and updates the moving averages from it "
-                       f"({_some(batch_norm)}); --sync-batch-norm uses the global batch's")
+                       f"({_some(batch_norm)}); --sync-batch-norm (--strategy allreduce) uses the "
+                       "global batch's")
     metrics = sorted(v.name for v in tg.variables.values()
                      if v.local and any(u in from_inputs for u in v.updates)
                      and v.name not in running_totals)
@@ -180,7 +181,8 @@ def mismatch_reasons(ir: GraphIR, tg: training.TrainingGraph, synced_batch_norm=
     if seeded and not consistent_random:
         reasons.append("random ops run in the step (dropout, sampling) and each replica draws "
                        f"its own numbers for its slice ({_some(seeded)}); --consistent-random "
-                       "gives each replica its slice of the single-device draw")
+                       "(--strategy allreduce) gives each replica its slice of the single-device "
+                       "draw")
     if out_of_reach:
         reasons.append("random ops run in the step where each replica draws its own numbers for "
                        "its slice and --consistent-random cannot reach them: inside a legacy "
@@ -472,6 +474,15 @@ def compare(original: GraphIR, transformed: GraphIR, feeds_path: str | None = No
                        f"{_some(list(dict.fromkeys(first + losses)))}, not the whole batch's: "
                        "merge-fetches could not merge it across replicas"
                        + (" (so the towers' losses are not compared)" if losses else ""))
+    served = [name for name in served_from_replica_0(
+        transformed, [d.name for d in series if d.scaled > rtol and d.name in fetches])
+        if name not in first]
+    if served:
+        reasons.append(f"the fetches {_some(served)} are served from replica 0's copy: "
+                       "merge-fetches could not show how the replicas' copies make the whole "
+                       "batch's value (apply lists them among the names it could not merge; "
+                       "a tf_keras metric whose total a placeholder can set, as fit()'s "
+                       "reset_metrics does, is one), so they give replica 0's figure")
     # a race moves the reordered run too: the noise is then no sign of rounding
     if noise is not None and noise > rtol and not races:
         reasons.append(f"the original itself moves by up to {noise:.2e} (scaled) when each "
@@ -510,6 +521,31 @@ def _require_numbers(ir: GraphIR, fetches: list) -> None:
                 f"cannot compare fetch '{name}': it is {kind}, not numbers (a summary, a "
                 "variable's handle); fetch the values it holds instead (a variable's "
                 "ReadVariableOp or read, the tensors a summary records)")
+
+
+def served_from_replica_0(transformed: GraphIR, fetches) -> list[str]:
+    """Of ``fetches``, those whose name in ``transformed`` is merge-fetches' Identity (or
+    IdentityN output) of replica 0's copy where that copy is not shown equal on every
+    replica: the names merge-fetches could not merge (graphxform/replica_values.py)."""
+    from graphxform import replica_values
+    prefix = replica_prefix(0)
+    found, values = [], None
+    for fetch in fetches:
+        node, port = parse_tensor(fetch)
+        copy = prefix + node
+        if copy not in transformed or node not in transformed:
+            continue
+        op = transformed.op(node)
+        inputs = transformed.inputs(node)
+        served = (op == "Identity" and inputs[:1] == [(copy, port)]
+                  or op == "IdentityN" and port < len(inputs) and inputs[port] == (copy, port))
+        if not served:
+            continue
+        if values is None:
+            values = replica_values.classify(transformed, prefix)
+        if values.of(copy, port) != replica_values.IDENTICAL:
+            found.append(fetch)
+    return found
 
 
 def merged_running_totals(transformed: GraphIR) -> set:

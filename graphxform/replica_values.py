@@ -132,7 +132,8 @@ class ReplicaValues:
 
 
 def classify(ir, prefix: str = "replica_0/", forced=None, gradients=None, copies=None,
-             single=frozenset(), step=None, settled=frozenset()) -> ReplicaValues:
+             single=frozenset(), step=None, settled=frozenset(),
+             races: bool = False) -> ReplicaValues:
     """Classify every node named ``prefix`` + something (``copies``, if the caller has them),
     and what they read.
 
@@ -146,17 +147,24 @@ def classify(ir, prefix: str = "replica_0/", forced=None, gradients=None, copies
     equal) nor a restore. None: every write.
     ``settled``: variables (replica 0's copies) the caller keeps equal on every replica
     whatever their writes read (global-state reduces what is written): identical.
+    ``races``: what reads a shared variable the replicas' copies all write is unknown (see
+    _Sweep.raced_variables): for serving fetches of the finished graph. The passes before it
+    leave this off: their writes are still every replica's (ps keeps replica 0's statistics'
+    updates alone later), and global-state must see what those writes read as identical.
     """
     if copies is None:
         copies = replica_copies(ir, prefix)
     forced = dict(forced or {})
     forced.update(((variable, 0), IDENTICAL) for variable in settled)
+    raced = set()
     while True:
-        sweep = _Sweep(ir, prefix, forced, dict(gradients or {}), single)
+        sweep = _Sweep(ir, prefix, forced, dict(gradients or {}), single, raced)
         values = sweep.run(copies)
         # their reads differ (or add up to the single-device value): classify again so. A
         # variable's class changes at most twice (to a running total's, then to unknown,
-        # which stays), which ends the loop
+        # which stays), and ``raced`` only grows, which ends the loop
+        found = sweep.raced_variables(step) - raced if races else set()
+        raced |= found
         more = {}
         for variable, kind in sweep.drifting_variables(step).items():
             if variable in settled:
@@ -164,7 +172,7 @@ def classify(ir, prefix: str = "replica_0/", forced=None, gradients=None, copies
             was = forced.get((variable, 0))
             if was != kind and was != UNKNOWN:
                 more[(variable, 0)] = kind if was is None else UNKNOWN
-        if not more:
+        if not more and not found:
             return values
         forced.update(more)
 
@@ -204,10 +212,11 @@ class _Sweep:
     """One pass over replica 0's copies and the shared and pass-made nodes they read, each
     visited after its inputs."""
 
-    def __init__(self, ir, prefix, forced, gradients, single=frozenset()):
+    def __init__(self, ir, prefix, forced, gradients, single=frozenset(), raced=frozenset()):
         self.ir = ir
         self.prefix = prefix
         self.single = single
+        self.raced = raced  # shared variables the replicas' copies write (raced_variables)
         self.nodes, self.pred = ir.g._node, ir.g._pred
         self.forced, self.gradients = forced, gradients
         self.overridden = {}  # node -> ports a step rule or an override names
@@ -298,7 +307,7 @@ class _Sweep:
                 elif found is not _S:
                     same = False
         if self._owner(name) is None or name in self.single:
-            classes[name] = _shared_classes(data, op, identical)
+            classes[name] = _U if name in self.raced else _shared_classes(data, op, identical)
             return
         if op in _MARKED_OPS:
             attrs = self.ir.attrs(name)  # not data["attr"]: that makes a copy its own NodeDef
@@ -392,6 +401,37 @@ class _Sweep:
                     and self.nodes[variable]["op"] in VARIABLE_OPS):
                 found.add(variable)
         return {variable: self._running_total(variable) for variable in sorted(found)}
+
+    def raced_variables(self, step=None) -> set:
+        """Shared variables (one instance, as ps keeps every variable) that replica 0's copies
+        write with a value the batch makes, or add to (a tf_keras metric's total and count),
+        as another replica's copies do: every replica writes the one instance in no order with
+        the others, so a replica's read of it gives the value after some replicas' writes, not
+        the single-device value. What reads it is unknown; merge-fetches runs such a read again
+        after every replica's writes (passes/merge_fetches.py's _recompute). A set of an
+        identical value is no race, nor a write replica 0 alone keeps (ps's batch-norm
+        statistics); an addition is, even of an identical value (a tf_keras Mean metric of
+        the loss counts one per call)."""
+        found = set()
+        other = "replica_1/" if self.prefix != "replica_1/" else "replica_0/"
+        for name in self.writes:
+            if (not name.startswith(self.prefix)
+                    or other + name[len(self.prefix):] not in self.nodes):
+                continue  # replica 0's alone
+            node = self._node(name, self.nodes[name]["op"])
+            if not node.inputs:
+                continue
+            variable = node.inputs[0][0]
+            if (self._owner(variable) is not None or variable in self.single
+                    or self.nodes[variable]["op"] not in VARIABLE_OPS):
+                continue
+            values = node.cls[1:]
+            if node.op in _SETS and (all(c in (IDENTICAL, SAME) for c in values) or (
+                    step is not None and name not in step
+                    and all(c in (IDENTICAL, SAME, UNKNOWN) for c in values))):
+                continue  # outside the step, of nothing the batch is known to make
+            found.add(variable)  # an addition races even of an identical value (a count)
+        return found
 
     def _running_total(self, variable: str) -> str:
         """``sum`` when ``variable`` holds a running total of the batch: every write adds (or

@@ -61,6 +61,9 @@ _IDENTICAL, _UNKNOWN = (IDENTICAL,), (UNKNOWN,)
 _NOT_RECOMPUTED = frozenset({"Enter", "Exit", "Merge", "Switch", "NextIteration", "LoopCond",
                              "RefEnter", "RefExit", "RefMerge", "RefSwitch", "RefNextIteration",
                              "ControlTrigger"})
+# stateful only in reading a variable: run again on a shared variable, after the original's
+# control inputs, they read what one device reads there (replica_values' raced_variables)
+_READS = frozenset({"ReadVariableOp", "ResourceGather", "ResourceGatherNd"})
 _PLUMBING_OPS = frozenset({"ReadVariableOp", "VarIsInitializedOp", "IsVariableInitialized",
                            "Shape", "ShapeN", "Size", "Rank"})
 
@@ -86,7 +89,8 @@ class MergeFetches(Pass):
         step = {first + name for name in tg.train_closure}
         values = replica_values.classify(ir, first, forced=forced,
                                          gradients=_gradient_losses(ir, first, tg),
-                                         copies=copies, single=single, step=step)
+                                         copies=copies, single=single, step=step,
+                                         races=True)
         towers = _tower_values(ir, ctx.state.get("towers"), first, forced, copies, single,
                                step, self._overrides(ir, first))
         steps = {parse_tensor(step.name)[0] for step in tg.steps}
@@ -151,15 +155,19 @@ def _recompute(ir, build, first: str, unmerged: list) -> set:
     a metric's value, ``total / count`` of two running totals served as their sums, is the
     single-device value, not replica 0's. Each becomes that op (replica 0's copy's op and
     attrs) reading the original names; its control inputs wait on the original names of the
-    copy's. Not the insides of tf.gradients, fetched by nobody and thousands on a large model
-    (6,126 of the 24-layer transformer's 6,702): they stay listed. Returns the names
-    recomputed."""
+    copy's. A variable read is run again too: of a variable every replica shares and writes
+    (ps keeps a metric's total and count once, and every replica adds to it), its copies read
+    after their own replica's writes only, the one read waiting on every replica's writes
+    reads what one device reads. Not the insides of tf.gradients, fetched by nobody and
+    thousands on a large model (6,126 of the 24-layer transformer's 6,702): they stay
+    listed. Returns the names recomputed."""
     inexact, done = set(unmerged), set()
     for name in unmerged:
         copy = first + name
         op = ir.op(copy)
         if (op in _NOT_RECOMPUTED or gradient_scope(name) is not None or not ir.inputs(copy)
-                or opdefs.is_stateful(ir, op) or replica_values.REBATCHED_ATTR in ir.attrs(copy)):
+                or (opdefs.is_stateful(ir, op) and op not in _READS)
+                or replica_values.REBATCHED_ATTR in ir.attrs(copy)):
             continue
         inputs = [_served(ir, first, src, inexact) for src, _ in ir.inputs(copy)]
         waits = [_served(ir, first, src, ()) for src in ir.control_inputs(copy)]

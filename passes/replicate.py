@@ -169,7 +169,10 @@ def _uncolocate_functions(ir, copied: list) -> None:
     replicas each copy (control flow v2's gradient loop, which tf.gradients colocates with the
     forward ``rnn/while``) would be pinned beside replica 0's: on a cluster, TF refused the
     other workers' gradient loops ("Cannot colocate nodes ... incompatible tasks"). Such body
-    nodes lose that colocation and run where their call runs."""
+    nodes lose that colocation and run where their call runs. So do those colocated with a
+    name the graph does not have (tf_keras' batch norm update in a ``tf.cond`` branch names
+    ``AssignMovingAvg/<variable>``, its captured variable's name in the branch): TF takes it
+    for one group across every call, which ties every replica's update to one task."""
     library = ir.meta.graph_def.library.function
     if not library:
         return
@@ -179,7 +182,8 @@ def _uncolocate_functions(ir, copied: list) -> None:
             if "_class" not in node.attr:
                 continue
             items = node.attr["_class"].list.s
-            kept = [item for item in items if item not in replicated]
+            kept = [item for item in items if item not in replicated
+                    and item.decode(errors="replace").removeprefix("loc:@") in ir]
             if len(kept) == len(items):
                 continue
             del items[:]

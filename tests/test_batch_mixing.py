@@ -801,7 +801,7 @@ def test_a_towers_values_are_served_as_one_device_computes_them(run_cli, tmp_pat
                              model + ".npz", "--batch-size", batch, "--steps", 2, "--fetch",
                              f"tower_{last}/MatMul_1", "--fetch", "split:1")
     assert code == 0 and "PASS" in out, out + err
-    for name in (f"tower_0/mul:0", f"tower_{last}/mul:0", f"tower_{last}/MatMul_1:0",
+    for name in ("tower_0/mul:0", f"tower_{last}/mul:0", f"tower_{last}/MatMul_1:0",
                  "split:1"):
         assert f"fetch {name} " in out, out
     assert "loss: none found" not in out and "loss (transformed)" in out, out

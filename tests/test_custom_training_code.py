@@ -289,7 +289,8 @@ def test_batch_norm_inside_a_cond_function_is_named_and_sync_refused(run_cli, tm
     out, err = _fails_and_option_refused(run_cli, tmp_path, batch_norm_under_a_training_flag,
                                          "--sync-batch-norm")
     assert "batch norm in training mode inside the functions the step calls" in out
-    assert "bn (FusedBatchNormV3)" in out and "--sync-batch-norm uses" not in out
+    assert "bn (FusedBatchNormV3)" in out and "--sync-batch-norm (--strategy allreduce) uses" \
+        not in out
     assert "'bn' (If) runs a training-mode batch norm (FusedBatchNormV3)" in err
 
 

@@ -323,3 +323,48 @@ def test_a_penalty_gated_by_a_single_gradient_tuple_does_not_deadlock(tmp_path):
     every replica's update fills: each replica's gradient waited on every update, and verify
     hung until the collectives timed out."""
     assert_matches(text_cnn_update(tmp_path / "m.meta"))
+
+
+def keras_batch_norm(path) -> str:
+    """tf_keras as its guide writes a batch-normalised classifier, compiled in a TF1 graph: the
+    layer runs under ``tf.cond`` on the learning-phase placeholder (control flow v2), whose
+    training branch updates the moving statistics. Keras' own training function feeds that
+    placeholder True; the .npz does too."""
+    import numpy as np
+    import tensorflow as tf
+    import tf_keras
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.compat.v1.set_random_seed(1)
+        x = tf_keras.Input(shape=(8,), name="x")
+        h = tf_keras.layers.BatchNormalization()(tf_keras.layers.Dense(16)(x))
+        model = tf_keras.Model(x, tf_keras.layers.Dense(3, name="out")(tf.nn.relu(h)))
+        model.compile(optimizer=tf_keras.optimizers.legacy.SGD(0.1),
+                      loss=tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model._make_train_function()
+        tf.compat.v1.add_to_collection("train_op", model.train_function.updates_op)
+        tf.compat.v1.train.export_meta_graph(str(path), graph=graph)
+    xs = np.random.RandomState(0).randn(64, 8).astype(np.float32)
+    np.savez(str(path) + ".npz", x=xs, out_target=(xs[:, :1] > 0).astype(np.float32),
+             keras_learning_phase=np.array(True))
+    return str(path)
+
+
+@pytest.mark.parametrize("strategy", ["hybrid", "allreduce"])
+def test_a_keras_batch_norm_in_a_cond_runs_on_every_worker(run_cli, tmp_path, strategy):
+    """The cond's branch colocates its moving-average update with 'AssignMovingAvg/<var>', a
+    name only the branch knows: TF took it for one group across both workers' calls and
+    refused the graph ("Cannot colocate nodes ... incompatible tasks") after apply exited 0.
+    With --sync-batch-norm (allreduce) it trains like one device; under hybrid, verify runs and
+    names batch norm."""
+    model = keras_batch_norm(tmp_path / "m.meta")
+    ports = servers.free_ports(3)
+    jobs = {"worker": [f"127.0.0.1:{p}" for p in ports[1:]]}
+    options = ["--sync-batch-norm"]
+    if strategy == "hybrid":
+        jobs["ps"], options = [f"127.0.0.1:{ports[0]}"], []
+    code, out, err = run_cli("verify", model, "--strategy", strategy, *options, "--cluster",
+                             servers.write_cluster(str(tmp_path / "c.json"), jobs), "--feeds",
+                             model + ".npz", "--batch-size", 16, "--steps", 3)
+    assert "Cannot colocate" not in err and ("PASS" in out) == (strategy == "allreduce"), out + err
+    assert strategy == "allreduce" or "batch norm in training mode" in out, out

@@ -157,6 +157,116 @@ def test_a_metric_fetched_beside_the_step_is_the_single_device_value(recipe, fet
     assert {d.name for d in report.fetches} >= set(fetches)
 
 
+@pytest.mark.parametrize("strategy", ["ps", "partitioned-ps"])
+def test_a_keras_metric_on_shared_variables_reads_them_after_every_replica(strategy):
+    """ps keeps a tf_keras metric's total and count once, on a ps task; every replica adds its
+    slice to them. The metric's value read them after its own replica's adds only and was
+    served from replica 0 as identical: fetched beside the step it gave the total after some
+    replicas' adds (verify failed by 2e-01 to 5e-01, unexplained; apply exited 0). Now it is
+    read again after every replica's adds: the single-device figure."""
+    from recipe_loop import RECIPES_DIR, recipe_meta
+    from graphxform import equivalence
+    from graphxform.runtime import servers
+    fetch = "metrics/accuracy/Identity:0"
+    original = metagraph.load(recipe_meta("keras_compile_metrics"))
+    out = metagraph.load(recipe_meta("keras_compile_metrics"))
+    strategies.transform(out, strategy, cluster=servers.local_cluster({"ps": 1, "worker": 2}))
+    adds = {n for n in out.ancestors("metrics/accuracy/Identity")
+            if out.op(n) == "AssignAddVariableOp"}
+    assert {f"replica_{i}/metrics/accuracy/AssignAddVariableOp" for i in (0, 1)} <= adds
+    report = equivalence.compare(original, out, str(RECIPES_DIR / "keras_compile_metrics.npz"),
+                                 steps=3, fetches=[fetch])
+    assert report.ok and not report.reasons, equivalence.format_report(report)
+    assert fetch in {d.name for d in report.fetches}
+
+
+def keras_two_outputs_graph(path) -> str:
+    """tf_keras' multi-output guide in a TF1 graph: two heads, a loss each, loss_weights, an
+    accuracy per head; the training function also returns each head's loss, a Mean metric
+    (its count goes up by one per call, the same on every replica)."""
+    import numpy as np
+    import tensorflow as tf
+    import tf_keras
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.compat.v1.set_random_seed(1)
+        x = tf_keras.Input(shape=(8,), name="x")
+        h = tf_keras.layers.Dense(16, activation="relu")(x)
+        model = tf_keras.Model(x, [tf_keras.layers.Dense(3, name="a")(h),
+                                   tf_keras.layers.Dense(2, name="b", activation="softmax")(h)])
+        model.compile(optimizer=tf_keras.optimizers.legacy.RMSprop(0.01),
+                      loss=[tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                            "sparse_categorical_crossentropy"],
+                      loss_weights=[0.3, 1.0], metrics={"a": ["accuracy"], "b": ["accuracy"]})
+        model._make_train_function()
+        tf.compat.v1.add_to_collection("train_op", model.train_function.updates_op)
+        fetches = [t.name for t in model.train_function.outputs]
+        tf.compat.v1.train.export_meta_graph(str(path), graph=graph)
+    xs = np.random.RandomState(0).randn(64, 8).astype(np.float32)
+    np.savez(str(path) + ".npz", x=xs,
+             a_target=((xs[:, 0] > 0) + (xs[:, 1] > 0)).astype(np.float32)[:, None],
+             b_target=(xs[:, 2] > 0).astype(np.float32)[:, None])
+    return str(path), fetches
+
+
+def test_a_keras_heads_loss_metric_on_shared_variables_counts_every_replica(tmp_path):
+    """Each head's loss (a Mean metric) read its shared count after its own replica's add of 1
+    only, unordered with the other's: fetched beside the step under ps it was twice the
+    single-device figure or right by chance (verify failed by 1.0, unexplained)."""
+    from graphxform import equivalence
+    from graphxform.runtime import servers
+    model, fetches = keras_two_outputs_graph(tmp_path / "m.meta")
+    out = metagraph.load(model)
+    strategies.transform(out, "ps", cluster=servers.local_cluster({"ps": 1, "worker": 2}))
+    heads = [f for f in fetches if f.startswith("loss/Identity")]
+    assert len(heads) == 2 and "metrics/a_accuracy/Identity:0" in fetches
+    for head in heads:
+        adds = {n for n in out.ancestors(head.split(":")[0]) if out.op(n) == "AssignAddVariableOp"}
+        assert len(adds) == 4, (head, adds)  # total and count, on both replicas
+    report = equivalence.compare(metagraph.load(model), out, model + ".npz", steps=3,
+                                 fetches=fetches)
+    assert report.ok and not report.reasons, equivalence.format_report(report)
+
+
+def keras_fitted_metric_graph(path) -> str:
+    """tf_keras' compile() with weighted_metrics, as exported after fit() with sample weights
+    (train_on_batch here) in a TF1 graph: reset_metrics() left an assign of each metric's
+    total and count from a placeholder (backend.batch_set_value), so their copies are not
+    shown to be running sums, and the metric's value is served from replica 0."""
+    import numpy as np
+    import tensorflow as tf
+    import tf_keras
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.compat.v1.set_random_seed(1)
+        x = tf_keras.Input(shape=(8,), name="x")
+        model = tf_keras.Model(x, tf_keras.layers.Dense(3, name="out")(x))
+        model.compile(optimizer=tf_keras.optimizers.legacy.SGD(0.1),
+                      loss=tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      weighted_metrics=["accuracy"])
+        rng = np.random.RandomState(0)
+        xs, weights = rng.randn(64, 8).astype(np.float32), rng.uniform(0, 2, 64)
+        labels = ((xs[:, 0] > 0) + (xs[:, 1] > 0)).astype(np.float32)[:, None]
+        model.train_on_batch(xs[:4], labels[:4], sample_weight=weights[:4])
+        tf.compat.v1.add_to_collection("train_op", model.train_function.updates_op)
+        tf.compat.v1.train.export_meta_graph(str(path), graph=graph)
+    np.savez(str(path) + ".npz", x=xs, out_target=labels,
+             out_sample_weights=weights.astype(np.float32))
+    return str(path)
+
+
+def test_verify_names_a_fetch_served_from_replica_0(run_cli, tmp_path):
+    """Fetching such a metric failed verify by 8e-01 with no reason given (apply's note listed
+    it among the names it could not merge): verify now says why."""
+    model = keras_fitted_metric_graph(tmp_path / "m.meta")
+    metric = next(n for n in metagraph.load(model).nodes()
+                  if n.startswith("metrics_2/") and n.endswith("accuracy/Identity"))
+    code, out, err = run_cli("verify", model, "--replicas", 2, "--feeds", model + ".npz",
+                             "--batch-size", 16, "--steps", 3, "--fetch", metric + ":0")
+    assert code == 1 and "FAIL" in out, out + err
+    assert f"the fetches {metric}:0 are served from replica 0's copy" in out, out
+
+
 def test_the_batch_extreme_is_the_extreme_of_the_replicas(single_and_transformed):
     single, out, _, start, feeds = single_and_transformed
     assert out.op("batch_max") == "Max"

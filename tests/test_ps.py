@@ -596,3 +596,24 @@ def test_a_polyak_update_after_the_step_reads_the_updated_ref_variables(
     code, out, err = run_cli("verify", model, "--strategy", "ps", "--cluster", cluster_file,
                              "--feeds", model + ".npz", "--batch-size", 16, "--steps", 3)
     assert code == 0 and "PASS" in out, out + err
+
+
+def test_verify_under_ps_says_which_strategy_has_the_options_it_names(run_cli, tmp_path,
+                                                                      cluster_file):
+    """tf_keras Dropout and BatchNormalization called with training=True under ps: verify's
+    reasons recommended --sync-batch-norm and --consistent-random, which ps refuses."""
+    import tf_keras
+    from conftest import export_classifier
+
+    def build(x, y):
+        h = tf_keras.layers.BatchNormalization()(tf_keras.layers.Dense(8)(x), training=True)
+        h = tf_keras.layers.Dropout(0.3)(h, training=True)
+        loss = tf.reduce_mean(tf_keras.losses.sparse_categorical_crossentropy(
+            y, tf_keras.layers.Dense(2)(h), from_logits=True))
+        return tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(loss)
+    model = export_classifier(tmp_path / "m.meta", build)
+    code, out, err = run_cli("verify", model, "--strategy", "ps", "--cluster", cluster_file,
+                             "--feeds", model + ".npz", "--batch-size", 16, "--steps", 2)
+    assert code == 1 and "FAIL" in out, out + err
+    assert "--sync-batch-norm (--strategy allreduce) uses the global batch's" in out, out
+    assert "--consistent-random (--strategy allreduce) gives" in out, out
