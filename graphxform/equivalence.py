@@ -466,23 +466,23 @@ def compare(original: GraphIR, transformed: GraphIR, feeds_path: str | None = No
                        "updates interleave in no fixed order")
     races = [race.describe() for race in fetch_races.races(original, tg, fetches)]
     reasons += races
-    first = [name for name in fetches if parse_tensor(name)[0] in unmerged]
-    losses = [t for s in tg.steps if s.name in first_only for t in s.towers
-              if parse_tensor(t)[0] in unmerged]
-    if first or losses:
-        reasons.append("the transformed graph gives replica 0's value for "
-                       f"{_some(list(dict.fromkeys(first + losses)))}, not the whole batch's: "
-                       "merge-fetches could not merge it across replicas"
-                       + (" (so the towers' losses are not compared)" if losses else ""))
-    served = [name for name in served_from_replica_0(
-        transformed, [d.name for d in series if d.scaled > rtol and d.name in fetches])
-        if name not in first]
+    failing = [d.name for d in series if d.scaled > rtol and d.name in fetches]
+    served = [name for name in fetches if parse_tensor(name)[0] in unmerged]
+    served += [name for name in served_from_replica_0(transformed, failing)
+               if name not in served]
     if served:
         reasons.append(f"the fetches {_some(served)} are served from replica 0's copy: "
                        "merge-fetches could not show how the replicas' copies make the whole "
                        "batch's value (apply lists them among the names it could not merge; "
                        "a tf_keras metric whose total a placeholder can set, as fit()'s "
                        "reset_metrics does, is one), so they give replica 0's figure")
+    losses = [t for s in tg.steps if s.name in first_only for t in s.towers
+              if parse_tensor(t)[0] in unmerged]
+    if losses:
+        reasons.append(f"the transformed graph gives replica 0's value for the towers' losses "
+                       f"{_some(list(dict.fromkeys(losses)))}, not the whole batch's: "
+                       "merge-fetches could not merge them across replicas, so they are not "
+                       "compared")
     # a race moves the reordered run too: the noise is then no sign of rounding
     if noise is not None and noise > rtol and not races:
         reasons.append(f"the original itself moves by up to {noise:.2e} (scaled) when each "
