@@ -240,7 +240,7 @@ def test_a_summed_loss_whose_seed_is_given_is_refused():
             x, v1.trainable_variables()[0])), axis=1)))
         meta = v1.train.export_meta_graph(graph=g)
     with pytest.raises(ContractError, match="'Sum_1:0', a sum over the batch, and its gradients "
-                                            "do not all come from one tf.gradients call"):
+                                            "do not all start from one seed of ones"):
         strategies.transform(metagraph.from_metagraph(meta), "allreduce", devices=DEVICES)
 
 
