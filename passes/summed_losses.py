@@ -11,10 +11,14 @@ that call by N, in each replica, before any reduction, whatever the strategy red
 is the same factor a mean loss's gradients already carry (a replica's mean divides by B/N, not
 B), so what the contract asks of custom gradients and float16 holds alike.
 
+A tf.GradientTape in graph mode seeds ``tape.gradient(loss)`` with ``ones`` (a Const of ones,
+or a Fill for a target of unknown shape) outside its ``gradient_tape/`` scope, read by the ops
+of the gradient of the op that made the loss; in each replica those readers read N instead.
+
 A step qualifies when its loss is shown a sum (graphxform.replica_values) and every gradient
-its updates apply comes from one tf.gradients call with one seed; anything else (a
-GradientTape's ones_like, several losses differentiated at once) is left as it is, and the
-contract refuses it as before."""
+its updates apply comes from one tf.gradients call (or one tape's gradient) with one seed that
+is shown to start the loss's gradient; anything else (several losses differentiated at once,
+grad_ys given) is left as it is, and the contract refuses it as before."""
 
 from __future__ import annotations
 
@@ -24,9 +28,9 @@ import numpy as np
 
 from graphxform import replica_values
 from graphxform.ir import parse_tensor
-from graphxform.nodes import Builder, const_value, numpy_dtype, replica_prefix
+from graphxform.nodes import Builder, const_value, numpy_dtype, replica_prefix, tensor_proto
 from graphxform.pipeline import Pass, PassResult
-from graphxform.training import gradient_scope
+from graphxform.training import TAPE_SCOPE, gradient_scope
 
 
 @dataclasses.dataclass
@@ -42,18 +46,14 @@ class SummedLosses(Pass):
         for step in ctx.training.steps:
             if not summed_loss(ir, step):
                 continue
-            seed = seed_of(ctx.training, step)
-            if seed is None:
+            found = seed_of(ir, ctx.training, step)
+            if found is None:
                 continue  # the contract refuses it
-            fills = [replica_prefix(i) + seed for i in range(replicas)]
-            if any(_fill_value(ir, fill) != 1 for fill in fills):
+            seed = found[0]
+            if any(_seed_value(ir, replica_prefix(i) + seed) != 1 for i in range(replicas)):
                 continue  # grad_ys given by the user: the contract refuses it
-            for fill in fills:
-                dtype = numpy_dtype(ir.attrs(fill)["T"].type)
-                value = build.const(ir.unique_name(fill + "/replicas"),
-                                    np.asarray(replicas, dtype=dtype),
-                                    device=ir.node(fill).get("device", ""))
-                ir.set_input(fill, 1, value + ":0")
+            for i in range(replicas):
+                _scale_seed(ir, build, replica_prefix(i), seed, replicas)
             scaled.append(step.name)
         return PassResult(modified=bool(scaled), summary={"steps": len(scaled)})
 
@@ -87,32 +87,114 @@ def _may_be_sum(ir, node: str, depth: int = 0) -> bool:
     return op in _SCALINGS and any(_may_be_sum(ir, src, depth + 1) for src, _ in inputs[:2])
 
 
-def seed_of(tg, step) -> str | None:
-    """``<scope>grad_ys_0``, the one seed of the one tf.gradients call whose gradients the
-    step's updates apply (names of the input graph), or None."""
+def seed_of(ir, tg, step) -> tuple[str, tuple] | None:
+    """``(seed, readers)``: the one seed of the one gradient computation whose gradients the
+    step's updates apply, and (for a tape) the gradient ops that read it; names of the input
+    graph, found through replica 0's copies in ``ir``. None where there is no such seed.
+    tf.gradients' seed is ``<scope>grad_ys_0``, a Fill only its call reads; a tape's is found
+    by ``_tape_seed``."""
     scopes = {gradient_scope(parse_tensor(t)[0]) for v in tg.variables.values()
               if v.applied_in(step.closure) for t in v.gradient.tensors}
     if len(scopes) != 1 or None in scopes:
         return None
     scope = scopes.pop()
+    if TAPE_SCOPE.search(scope):
+        return _tape_seed(ir, scope, step)
     seed = scope + "grad_ys_0"
     if seed not in step.closure or scope + "grad_ys_1" in step.closure:
         return None
-    return seed
+    return seed, ()
+
+
+def _tape_seed(ir, scope: str, step) -> tuple[str, tuple] | None:
+    """The seed of a tape's ``tape.gradient(loss)`` and its readers, where they are shown to
+    start the gradient of the step's loss. The seed is the one Const or Fill of one repeated
+    value (ones, or N once this pass ran) outside every gradients scope that only ops of
+    ``scope`` read (a forward constant is read by its forward op too). TF names a forward op's
+    gradient ops after the op's name scope; the readers must lie in the loss's, and every
+    forward op of that scope whose inputs or outputs a gradient op named there reads (whose
+    gradient was taken there) must be the loss or feed it: so what the readers differentiate
+    is the loss, not another op of its scope (a mean beside a listed sum)."""
+    if not step.loss:
+        return None
+    prefix = replica_prefix(0)
+    inside = {n for n in step.closure if prefix + n in ir}
+
+    def consumers(n):
+        return {d[len(prefix):] for d, _ in ir.consumers(prefix + n) if d.startswith(prefix)}
+
+    def inputs(n):
+        return [src[len(prefix):] for src, _ in ir.inputs(prefix + n) if src.startswith(prefix)]
+
+    seeds = [n for n in inside if gradient_scope(n) is None
+             and ir.op(prefix + n) in ("Const", "Fill") and _seed_value(ir, prefix + n)
+             and consumers(n) and all(gradient_scope(d) == scope for d in consumers(n))]
+    if len(seeds) != 1:
+        return None
+    seed, loss = seeds[0], parse_tensor(step.loss)[0]
+    readers = tuple(sorted(consumers(seed)))
+    named = {r[len(scope):].rpartition("/")[0] for r in readers}
+    if len(named) != 1 or named.copy().pop() not in _forward_scopes(loss):
+        return None
+    named = named.pop()
+    gradient = [n for n in inside if gradient_scope(n) == scope
+                and n[len(scope):].rpartition("/")[0] == named]
+    read = {src for n in gradient for src in inputs(n)}
+    read |= {shaped for src in read if ir.op(prefix + src) in _SHAPES
+             for shaped in inputs(src)[:1]}
+    # forward ops of that scope, the step's or not (the loss is not: a tape's gradient of a
+    # reduction reads its input's shape, not its value)
+    forward = {n[len(prefix):] for n in ir.nodes() if n.startswith(prefix + named)}
+    differentiated = {n for n in forward if gradient_scope(n) is None
+                      and named in _forward_scopes(n) and ir.op(prefix + n) != "Const"
+                      and (n in read or any(src in read for src in inputs(n)))}
+    feeds_loss = {n[len(prefix):] for n in ir.ancestors(prefix + loss)} | {loss}
+    if loss not in differentiated or not differentiated <= feeds_loss:
+        return None
+    return seed, readers
+
+
+_SHAPES = {"Shape", "Size", "Rank"}
+
+
+def _forward_scopes(op: str) -> tuple[str, str]:
+    """The name scopes a tape may name forward op ``op``'s gradient after: the scope it was
+    made in, or, for an op named as the scope it opened (tf.math.divide_no_nan's
+    'div_no_nan'), that scope."""
+    return op.rpartition("/")[0], op
+
+
+def _scale_seed(ir, build, prefix: str, seed: str, replicas: int) -> None:
+    """Make replica ``prefix``'s copy of ``seed`` start its gradient from N: a Fill fills with
+    N; a Const of ones (a tape's, which only the readers of the loss's gradient read) holds N."""
+    copy = prefix + seed
+    if ir.op(copy) == "Fill":
+        dtype = numpy_dtype(ir.attrs(copy)["T"].type)
+        value = build.const(ir.unique_name(copy + "/replicas"), np.asarray(replicas, dtype=dtype),
+                            device=ir.node(copy).get("device", ""))
+        ir.set_input(copy, 1, value + ":0")
+    else:
+        value = tensor_proto(const_value(ir, copy) * replicas)
+        build.replace(copy, "Const", (), device=ir.node(copy).get("device", ""),
+                      dtype=value.dtype, value=value)
 
 
 def seeds_scaled(ir, tg, step, replicas: int) -> bool:
-    """Whether every replica's copy of ``step``'s seed fills with ``replicas`` (this pass
-    ran on it): what the contract checks before it accepts a summed loss."""
-    seed = seed_of(tg, step)
-    return seed is not None and all(
-        _fill_value(ir, replica_prefix(i) + seed) == replicas for i in range(replicas))
+    """Whether every replica's copy of ``step``'s seed starts its gradient from ``replicas``
+    (this pass ran on it): what the contract checks before it accepts a summed loss."""
+    found = seed_of(ir, tg, step)
+    return found is not None and all(
+        _seed_value(ir, replica_prefix(i) + found[0]) == replicas for i in range(replicas))
 
 
-def _fill_value(ir, fill: str):
-    """The scalar a Fill of a Const fills with, or None."""
-    if fill not in ir or ir.op(fill) != "Fill" or len(ir.inputs(fill)) < 2:
+def _seed_value(ir, node: str):
+    """The one value a Fill of a Const fills with, or a Const of one repeated value holds;
+    else None."""
+    if node not in ir:
         return None
-    value = const_value(ir, ir.inputs(fill)[1][0])
-    return None if value is None or value.size != 1 else value.reshape(-1)[0].item()
-
+    op = ir.op(node)
+    value = (const_value(ir, ir.inputs(node)[1][0]) if op == "Fill" and len(ir.inputs(node)) > 1
+             else const_value(ir, node) if op == "Const" else None)
+    if value is None or not value.size or (value != value.reshape(-1)[0]).any():
+        return None
+    return value.reshape(-1)[0].item()

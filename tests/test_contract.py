@@ -96,21 +96,22 @@ def test_refuses_an_update_from_a_local_value():
 
 
 def test_refuses_an_update_from_a_variable_each_replica_writes_from_its_slice():
-    """A learning rate adapted from the square of the loss, which no combination of the
-    replicas' losses gives: each replica's copy would follow its own slice's loss, and the
+    """A learning rate adapted from the first example's loss, which no combination of the
+    replicas' values gives: each replica's copy would follow its own slice's, and the
     updates that read it differ (through the variable, not a data path). (Adapted from the
-    loss itself, a mean, it is combined: tests/test_global_state.py.)"""
+    loss, a mean, or a function of it, it is combined: tests/test_global_state.py.)"""
     g = tf.Graph()
     with g.as_default():
         x = v1.placeholder(tf.float32, [None, 3], name="x")
         w = v1.get_variable("w", [3, 1])
         rate = v1.get_variable("rate", [], trainable=False,
                                initializer=v1.constant_initializer(0.1))
-        loss = tf.reduce_mean(tf.square(tf.matmul(x, w)), name="loss")
+        per_example = tf.square(tf.matmul(x, w))
+        loss = tf.reduce_mean(per_example, name="loss")
         step = v1.train.get_or_create_global_step()
         train = v1.train.GradientDescentOptimizer(rate).minimize(loss, global_step=step)
         with tf.control_dependencies([train]):
-            adapt = v1.assign(rate, rate * (1.0 - 0.01 * tf.square(loss)))
+            adapt = v1.assign(rate, rate * (1.0 - 0.01 * tf.reduce_sum(per_example[0])))
         v1.add_to_collection(v1.GraphKeys.TRAIN_OP, tf.group(adapt, name="train"))
         meta = v1.train.export_meta_graph(graph=g)
     with pytest.raises(ContractError, match="variable 'rate' .*writes it from 'replica_0/mul"):
@@ -240,7 +241,7 @@ def test_a_summed_loss_whose_seed_is_given_is_refused():
             x, v1.trainable_variables()[0])), axis=1)))
         meta = v1.train.export_meta_graph(graph=g)
     with pytest.raises(ContractError, match="'Sum_1:0', a sum over the batch, and its gradients "
-                                            "do not all come from one tf.gradients call"):
+                                            "do not all start from one seed of ones"):
         strategies.transform(metagraph.from_metagraph(meta), "allreduce", devices=DEVICES)
 
 

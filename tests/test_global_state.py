@@ -52,15 +52,18 @@ def examples_seen(path):
 
 def adaptive_rate(path, rule="linear"):
     """A learning rate variable the step adapts from the loss after applying it: linear in
-    the loss (a mean) or in its square (not a mean of anything)."""
+    the loss (a mean), in its square (a function of the batch's mean: each replica reads the
+    replicas' mean) or in the first example's loss (no statistic of the batch)."""
     def build(tf, tf1, x):
         rate = tf1.get_variable("rate", [], trainable=False,
                                 initializer=tf1.constant_initializer(0.1))
-        loss = tf.reduce_mean(_regression(tf, tf1, x), name="loss")
+        per_example = _regression(tf, tf1, x)
+        loss = tf.reduce_mean(per_example, name="loss")
         train = tf1.train.GradientDescentOptimizer(rate).minimize(
             loss, global_step=tf1.train.get_or_create_global_step())
         with tf.control_dependencies([train]):
-            signal = loss if rule == "linear" else tf.square(loss)
+            signal = {"linear": loss, "square": tf.square(loss),
+                      "first": tf.reduce_sum(per_example[0])}[rule]
             adapt = tf1.assign(rate, rate * (1.0 - 0.01 * signal))
         tf1.add_to_collection("train_op", tf.group(adapt, name="train"))
     return _export(path, build, lambda rng: {})
@@ -135,8 +138,9 @@ def test_apply_says_what_it_combined(run_cli, tmp_path):
     assert "1 global-state" in out
 
 
-def test_a_rate_adapted_linearly_from_the_loss_trains_like_one_device(run_cli, tmp_path):
-    model = adaptive_rate(tmp_path / "m.meta")
+@pytest.mark.parametrize("rule", ["linear", "square"])
+def test_a_rate_adapted_from_the_loss_trains_like_one_device(run_cli, tmp_path, rule):
+    model = adaptive_rate(tmp_path / "m.meta", rule)
     code, out, err = _verify(run_cli, model, "--replicas", 2)
     assert code == 0, err
     assert "PASS" in out
@@ -150,7 +154,7 @@ def test_a_baseline_the_loss_reads_trains_like_one_device(run_cli, tmp_path):
 
 
 @pytest.mark.parametrize("build, variable", [(memory_bank, "memory_bank"),
-                                             (lambda p: adaptive_rate(p, "square"), "rate")])
+                                             (lambda p: adaptive_rate(p, "first"), "rate")])
 def test_state_that_cannot_be_combined_is_refused_in_one_line(run_cli, tmp_path, build,
                                                               variable):
     model = build(tmp_path / "m.meta")
@@ -301,3 +305,47 @@ def test_an_update_in_a_cond_that_reads_no_slice_trains_like_one_device(run_cli,
     model = in_a_cond(tmp_path / "m.meta", "lookahead")
     code, out, err = _verify(run_cli, model, "--replicas", 2)
     assert code == 0 and "PASS" in out, out + err
+
+
+def moving_average_range(path, form):
+    """Quantization-aware training's activation range as an exponential moving average of the
+    batch's max and min (tf.contrib.quantize's create_training_graph; the hand-written form),
+    read by a fake-quant op: ``assign_moving_average(rmax, reduce_max(h), decay)`` grouped
+    with the train op, or ``rmax.assign_sub((rmax - reduce_max(h)) * (1 - decay))`` under
+    its control dependencies. The written value is a function of the batch's max and the
+    state, which no class names: it was refused."""
+    def build(tf, tf1, x):
+        from tensorflow.python.training import moving_averages  # as tf.contrib.quantize
+        h = tf.nn.relu(_regression(tf, tf1, x))
+        rmax = tf1.get_variable("rmax", [], trainable=False,
+                                initializer=tf1.constant_initializer(6.0))
+        rmin = tf1.get_variable("rmin", [], trainable=False, initializer=tf1.zeros_initializer())
+        quantized = tf.quantization.fake_quant_with_min_max_vars(h, rmin, rmax)
+        train = tf1.train.GradientDescentOptimizer(0.1).minimize(tf.reduce_mean(quantized))
+        if form == "assign_moving_average":
+            updates = [moving_averages.assign_moving_average(
+                           var, reduce(h), 0.9, zero_debias=False)
+                       for var, reduce in [(rmax, tf.reduce_max), (rmin, tf.reduce_min)]]
+            train = tf.group(train, *updates, name="train")
+        else:
+            with tf.control_dependencies([train]):
+                train = tf.group(rmax.assign_sub((rmax - tf.reduce_max(h)) * (1 - 0.9)),
+                                 rmin.assign_sub((rmin - tf.reduce_min(h)) * (1 - 0.9)),
+                                 name="train")
+        tf1.add_to_collection("train_op", train)
+    return _export(path, build, lambda rng: {})
+
+
+@pytest.mark.parametrize("form, strategy", [
+    ("assign_moving_average", "allreduce"), ("assign_sub", "allreduce"),
+    ("assign_moving_average", "ps")])  # ps: an update under the train op's control
+def test_a_moving_average_of_the_batch_s_range_trains_like_one_device(run_cli, tmp_path, form,
+                                                                      strategy):  # runs once
+    where = ("--replicas", 2)
+    if strategy == "ps":
+        cluster = tmp_path / "cluster.json"
+        cluster.write_text(json.dumps(SPEC))
+        where = ("--cluster", cluster)
+    model = moving_average_range(tmp_path / "m.meta", form)
+    code, out, err = _verify(run_cli, model, "--strategy", strategy, *where)
+    assert code == 0 and "PASS" in out and "rmax" in out, out + err

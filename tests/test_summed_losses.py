@@ -83,22 +83,25 @@ def test_a_loss_summed_over_the_batch_trains_like_one_device(run_cli, tmp_path, 
     assert "PASS" in out, out
 
 
-def test_a_summed_loss_from_a_gradient_tape_is_still_refused(run_cli, tmp_path):
-    """A tape's seed (ones_like of the target) is not rescaled: refused, saying why."""
+def test_a_tape_whose_target_is_not_the_listed_sum_is_refused(run_cli, tmp_path):
+    """A tape's seed is rescaled only where it starts the listed loss's gradient: a tape of
+    the batch's mean, beside a sum listed as the loss, is not scaled (N times its gradient
+    would train wrongly), and the listed sum is refused as before."""
     import tensorflow as tf
     tf1 = tf.compat.v1
 
     def build(x, y):
         with tf.GradientTape() as tape:
-            loss = tf.reduce_sum(tf.nn.sparse_softmax_cross_entropy_with_logits(
-                labels=y, logits=_dense(x, 2, "logits")))
-        tf1.add_to_collection("losses", loss)
+            per_example = tf.nn.sparse_softmax_cross_entropy_with_logits(
+                labels=y, logits=_dense(x, 2, "logits"))
+            mean = tf.reduce_mean(per_example)
+        tf1.add_to_collection("losses", tf.reduce_sum(per_example))
         variables = tf1.trainable_variables()
         return tf1.train.GradientDescentOptimizer(0.01).apply_gradients(
-            zip(tape.gradient(loss, variables), variables))
+            zip(tape.gradient(mean, variables), variables))
     model = _export(tmp_path / "m.meta", build)
     code, _, err = run_cli("apply", "--replicas", 2, model, "-o", tmp_path / "out.meta")
-    assert code == 1 and "a sum over the batch, and its gradients do not all come" in err, err
+    assert code == 1 and "'Sum:0', a sum over the batch, and its gradients do not all" in err, err
 
 
 def test_a_summed_loss_plus_weight_decay_is_refused(run_cli, tmp_path):
