@@ -394,7 +394,7 @@ def _check_losses_are_means(ir: GraphIR, tg: TrainingGraph, replicas: int) -> No
     (A loss whose kind the rules cannot show is taken to be a mean, as losses almost always
     are; graphxform.replica_values has the rules.)"""
     from graphxform import replica_values
-    from graphxform.passes.summed_losses import seeds_scaled
+    from graphxform.passes.summed_losses import seed_of, seeds_scaled
     prefix = replica_prefix(0)
     for step in tg.steps:
         if not step.loss:
@@ -406,6 +406,14 @@ def _check_losses_are_means(ir: GraphIR, tg: TrainingGraph, replicas: int) -> No
                     "replicas cannot be shown right (it is for a mean over the batch): list "
                     "the loss with tf.compat.v1.add_to_collection('losses', loss)")
             continue
+        taped = tape_gradients(tg.variables, step.closure)
+        if taped and seed_of(ir, tg, step) is None:
+            raise ContractError(
+                f"step '{step.name}' applies gradients a tf.GradientTape made (of "
+                f"'{taped[0]}'), and the tape's target cannot be shown to be the loss "
+                f"'{step.loss}' (the one the graph lists in 'losses'), so how to combine the "
+                "replicas' gradients cannot be shown right (averaging is for a mean over the "
+                "batch, summing for a sum): take the tape's gradient of the listed loss itself")
         node, port = parse_tensor(step.loss)
         copy = prefix + node
         if copy not in ir:
