@@ -110,14 +110,16 @@ PER_EXAMPLE_OPS = frozenset({*replica_values.PER_EXAMPLE_OPS, *BATCH_NORM_OPS,
 REDUCE_OPS = frozenset(replica_values.REDUCE_OPS)
 
 
-def mixing_in(ir, loss: str, sources, shapes=()) -> Mixed | None:
+def mixing_in(ir, loss: str, sources, shapes=(), indices=()) -> Mixed | None:
     """The first place the examples meet on the way to ``loss`` (a tensor name) from the batch
     ``sources`` (nodes every output of which holds the batch on axis 0), or None. ``shapes``:
     placeholders that hold a shape whose entry 0 is the batch's size (a sparse_placeholder's
-    dense shape, which tf.shape of the SparseTensor reads)."""
+    dense shape, which tf.shape of the SparseTensor reads); ``indices``: a sparse_placeholder's
+    indices, whose column 0 numbers the example each entry belongs to."""
     from graphxform.ir import parse_tensor
     node, port = parse_tensor(loss)
     flow = _Flow(ir, set(sources) - set(shapes), {name: (Shape(0), 1) for name in shapes})
+    flow.sparse_indices = set(indices)
     states = flow.run(node)
     found = _port(states[node], port)
     if isinstance(found, Curved):
@@ -177,6 +179,7 @@ class _Flow:
         self.called = {}  # call node -> its outputs' degrees, from its function's body
         self.consts = {}  # node -> its integer values (replica_values.const_ints)
         self.port_ints = {}  # (node, port) -> values worked out from shapes (broadcasting)
+        self.sparse_indices = set()  # sparse_placeholders' indices (mixing_in)
 
     def run(self, target: str) -> dict:
         """States of ``target`` and its data ancestors, each worked out after its inputs."""
@@ -579,8 +582,39 @@ def _matmul(n: _Node):
     if stat == AGGREGATE:
         return n.mixed("multiplies examples by a sum or mean over the batch")
     if type(a) is int:
-        return 0 if a == free_a else UNKNOWN
-    return 1 if b == free_b else UNKNOWN
+        return 0 if a == free_a else _contracted(n, 1)
+    return 1 if b == free_b else _contracted(n, 0)
+
+
+def _contracted(n: _Node, other: int) -> Mixed:
+    """A product whose batch axis meets a batch-free operand's axis (input ``other``) and is
+    summed away: each output adds up examples weighted by that operand, one weight per example
+    (a GCN's fixed adjacency times the node features, where the nodes are the batch). A slice
+    cannot meet a matrix sized for the whole batch."""
+    return Mixed(n.name, n.op, f"sums over the examples of its batch weighted by "
+                 f"'{n.inputs[other][0]}', one weight per example (message passing over one "
+                 "whole graph, its adjacency times the node features, with the graph's nodes "
+                 "as the batch)", "each replica's slice of the nodes would meet the adjacency "
+                 "of the whole graph: give each example its own graph (a padded adjacency per "
+                 "example, batched matmul), or train on one device")
+
+
+def _sparse_dense_matmul(n: _Node):
+    """SparseTensorDenseMatMul(a_indices, a_values, a_shape, b): a batch-free sparse matrix
+    times b as MatMul's rule says; a sparse input's rows (its entries' examples) times a
+    batch-free b stay the examples."""
+    a, b = n.states[:3], n.states[3]
+    adjoint_a, adjoint_b = n.flag("adjoint_a"), n.flag("adjoint_b")
+    if all(s is None for s in a) and type(b) is int:
+        return 1 if b == (0 if adjoint_b else 1) else _contracted(n, 0)
+    if b is None and a[0] == 0 and a[1] in (0, None) and a[2] in (None, Shape(0)) and \
+            n.inputs[0][0] in n.flow.sparse_indices:
+        return 0 if not adjoint_a else _contracted(n, 3)
+    if a[0] == 0 and n.inputs[0][0] in n.flow.sparse_indices and type(b) is int and \
+            b == (1 if adjoint_b else 0):
+        # a sparse input's columns meet the examples (Kipf's GCN feeds its adjacency so)
+        return _contracted(n, 0)
+    return UNKNOWN
 
 
 def _batch_matmul(n: _Node):
@@ -939,6 +973,12 @@ def _gather(n: _Node):
     batch_dims = n.attr("batch_dims")
     if batch_dims is not None and batch_dims.i:
         return UNKNOWN
+    unique = _rows_of_unique(n.flow, *n.inputs[0])
+    if unique is not None and n.inputs[1] == (unique, 1) and (
+            n.op != "GatherV2" or n.ints(2) == [0]):
+        # table[unique(ids)][idx] is table[ids] (embedding_lookup_sparse with weights)
+        ids = n.flow.ir.input(unique, 0)
+        return _port(n.flow.states.get(ids[0], UNKNOWN), ids[1])
     rp, ri = n.rank(0), n.rank(1)
     if n.op == "GatherV2":
         values = n.ints(2)
@@ -987,16 +1027,80 @@ def _l2_loss(n: _Node):
     return AGGREGATE if type(n.states[0]) is int else n.states[0]
 
 
+def _example_of_entry(flow: _Flow, src: str, port: int) -> bool:
+    """Whether tensor ``src:port`` is ``sp.indices[:, 0]`` of a sparse_placeholder ``sp``
+    (through casts): the example each entry of the SparseTensor belongs to. Segments by it are the
+    examples themselves (tf.nn.embedding_lookup_sparse's segment_ids), and split-inputs
+    renumbers each replica's rows from 0, so a segment sum by it is per example, not a sum over
+    the batch."""
+    ir = flow.ir
+    while ir.op(src) in ("Cast", "Identity") and port == 0:
+        src, port = ir.input(src, 0)
+    if ir.op(src) != "StridedSlice" or port != 0 or \
+            ir.input(src, 0)[0] not in flow.sparse_indices:
+        return False
+    begin, end, strides = (flow.ints(*ir.input(src, k)) for k in (1, 2, 3))
+    attrs = ir.attrs(src)
+    masks = {key: attrs[key].i if key in attrs else 0 for key in (
+        "begin_mask", "end_mask", "ellipsis_mask", "new_axis_mask", "shrink_axis_mask")}
+    return (begin is not None and end is not None and strides is not None
+            and len(begin) == 2 and list(strides) == [1, 1] and begin[1] == 0
+            and masks["shrink_axis_mask"] == 2 and masks["ellipsis_mask"] == 0
+            and masks["new_axis_mask"] == 0 and (masks["begin_mask"] & 1 or begin[0] == 0)
+            and masks["end_mask"] & 1)
+
+
+def _by_example(n: _Node, data: int = 0, ids: int = 1) -> bool:
+    """A segment op over a sparse input's entries whose segments are their examples."""
+    return n.states[data] == 0 and _example_of_entry(n.flow, *n.inputs[ids])
+
+
 def _segment_sum(n: _Node):
     data, ids = n.states[0], n.states[1]
+    if _by_example(n):
+        return 0  # each example's entries combined (embedding_lookup_sparse with weights)
     if data == 0 and ids == 0:
         return AGGREGATE  # sums (means) of the batch's examples per segment
     return UNKNOWN
 
 
+def _sparse_segment(n: _Node):
+    """SparseSegmentSum/Mean/SqrtN(data, indices, segment_ids): data's rows picked per entry,
+    combined per segment. tf.nn.embedding_lookup_sparse without weights looks the distinct ids
+    up (``Unique`` of the entries' ids; ``indices`` is where each entry's id is among them) and
+    combines each example's: per example where the segments are the entries' examples and the
+    looked-up rows hold nothing but a batch-free table's rows."""
+    if not _example_of_entry(n.flow, *n.inputs[2]):
+        return UNKNOWN
+    if n.states[0] is None:
+        return 0
+    unique = _rows_of_unique(n.flow, *n.inputs[0])
+    return 0 if unique is not None and n.inputs[1] == (unique, 1) else UNKNOWN
+
+
+def _rows_of_unique(flow: _Flow, src: str, port: int) -> str | None:
+    """The ``Unique`` node U where tensor ``src:port`` is a batch-free table's rows at the
+    distinct ids U found (``embedding_lookup(params, unique(ids))``, through identities), else
+    None. Gathered back by U's second output, they are each id's row, in the ids' order."""
+    ir = flow.ir
+    while ir.op(src) in ("Identity", "Cast") and port == 0:
+        src, port = ir.input(src, 0)
+    if ir.op(src) not in ("Gather", "GatherV2", "ResourceGather") or port != 0:
+        return None
+    table, (unique, unique_port) = ir.input(src, 0), ir.input(src, 1)
+    if _port(flow.states.get(table[0], UNKNOWN), table[1]) is not None or \
+            ir.op(unique) != "Unique" or unique_port != 0:
+        return None
+    if ir.op(src) == "GatherV2" and flow.ints(*ir.input(src, 2)) != [0]:
+        return None
+    return unique
+
+
 def _segment_extreme(n: _Node):
     """tf.math.unsorted_segment_max and the like over the batch: a Max over the examples of
     each segment, which no average of the slices' gives."""
+    if _by_example(n):
+        return 0
     if n.states[0] == 0 and n.states[1] == 0:
         return n.mixed(f"takes the {n.op} of the examples of the batch per segment: each "
                        "replica would take its own slice's")
@@ -1238,7 +1342,8 @@ def _carried_from_reads(ir, array: str) -> str | None:
 
 
 _RULES = {
-    "MatMul": _matmul, "BatchMatMul": _batch_matmul, "BatchMatMulV2": _batch_matmul,
+    "MatMul": _matmul, "SparseTensorDenseMatMul": _sparse_dense_matmul,
+    "BatchMatMul": _batch_matmul, "BatchMatMulV2": _batch_matmul,
     "BatchMatMulV3": _batch_matmul, "Softmax": _last_axis, "LogSoftmax": _last_axis,
     "TopKV2": _last_axis, "TopK": _last_axis, "ArgMax": _arg_reduce, "ArgMin": _arg_reduce,
     "ReverseV2": _along_axis("reverses the order of the examples of the batch"),
@@ -1255,6 +1360,9 @@ _RULES = {
     "Gather": _gather, "GatherV2": _gather, "ResourceGather": _gather, "OneHot": _one_hot,
     "L2Loss": _l2_loss, "UnsortedSegmentSum": _segment_sum, "SegmentSum": _segment_sum,
     "DynamicPartition": _dynamic_partition, "ScatterNd": _scatter_nd,
+    **dict.fromkeys(("SparseSegmentSum", "SparseSegmentMean", "SparseSegmentSqrtN",
+                     "SparseSegmentSumWithNumSegments", "SparseSegmentMeanWithNumSegments",
+                     "SparseSegmentSqrtNWithNumSegments"), _sparse_segment),
     "SegmentMean": _segment_sum, "Bincount": _bincount, "DenseBincount": _bincount,
     "UniqueWithCounts": _unique_with_counts, "UniqueWithCountsV2": _unique_with_counts,
     **dict.fromkeys(("SegmentMax", "SegmentMin", "SegmentProd", "UnsortedSegmentMax",

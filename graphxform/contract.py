@@ -47,10 +47,12 @@ def check_input(ir: GraphIR, tg: TrainingGraph) -> None:
     _check_distributed_already(ir, tg)
     _check_selected_means(ir, tg)
     shapes = [parts[2] for parts in tg.sparse_inputs.values()]  # dense shapes: [size, ...]
+    indices = [parts[0] for parts in tg.sparse_inputs.values()]
     for step in tg.steps:
         if sources:
             towers.check(ir, tg, step)
-        found = mixing_in(ir, step.loss, sources, shapes) if step.loss and sources else None
+        found = (mixing_in(ir, step.loss, sources, shapes, indices)
+                 if step.loss and sources else None)
         if found is not None:
             raise ContractError(
                 f"step '{step.name}' minimises '{step.loss}', which mixes the examples of its "
