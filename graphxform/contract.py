@@ -435,8 +435,9 @@ def _check_losses_are_means(ir: GraphIR, tg: TrainingGraph, replicas: int) -> No
                 "all start from one seed of ones shown to be this loss's (one tf.gradients "
                 "call, or one tf.GradientTape's gradient of this loss; not grad_ys given, "
                 "several losses at once, a tape's target not shown to be this loss), which "
-                "graphxform scales to sum the replicas' gradients; averaged, this step would train with 1/N of its "
-                "gradient: use tf.reduce_mean over the batch, or tf.gradients of the loss")
+                "graphxform scales to sum the replicas' gradients; averaged, this step would "
+                "train with 1/N of its gradient: use tf.reduce_mean over the batch, or "
+                "tf.gradients of the loss")
         summed = _summed_term(ir, values, (copy, port))
         if summed is not None:
             raise ContractError(

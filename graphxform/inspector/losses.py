@@ -2,11 +2,11 @@
 
 Each replica computes its loss on its slice of the batch. When that loss is a mean over the
 slice (what tf.losses and tf_keras give), the single-device loss is the mean of the replicas'
-and so is the gradient (a sum's gradients are scaled by N at their seed, passes/summed_losses.py,
-so they too are averaged, and the served loss is the replicas' sum): the served loss must be a Mean over the replicas, an all-reduce of
+and so is the gradient: the served loss must be a Mean over the replicas, an all-reduce of
 gradients must divide (``final_op`` Div), a dense accumulator must average (``MEAN``). A sum in
 any of these places trains with an N-times gradient (N replicas or workers) or reports an
-N-times loss."""
+N-times loss. A loss that is a sum over the batch has its gradients scaled by N at their seed
+(passes/summed_losses.py), so they too are averaged, and it is served as the replicas' sum."""
 
 from __future__ import annotations
 
