@@ -524,6 +524,10 @@ class GraphIR:
         networkx.ancestors finds, plus ``name``, without its generic BFS)."""
         return _reached(self.g._pred, [name])
 
+    def ancestors_of(self, sinks) -> set[str]:
+        """``sinks`` and every node one of them depends on (one sweep for all)."""
+        return _reached(self.g._pred, sinks)
+
     def value_sources(self, name: str, stop_at=frozenset(), stop=None) -> set[str]:
         """``name`` and every node its value depends on: through data inputs, not control
         inputs, and not through ops that read only a tensor's shape (a count of examples is

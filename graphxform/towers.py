@@ -165,19 +165,10 @@ def _parts_read(ir, node: str, sources, memo: dict, whole: bool = False) -> froz
     """(split, index) of each output of a Split of a batch source along axis 0 that ``node``'s
     value reads (through data inputs; ``memo`` is shared between calls). ``whole``: a batch
     source read other than through such a split counts too, as (source, None)."""
-    stack, expanded = [node], set()
-    while stack:
-        name = stack[-1]
-        if name in memo:
-            stack.pop()
-            continue
-        inputs = [] if _is_batch_split(ir, name, sources) else ir.inputs(name)
-        missing = [src for src, _ in inputs if src not in memo]
-        if missing and name not in expanded:  # expanded: a loop's back edge
-            expanded.add(name)
-            stack.extend(missing)
-            continue
-        stack.pop()
+    def inputs_of(name):
+        return [] if _is_batch_split(ir, name, sources) else ir.inputs(name)
+
+    def parts(name, inputs):
         found = set()
         for src, p in inputs:
             if _is_batch_split(ir, src, sources):
@@ -186,7 +177,28 @@ def _parts_read(ir, node: str, sources, memo: dict, whole: bool = False) -> froz
                 found.add((src, None))
             else:
                 found |= memo.get(src, set())
-        memo[name] = frozenset(found)
+        return frozenset(found)
+    return _bottom_up(node, memo, inputs_of, parts)
+
+
+def _bottom_up(node: str, memo: dict, inputs_of, value_of):
+    """``memo[node]``, filling ``memo`` with ``value_of(name, inputs_of(name))`` for ``node``
+    and what it reads, every input before its reader; iterative, as graphs run deeper than
+    Python's recursion, and a loop's back edge is left out of ``memo`` when its reader is."""
+    stack, expanded = [node], set()
+    while stack:
+        name = stack[-1]
+        if name in memo:
+            stack.pop()
+            continue
+        inputs = inputs_of(name)
+        missing = [src for src, _ in inputs if src not in memo]
+        if missing and name not in expanded:  # expanded: a loop's back edge
+            expanded.add(name)
+            stack.extend(missing)
+            continue
+        stack.pop()
+        memo[name] = value_of(name, inputs)
     return memo[node]
 
 
@@ -203,26 +215,15 @@ def tower_hash(ir, node: str, port: int, sources, memo: dict) -> str:
     ``_``-attrs TF adds), inputs in order, variables and placeholders by name, a part of the
     batch by its split but not its index; so two towers hash alike when they compute the same
     function of their own parts."""
-    stack, expanded = [node], set()
-    while stack:
-        name = stack[-1]
-        if name in memo:
-            stack.pop()
-            continue
-        op = ir.op(name)
-        leaf = _is_batch_split(ir, name, sources) or op in (
+    def leaf(name):
+        return _is_batch_split(ir, name, sources) or ir.op(name) in (
             "Placeholder", "PlaceholderWithDefault", "VarHandleOp", "VariableV2", "Variable")
-        inputs = [] if leaf else ir.inputs(name)
-        missing = [src for src, _ in inputs if src not in memo]
-        if missing and name not in expanded:  # expanded: a loop's back edge
-            expanded.add(name)
-            stack.extend(missing)
-            continue
-        stack.pop()
-        digest = hashlib.sha1(op.encode())
-        if leaf and not _is_batch_split(ir, name, sources):
+
+    def digest_of(name, inputs):
+        digest = hashlib.sha1(ir.op(name).encode())
+        if leaf(name) and not _is_batch_split(ir, name, sources):
             digest.update(name.encode())
-        elif leaf:
+        elif leaf(name):
             digest.update(ir.input(name, 1)[0].encode())
         for key, value in sorted(ir.attrs(name).items()):
             if not key.startswith("_"):
@@ -230,7 +231,8 @@ def tower_hash(ir, node: str, port: int, sources, memo: dict) -> str:
         for src, p in inputs:
             part = "part" if _is_batch_split(ir, src, sources) else p  # not which part
             digest.update(f"{memo.get(src, 'loop')}:{part}".encode())
-        memo[name] = digest.hexdigest()
+        return digest.hexdigest()
+    _bottom_up(node, memo, lambda name: [] if leaf(name) else ir.inputs(name), digest_of)
     return f"{memo[node]}:{port}"
 
 

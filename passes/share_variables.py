@@ -72,7 +72,7 @@ def update_region(ir, step_ops, born_nodes, data_dependent=frozenset()) -> set:
     update, but it is per-replica work of a later stage, not part of the update. So the walk
     skips what a born gradient depends on and that reads the batch (``data_dependent``) other
     than through a born gradient; that stage's own update is reached from its gradients."""
-    later_stages = (_ancestors(ir, born_nodes) & set(data_dependent)) - ir.data_descendants(
+    later_stages = (ir.ancestors_of(born_nodes) & set(data_dependent)) - ir.data_descendants(
         born_nodes)
     region = set()
     for step in step_ops:
@@ -139,17 +139,6 @@ class ShareVariables(Pass):
                                 "aggregates": points}
         return PassResult(modified=placed > 0, summary={
             "shared_nodes": len(shared), "update_region": len(region)})
-
-
-def _ancestors(ir, sinks) -> set:
-    """What any of ``sinks`` depends on through data or control edges, and ``sinks``."""
-    seen, stack = set(sinks), list(sinks)
-    while stack:
-        for src in ir.predecessors(stack.pop()):
-            if src not in seen:
-                seen.add(src)
-                stack.append(src)
-    return seen
 
 
 def _descendants(ir, sources) -> set:

@@ -69,17 +69,24 @@ def adaptive_rate(path, rule="linear"):
     return _export(path, build, lambda rng: {})
 
 
+def _policy(tf, tf1, x):
+    """A REINFORCE policy's pieces: the fed rewards, a running baseline of them (not
+    trained), and the log-probability of each fed action."""
+    reward = tf1.placeholder(tf.float32, [None], name="reward")
+    action = tf1.placeholder(tf.int32, [None], name="action")
+    w = tf1.get_variable("policy", [3, 4], initializer=tf1.glorot_uniform_initializer(seed=2))
+    baseline = tf1.get_variable("baseline", [], trainable=False,
+                                initializer=tf1.zeros_initializer())
+    log_prob = -tf.nn.sparse_softmax_cross_entropy_with_logits(labels=action,
+                                                               logits=tf.matmul(x, w))
+    return reward, baseline, log_prob
+
+
 def reinforce_baseline(path):
     """REINFORCE with a running baseline of the reward: the loss reads the baseline, and the
     step moves it toward the batch's mean reward (an exponential moving average)."""
     def build(tf, tf1, x):
-        reward = tf1.placeholder(tf.float32, [None], name="reward")
-        action = tf1.placeholder(tf.int32, [None], name="action")
-        w = tf1.get_variable("policy", [3, 4], initializer=tf1.glorot_uniform_initializer(seed=2))
-        baseline = tf1.get_variable("baseline", [], trainable=False,
-                                    initializer=tf1.zeros_initializer())
-        log_prob = -tf.nn.sparse_softmax_cross_entropy_with_logits(labels=action,
-                                                                   logits=tf.matmul(x, w))
+        reward, baseline, log_prob = _policy(tf, tf1, x)
         loss = -tf.reduce_mean((reward - baseline) * log_prob)
         train = tf1.train.AdamOptimizer(0.05).minimize(loss)
         with tf.control_dependencies([train]):
@@ -191,16 +198,10 @@ def baseline_moved_first(path):
     """A NAS controller's REINFORCE (Zoph & Le): the baseline moves toward the batch's mean
     reward first, and the advantage reads it after, under tf.control_dependencies."""
     def build(tf, tf1, x):
-        reward = tf1.placeholder(tf.float32, [None], name="reward")
-        action = tf1.placeholder(tf.int32, [None], name="action")
-        w = tf1.get_variable("policy", [3, 4], initializer=tf1.glorot_uniform_initializer(seed=2))
-        baseline = tf1.get_variable("baseline", [], trainable=False,
-                                    initializer=tf1.zeros_initializer())
+        reward, baseline, log_prob = _policy(tf, tf1, x)
         moved = tf1.assign_sub(baseline, 0.05 * (baseline - tf.reduce_mean(reward)))
         with tf.control_dependencies([moved]):
             advantage = reward - tf.identity(baseline)
-        log_prob = -tf.nn.sparse_softmax_cross_entropy_with_logits(labels=action,
-                                                                   logits=tf.matmul(x, w))
         loss = -tf.reduce_mean(log_prob * advantage)
         tf1.add_to_collection("train_op", tf1.train.GradientDescentOptimizer(0.5).minimize(loss))
     return _export(path, build, lambda rng: {
