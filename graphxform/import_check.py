@@ -14,7 +14,10 @@ constant value. So ``check``:
 
 1. finds the twins (``find_twins``);
 2. imports every other node with TF's C importer, without Python op wrappers; a node that reads
-   a twin reads its representative instead;
+   a twin reads its representative instead. Leaves that nothing reads through data are left
+   out too, where TF could say nothing of them but whether an Identity's T is its input's
+   dtype (``find_leaves``: merge-fetches' Identity per name of the input graph): that is
+   checked on what TF made of the input;
 3. compares, for each node a twin reads that is not a twin itself (the *frontier*: a copy fed
    its replica's slice of the batch, a rewired gradient), what TF inferred for it and for its
    representative's counterpart; when anything differs, or has no counterpart, it imports the
@@ -35,10 +38,11 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import operator
+import re
 
 from graphxform import wire
 from graphxform.errors import GraphxformError, clip, tf_error_line
-from graphxform.ir import CONTROL_KEYS, BorrowedNode, GraphIR, paused_gc
+from graphxform.ir import CONTROL_KEYS, BorrowedNode, GraphIR, data_pairs, paused_gc
 
 
 @dataclasses.dataclass
@@ -64,18 +68,24 @@ def check(ir: GraphIR, keep_until_exit: bool = False) -> dict:
         _check_colocation(ir)
         _check_collections(ir)
         twins = find_twins(ir)
-        whole = not twins.of or any(rep is None for _, rep in twins.frontier)
+        leaves = find_leaves(ir, twins.of)
+        left_out = {**twins.of, **{leaf: src for leaf, (src, _, _) in leaves.items()}}
+        whole = not left_out or any(rep is None for _, rep in twins.frontier)
         if not whole:
-            imported = _import(ir, _node_fields(ir, twins.of),
-                               [name for pair in twins.frontier for name in pair])
+            read = sorted({(src, port) for src, port, dtype in leaves.values()
+                           if dtype is not None})
+            imported = _import(ir, _node_fields(ir, left_out),
+                               [name for pair in twins.frontier for name in pair], read)
             whole = not _frontier_agrees(imported, len(twins.frontier))
+            if not whole:
+                _check_leaves(leaves, dict(zip(read, imported.outputs)))
             release(imported)
         if whole:
-            release(_import(ir, _node_fields(ir, None), []))
+            release(_import(ir, _node_fields(ir, None), [], []))
     if not keep_until_exit:
         _give_back_freed_memory()
-    left_out = 0 if whole else len(twins.of)
-    return {"imported": len(ir) - left_out, "twins": left_out,
+    return {"imported": len(ir) - (0 if whole else len(left_out)),
+            "twins": 0 if whole else len(twins.of), "leaves": 0 if whole else len(leaves),
             "frontier": len(twins.frontier), "whole": whole}
 
 
@@ -119,6 +129,66 @@ def find_twins(ir: GraphIR) -> Twins:
     return twins
 
 
+# ops whose acceptance TF decides from their attrs and their data inputs' dtypes alone, with the
+# attrs they may have (no "_output_shapes", which TF checks against the shapes it infers): an
+# Identity's T must be its input's dtype; a NoOp reads no data
+_LEAF_ATTRS = {"Identity": {"T", "_class"}, "NoOp": {"_class"}}
+# a node name TF's importer accepts (stricter than TF: a name it fails is simply imported)
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9.][A-Za-z0-9_./-]*")
+
+
+def find_leaves(ir: GraphIR, twins: dict) -> dict:
+    """The leaves the import can leave out: nodes of their own (not copies) that no node reads
+    through a data edge, each an Identity reading one tensor or a NoOp that only waits
+    (merge-fetches serves every name of the input graph so, ten thousand of them). Given its
+    input's dtype, TF's importer can say nothing else of such a node: its name is plain, its
+    other inputs are control edges to nodes the structural checks have found, its device and
+    colocation are checked with every node's. A NoOp counts only when nothing waits on it. Returns leaf ->
+    (the node standing in for it, which its control consumers wait on instead: its input's
+    representative (a NoOp: itself); the port it reads; the dtype its T names, or None)."""
+    node_table, protos, pred, succ = ir.g._node, ir._protos, ir.g._pred, ir.g._succ
+    leaves = {}
+    for name, proto in protos.items():  # the nodes of their own
+        data = node_table.get(name)
+        if data is None or type(data) is BorrowedNode:
+            continue
+        allowed = _LEAF_ATTRS.get(data["op"])
+        if allowed is None:
+            continue
+        attr = proto.attr
+        if not allowed.issuperset(attr) or not _PLAIN_NAME.fullmatch(name):
+            continue
+        if data["op"] == "NoOp":
+            if succ[name] or any(map(operator.is_not, pred[name].values(),
+                                     itertools.repeat(CONTROL_KEYS))):
+                continue  # waited on (it stands for its inputs), or reads data: imported
+            leaves[name] = (name, -1, None)
+            continue
+        sources = [(src, keys) for src, keys in data_pairs(pred[name]) if keys is not CONTROL_KEYS]
+        if (len(sources) == 1 and list(sources[0][1]) == [0] and "T" in attr
+                and attr["T"].WhichOneof("value") == "type"
+                and not _read_as_data(succ[name], node_table)):
+            src = sources[0][0]
+            leaves[name] = (twins.get(src, src), sources[0][1][0]["src_port"], attr["T"].type)
+    return leaves
+
+
+def _check_leaves(leaves: dict, dtypes: dict) -> None:
+    """Each Identity leaf's T is the dtype TF gives its input (``dtypes``: (node, port) ->
+    TF's dtype, a ref type for a ref variable's output, which an Identity takes as its base
+    type), as TF's importer requires."""
+    from tensorflow.python.framework import dtypes as tf_dtypes
+    for name, (src, port, wanted) in sorted(leaves.items()):
+        if wanted is None:
+            continue
+        found = dtypes[(src, port)]
+        if (found - 100 if found > 100 else found) != wanted:
+            raise GraphxformError(
+                f"TensorFlow rejects the graph: node '{name}' (Identity) expects "
+                f"{tf_dtypes.as_dtype(wanted).name} but reads {src}:{port}, which is "
+                f"{tf_dtypes.as_dtype(found).name}")
+
+
 def _unchanged(present: list, changed: set, index: dict) -> list[bool]:
     """Per original: whether a replica's copy of it is there and unchanged since made."""
     flags = list(present)
@@ -159,10 +229,10 @@ def _node_fields(ir: GraphIR, left_out: dict | None) -> list:
 
 
 class _Imported:
-    """A graph TF's C importer made, with the operations asked for by name."""
+    """A graph TF's C importer made, with the operations and the outputs' dtypes asked for."""
 
-    def __init__(self, graph, operations: list):
-        self.graph, self.operations = graph, operations
+    def __init__(self, graph, operations: list, outputs: list):
+        self.graph, self.operations, self.outputs = graph, operations, outputs
 
     def close(self) -> None:
         """Free the graph now: the op wrappers made for the frontier and the graph refer to
@@ -172,9 +242,10 @@ class _Imported:
         self.graph = self.operations = None
 
 
-def _import(ir: GraphIR, nodes: list, wanted: list) -> _Imported:
+def _import(ir: GraphIR, nodes: list, wanted: list, read: list) -> _Imported:
     """Import the GraphDef of ``nodes`` (node fields) and ``ir``'s library and versions into a
-    new graph with TF's C importer; raise naming what TF rejects."""
+    new graph with TF's C importer; raise naming what TF rejects. The result holds the
+    operations named in ``wanted`` and the dtypes of the (node, port) outputs in ``read``."""
     from tensorflow.python.client import pywrap_tf_session as c_api
     from tensorflow.python.framework import ops
     from tensorflow.python.framework.errors_impl import OpError
@@ -188,9 +259,12 @@ def _import(ir: GraphIR, nodes: list, wanted: list) -> _Imported:
         c_api.TF_ImportGraphDefOptionsSetValidateColocationConstraints(options, False)
         for name in wanted:
             c_api.TF_ImportGraphDefOptionsAddReturnOperation(options, name)
+        for name, port in read:
+            c_api.TF_ImportGraphDefOptionsAddReturnOutput(options, name, port)
         results = c_api.TF_GraphImportGraphDefWithResults(graph, buffer, options)
         try:
             operations = c_api.TF_ImportGraphDefResultsReturnOperations(results)
+            outputs = c_api.TF_ImportGraphDefResultsReturnOutputs(results)
         finally:
             c_api.TF_DeleteImportGraphDefResults(results)
     except OpError as e:
@@ -198,7 +272,8 @@ def _import(ir: GraphIR, nodes: list, wanted: list) -> _Imported:
     finally:
         c_api.TF_DeleteBuffer(buffer)
         c_api.TF_DeleteImportGraphDefOptions(options)
-    return _Imported(graph, operations)
+    return _Imported(graph, operations, [int(c_api.TF_OperationOutputType(output))
+                                         for output in outputs])
 
 
 def _give_back_freed_memory() -> None:

@@ -114,7 +114,11 @@ class NodeEncoder:
                         done.add(id(written))
                         self._replica(written, out, left_out)
                 continue
-            if not gone or gone.isdisjoint(pred[name]):
+            if not gone:
+                body = self._own(name, protos[name], data, dirty)
+            elif name in gone:
+                continue
+            elif gone.isdisjoint(pred[name]):
                 body = self._own(name, protos[name], data, dirty)
             else:
                 body = self._swapped(name, data, left_out)

@@ -61,7 +61,8 @@ BREAKS = sorted(SHARED)
 def test_an_intact_output_is_accepted_importing_one_replica(transformed):
     info = verify.check_imports(transformed)
     assert not info["whole"]
-    assert info["twins"] > 0 and info["imported"] + info["twins"] == len(transformed)
+    assert info["twins"] > 0 and info["leaves"] > 0
+    assert info["imported"] + info["twins"] + info["leaves"] == len(transformed)
     replica_2 = [n for n in transformed.nodes() if n.startswith("replica_2/")]
     assert sum(1 for n in replica_2 if n in import_check.find_twins(transformed).of) > \
         len(replica_2) / 2
@@ -74,6 +75,31 @@ def test_a_broken_output_is_rejected(transformed, where, broken):
     with pytest.raises(GraphxformError, match="TensorFlow rejects the graph"):
         verify.check_imports(transformed)
 
+
+
+def set_attr(ir, name, key, **value):
+    from tensorflow.core.framework import attr_value_pb2
+    ir.node(name)["attr"][key].CopyFrom(attr_value_pb2.AttrValue(**value))
+
+
+LEAF = "dense0/MatMul/ReadVariableOp"  # merge-fetches' Identity of replica 0's read: a leaf
+LEAF_BREAKS = {
+    "wrong attr type": lambda ir: set_attr_int(ir, LEAF, "T"),
+    "dtype mismatch": lambda ir: set_attr(ir, LEAF, "T", type=3),
+    "missing output port": lambda ir: ir.set_input(LEAF, 0, "replica_0/" + LEAF + ":2"),
+    "output shapes unlike its input's": lambda ir: ir.node(LEAF)["attr"]["_output_shapes"]
+    .list.shape.add().dim.add(size=5),
+}
+
+
+@pytest.mark.parametrize("broken", sorted(LEAF_BREAKS))
+def test_a_broken_leaf_left_out_of_the_import_is_rejected(transformed, broken):
+    """The Identity nodes that serve a name and that nothing reads are left out of the import
+    (import_check.find_leaves); what TF would reject in one is rejected still."""
+    assert LEAF in import_check.find_leaves(transformed, import_check.find_twins(transformed).of)
+    LEAF_BREAKS[broken](transformed)
+    with pytest.raises(GraphxformError, match="TensorFlow rejects the graph"):
+        verify.check_imports(transformed)
 
 def test_a_twin_fed_a_different_value_is_imported_with_the_whole_graph(transformed):
     """replica_2's Fill of the loss gradient is unchanged (a twin of replica_0's), but the
