@@ -34,6 +34,11 @@ input-pipeline reads) to each step's loss, along data edges, giving every tensor
   masked loss by size(mask) / sum(mask)): read as holding nothing of the batch where it weights
   examples, since global-denominators makes it the whole batch's ratio (and the contract
   refuses it where no pass does); a Curved anywhere else;
+- per-example values over a total of the batch's data, or a function of its totals, in a
+  division on the loss's way from its terms (``replica_values.loss_divisions``: tkipf/gcn's
+  ``mask / tf.reduce_mean(mask)`` weighting each example's loss): per-example, of the
+  dividend's degree, since global-denominators divides them by the whole batch's total in
+  every replica, each example's value one device's (the contract refuses what it cannot);
 - ``UNKNOWN``: no rule here says (loops, function calls, ops without a rule): not followed;
 - a ``Mixed``: examples met here, first at ``node``, for ``reason``; whatever reads it is
   mixed too.
@@ -50,7 +55,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from graphxform import functions, replica_values
+from graphxform import functions, opdefs, replica_values
 from graphxform.functions import WHILE_OPS
 from graphxform.replica_values import (BATCH_NORM_OPS, CROSS_ENTROPY_OPS, ELEMENTWISE_UNARY_OPS,
                                        LIKE_OPS, LINEAR_UNARY_OPS)
@@ -63,6 +68,7 @@ SIZE, AGGREGATE, NORM, UNKNOWN = "size", "aggregate", "norm", "unknown"
 RATIO = "ratio"
 _MOMENTS = ("moments/mean", "moments/variance")  # tf.nn.moments: sync-batch-norm's
 _INTEGER_DTYPES = (3, 9)  # int32, int64: lengths, counts
+_FLOAT_DTYPES = (1, 2, 14, 19)  # float, double, bfloat16, half: what a collective reduces
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +126,7 @@ def mixing_in(ir, loss: str, sources, shapes=(), indices=()) -> Mixed | None:
     node, port = parse_tensor(loss)
     flow = _Flow(ir, set(sources) - set(shapes), {name: (Shape(0), 1) for name in shapes})
     flow.sparse_indices = set(indices)
+    flow.loss_divisions = set(replica_values.loss_divisions(ir, (node, port)))
     states = flow.run(node)
     found = _port(states[node], port)
     if isinstance(found, Curved):
@@ -180,6 +187,7 @@ class _Flow:
         self.consts = {}  # node -> its integer values (replica_values.const_ints)
         self.port_ints = {}  # (node, port) -> values worked out from shapes (broadcasting)
         self.sparse_indices = set()  # sparse_placeholders' indices (mixing_in)
+        self.loss_divisions = set()  # divisions on the loss's way from its terms (mixing_in)
 
     def run(self, target: str) -> dict:
         """States of ``target`` and its data ancestors, each worked out after its inputs."""
@@ -224,6 +232,8 @@ class _Flow:
             return UNKNOWN if any(s is not None for s in found) else None
         if all(s is None for s in found):
             return None
+        if self.over_whole_batch(name, found):
+            found = [found[0], None]  # the whole batch's total (global-denominators)
         if RATIO in found:
             found = _through_ratio(name, op, inputs, found)
             if not isinstance(found, list):
@@ -249,6 +259,20 @@ class _Flow:
                               "sum or mean over the batch")
             return UNKNOWN
         return rule(_Node(self, name, op, inputs, found))
+
+    def over_whole_batch(self, name: str, states: list) -> bool:
+        """Whether ``name`` divides per-example values by a float total of the batch (or a
+        function of its totals) with no rows of the batch, on the loss's way from its terms:
+        what global-denominators makes the whole batch's total in every replica (the contract
+        finds the same divisions, graphxform.contract.batch_denominators, and refuses those
+        no pass made global), so each example's quotient is one device's."""
+        if name not in self.loss_divisions or len(states) != 2 or type(states[0]) is not int \
+                or not (states[1] == AGGREGATE or isinstance(states[1], Curved)):
+            return False
+        divisor = self.ir.inputs(name)[1]
+        dims = opdefs.recorded_dims(self.ir, *divisor)
+        return opdefs.output_dtype(self.ir, *divisor) in _FLOAT_DTYPES and dims is not None \
+            and dims[:1] != [-1]
 
     def _scaled(self, name: str, state):
         """``state``, or a Mixed where the batch's size enters per-example values in a way no
@@ -1615,6 +1639,8 @@ def _degree(n: _Node, state, degrees: list):
             all(type(s) is int for s in n.states[:2])  # a contraction over the batch
         return total + 1 if total is not None and batch_summed else total
     if op in _QUOTIENTS:
+        if n.flow.over_whole_batch(n.name, n.states):
+            return degrees[0]  # over the whole batch's total, which no slice changes
         a, b = degrees[0], degrees[1]
         return None if a is None or b is None else a - b
     if op == "L2Loss":

@@ -516,36 +516,24 @@ def batch_denominators(ir: GraphIR, loss: tuple, classes,
     total and stays the slice's own. ``reading_variables``: those
     that do depend on a variable instead (a mean of the model's own outputs under
     stop_gradient), which no pass can make global."""
-    from graphxform.replica_values import BATCHED, DIVIDE_OPS, LOSS_TERM_OPS, WEIGHT_OPS
-    found, seen, stack = [], set(), [loss]
+    from graphxform.replica_values import BATCHED, loss_divisions
+    found = []
     sources = None  # the batch's splits, found when a division asks
-    while stack:
-        node, port = stack.pop()
-        if (node, port) in seen:
-            continue
-        seen.add((node, port))
-        op = ir.op(node)
-        inputs = ir.inputs(node)
-        if op in DIVIDE_OPS and len(inputs) == 2:
-            bottom = inputs[1]
-            if sources is None:
-                sources = {n for n in ir.nodes_of({"Split"}) if n.startswith(SPLIT_SCOPE)}
-            # short of cross-replica ops and the ps strategies' combinations, whose value
-            # is every replica's (global-denominators' totals)
-            reads = ir.value_sources(bottom[0], stop_at=CROSS_REPLICA_OPS,
-                                     stop=lambda n: combines_every_replica(ir, n))
-            if (ir.op(bottom[0]) not in CROSS_REPLICA_OPS
-                    and opdefs.output_dtype(ir, *bottom) in _FLOATS
-                    and not reads.isdisjoint(sources)
-                    and any(ir.op(n) in VARIABLE_OPS for n in reads) == reading_variables
-                    and classes().of(*bottom) not in BATCHED
-                    and not _rows_of_the_batch(ir, *bottom)):
-                found.append(tensor_name(*bottom))
-            stack.append(inputs[0])
-        elif op in LOSS_TERM_OPS:
-            stack.extend(inputs)
-        elif op in ("Sum", "Mean") or op in WEIGHT_OPS:  # of per-class ratios
-            stack.append(inputs[0])  # (tf.math.unsorted_segment_mean), or a weight's way
+    for node in loss_divisions(ir, loss):
+        bottom = ir.inputs(node)[1]
+        if sources is None:
+            sources = {n for n in ir.nodes_of({"Split"}) if n.startswith(SPLIT_SCOPE)}
+        # short of cross-replica ops and the ps strategies' combinations, whose value
+        # is every replica's (global-denominators' totals)
+        reads = ir.value_sources(bottom[0], stop_at=CROSS_REPLICA_OPS,
+                                 stop=lambda n: combines_every_replica(ir, n))
+        if (ir.op(bottom[0]) not in CROSS_REPLICA_OPS
+                and opdefs.output_dtype(ir, *bottom) in _FLOATS
+                and not reads.isdisjoint(sources)
+                and any(ir.op(n) in VARIABLE_OPS for n in reads) == reading_variables
+                and classes().of(*bottom) not in BATCHED
+                and not _rows_of_the_batch(ir, *bottom)):
+            found.append(tensor_name(*bottom))
     return found
 
 

@@ -724,6 +724,29 @@ WEIGHT_OPS = frozenset({"Reshape", "ExpandDims", "Squeeze", "Cast", "StopGradien
                         "BroadcastTo", "Tile"})
 
 
+def loss_divisions(ir, loss: tuple):
+    """The divisions on the way of ``loss`` (node, port) from its terms: through the terms
+    (LOSS_TERM_OPS), the reductions that sum or average them, a weight's way (WEIGHT_OPS) and
+    a division's dividend. Their divisors are the ones a loss divides by (a weighted mean's
+    total, a mask over its mean): graphxform.contract.batch_denominators looks here, and
+    global-denominators makes those of the batch's data the whole batch's."""
+    seen, stack = set(), [loss]
+    while stack:
+        node, port = stack.pop()
+        if (node, port) in seen:
+            continue
+        seen.add((node, port))
+        op = ir.op(node)
+        inputs = ir.inputs(node)
+        if op in DIVIDE_OPS and len(inputs) == 2:
+            yield node
+            stack.append(inputs[0])
+        elif op in LOSS_TERM_OPS:
+            stack.extend(inputs)
+        elif op in ("Sum", "Mean") or op in WEIGHT_OPS:  # of per-class ratios
+            stack.append(inputs[0])  # (tf.math.unsorted_segment_mean), or a weight's way
+
+
 _EXTREME_OPS = {"Maximum": MAX, "Minimum": MIN}
 
 

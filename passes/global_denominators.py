@@ -12,7 +12,10 @@ everything in the replica that read it, the forward division and the gradient's,
 mean instead. A numerator that is a mean A over the batch (A_i / M_i) needs the replicas' sum
 M instead: A_i / M averages to A / M. Where the rules cannot tell a sum from a mean (a loop's
 outputs), the reduction that makes the numerator a scalar says; failing that, the graph is
-refused rather than guessed.
+refused rather than guessed. Per-example values over a total (tkipf/gcn's mask /
+tf.reduce_mean(mask), each example's loss weighted by it) need the whole batch's total itself
+(the replicas' mean of a mean, their sum of a sum): then each example's quotient is one
+device's, and the loss over them is a mean or sum of per-example terms like any other.
 
 A denominator that is a function of the batch's totals but not one itself (a guarded count,
 max(sum(w), 1); sum(w) + eps; per-class counts from tf.math.unsorted_segment_mean) is not
@@ -44,6 +47,7 @@ from graphxform.pipeline import Pass, PassResult
 SCOPE = "global_denominators/"
 INSTANCE_KEYS = 1 << 23  # apart from the all-reduce pass's buckets and sparse gathers
 _NUMPY_FLOATS = {1: np.float32, 2: np.float64, 19: np.float16}  # float, double, half
+EXAMPLE = "per-example value"  # a numerator of per-example values (_kind_of_numerator)
 
 
 @dataclasses.dataclass
@@ -145,16 +149,20 @@ def _recompute_plan(ir, values, tensor: str, top: str):
                          for dst in ir.g._succ[n])
     if not leaves or read_elsewhere:
         return None
-    return leaves, {n[len(first):] for n in interior}, top != MEAN
+    return leaves, {n[len(first):] for n in interior}, top not in (MEAN, EXAMPLE)
 
 
 def _total_reduction(ir, values, tensor: str, top: str) -> str:
     """How the replicas' copies of ``tensor``, a total, combine so that the mean of the
     replicas' losses is one device's: S_i / (M / N) averages to S / M for a sum S over the
     batch (the replicas' mean of the denominator), A_i / M to A / M for a mean A (their
-    sum); a mean over a mean is the mean of both."""
+    sum); a mean over a mean is the mean of both; per-example values divide by the whole
+    batch's total (EXAMPLE)."""
     from graphxform.replica_values import MEAN
-    if top == MEAN and _total_kind(ir, values, parse_tensor(tensor)) != MEAN:
+    kind = _total_kind(ir, values, parse_tensor(tensor))
+    if top == EXAMPLE:  # the whole batch's total itself
+        return "Div" if kind == MEAN else "Id"
+    if top == MEAN and kind != MEAN:
         return "Id"
     return "Div"
 
@@ -191,8 +199,11 @@ def _numerator_kind(ir, values, denominator: str, loss: tuple) -> str:
 def _kind_of_numerator(ir, values, current: tuple):
     """SUM or MEAN for a numerator: its class, or, where the rules cannot tell (read from a
     loop's outputs), the reduction that makes it a scalar, seen through ops that only scale
-    it; else None."""
-    from graphxform.replica_values import COUNT, IDENTICAL, SUM
+    it; EXAMPLE for per-example values (batch_mixing accepted their division only on the
+    loss's way from its terms); else None."""
+    from graphxform.replica_values import BATCHED, COUNT, IDENTICAL, SUM
+    if values.of(*current) in BATCHED:
+        return EXAMPLE
     while current is not None:
         kind = _total_kind(ir, values, current)
         if kind is not None:

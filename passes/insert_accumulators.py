@@ -37,7 +37,7 @@ import numpy as np
 
 from graphxform import opdefs
 from graphxform.errors import ContractError, GraphxformError
-from graphxform.ir import colocation_targets, parse_tensor
+from graphxform.ir import colocation_targets, parse_tensor, tensor_name
 from graphxform.nodes import Builder, replica_prefix
 from graphxform.pipeline import Pass, PassResult
 from graphxform.training import REPLICA_SCOPE, is_mutating_op
@@ -76,6 +76,9 @@ class InsertAccumulators(Pass):
         tg.require_train_op(self.name)
         points = _points(ctx.state["share-variables"]["aggregates"])
         step_ops = [s.op for s in tg.steps]
+        combined = [] if self.asynchronous else _combine_statistics(
+            ir, Builder(ir, self.name), cross_edges, points, set(step_ops), len(ctx.devices))
+        cross_edges = [e for e in cross_edges if e not in combined]
         by_step = _check_cross_edges(cross_edges, points, set(step_ops))
         if self.staleness and (tg.global_step is None or len(step_ops) > 1):
             raise GraphxformError("--staleness counts steps by global_step: it needs a graph "
@@ -93,6 +96,10 @@ class InsertAccumulators(Pass):
         else:
             plan_steps, chief_init, one_client_only = self._synchronous(
                 ir, build, grad_edges, points, steps)
+            if combined and not one_client_only:
+                one_client_only = (
+                    f"'{combined[0][0]}' runs once per step and reads '{combined[0][2]}' of "
+                    "every replica combined, which one process per task cannot compute")
         _recolocate_shared(ir, build.takes)
         losses = build.worker_losses() if plan_steps else {}
         _write_plan(ir, ctx, workers, plan_steps, losses, chief_init, self,
@@ -355,6 +362,57 @@ def _refuse_norms_of_sparse_rows(ir, grad_edges, points) -> None:
                     "which gathers the rows as they are, or clip the dense gradients only")
             if not (opdefs.is_stateful(ir, op) or is_mutating_op(op) or op in _COALESCING_OPS):
                 stack.extend(dst for dst, _ in ir.consumers(node))
+
+
+# how one device's value of a statistic follows from the replicas' copies (cross_replica)
+_COMBINED = {"mean": ("Add", "Div"), "sum": ("Add", "Id"), "count": ("Add", "Id"),
+             "max": ("Max", "Id"), "min": ("Min", "Id")}
+
+
+def _combine_statistics(ir, build, cross_edges, points, step_ops, replicas: int) -> list:
+    """A once-per-step node that is no step op and reads what each replica computes, not a
+    gradient (a moving average of the loss, or of a mean of the model's activations, updated
+    after the optimizer's step): where replica 0's copy is a mean, sum, count, max or min over
+    its slice, or rows of the batch (replica_values), it reads every replica's copies
+    combined instead (averaged, summed, their extreme, concatenated in replica order), which
+    is one device's value. Returns the edges so rewired; the rest are _check_cross_edges'."""
+    from graphxform import replica_values
+    from graphxform.passes.cross_replica import combine_copies
+    from graphxform.training import gradient_scope
+    first = replica_prefix(0)
+    wanted = [e for e in cross_edges if e[0] not in step_ops and e[2] not in points
+              and gradient_scope(parse_tensor(e[2])[0]) is None]
+    if not wanted:
+        return []
+    copies = set()
+    for _, _, tensor in wanted:
+        copies.update(n for n in ir.ancestors(first + parse_tensor(tensor)[0])
+                      if n.startswith(first))
+        copies.add(first + parse_tensor(tensor)[0])
+    values = replica_values.classify(ir, first, copies=sorted(copies))
+    done, made = [], {}
+    for consumer, port, tensor in wanted:
+        node, out = parse_tensor(tensor)
+        kind = values.of(first + node, out)
+        if kind not in _COMBINED and kind not in replica_values.BATCHED:
+            continue
+        if tensor not in made:
+            device = ir.node(consumer)["device"] or ir.node(first + node)["device"]
+            scope = f"{SYNC_SCOPE}combined/{node}_{out}/"
+            if kind in _COMBINED:
+                merge, final = _COMBINED[kind]
+                made[tensor] = combine_copies(ir, build, replicas, tensor, scope, device,
+                                              merge=merge, final=final)
+            else:
+                axis = build.const(scope + "axis", 0, np.int32, device=device)
+                made[tensor] = build.op(
+                    scope + "batch", "ConcatV2",
+                    [tensor_name(replica_prefix(i) + node, out) for i in range(replicas)]
+                    + [axis], device=device, N=replicas, Tidx=INT32,
+                    T=opdefs.output_dtype(ir, first + node, out)) + ":0"
+        ir.set_input(consumer, port, made[tensor])
+        done.append((consumer, port, tensor))
+    return done
 
 
 def _check_cross_edges(cross_edges, points, step_ops) -> dict:

@@ -397,3 +397,47 @@ def test_copies_colocated_with_an_input_run_on_their_own_task(strategy, tmp_path
                         mlp_data(tmp_path))
     assert not any(b"loc:@x" in ir.attrs(n).get("_class", v1.AttrValue()).list.s
                    for n in ir.nodes() if n.startswith("replica_"))
+
+
+def _statistic_after_step(of):
+    """A step whose train op is a moving average, updated after the optimizer's step
+    (control_dependencies on it), of the loss (``of`` "loss": ExponentialMovingAverage.apply)
+    or of the mean of the model's activations (``of`` "activations": a plain assign)."""
+    def step(x, y):
+        tf1 = tf.compat.v1
+        logits = tf.matmul(x, tf1.get_variable("w0", [8, 2]))
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y,
+                                                                             logits=logits))
+        opt = tf1.train.GradientDescentOptimizer(0.1).minimize(
+            loss, global_step=tf1.train.get_or_create_global_step())
+        with tf.control_dependencies([opt]):
+            if of == "loss":
+                return tf1.train.ExponentialMovingAverage(0.9).apply([loss])
+            moving = tf1.get_variable("moving", [], trainable=False,
+                                      initializer=tf1.zeros_initializer())
+            return tf1.assign(moving, 0.9 * moving + 0.1 * tf.reduce_mean(tf.nn.relu(logits)))
+    return step
+
+
+@pytest.mark.parametrize("of", ["loss", "activations"])
+def test_a_moving_average_after_the_step_reads_every_replica(run_cli, tmp_path, of):
+    """The update region runs once per step and read replica 0's loss (or its slice's
+    activations): refused ('reads Mean:0, which each replica computes'). It now reads the
+    replicas' copies combined (averaged, concatenated), one device's value; one process per
+    task cannot compute that, so the plan says one client only."""
+    from conftest import export_classifier
+    model = export_classifier(tmp_path / "m.meta", _statistic_after_step(of))
+    spec = tmp_path / "cluster.json"
+    spec.write_text('{"ps": ["127.0.0.1:27111"], "worker": ["127.0.0.1:27112", '
+                    '"127.0.0.1:27113"]}')
+    code, out, err = run_cli("verify", "--strategy", "ps", "--cluster", spec, model,
+                             "--feeds", model + ".npz", "--batch-size", 16, "--steps", 4)
+    assert code == 0, err
+    assert "PASS" in out, out
+    code, _, err = run_cli("apply", "--strategy", "ps", "--cluster", spec, model,
+                           "-o", tmp_path / "o.meta")
+    assert code == 0, err
+    found = metagraph.load(str(tmp_path / "o.meta"))
+    from graphxform.plan import CLUSTER_COLLECTION
+    text = found.meta.collection_def[CLUSTER_COLLECTION].bytes_list.value[0].decode()
+    assert "of every replica combined" in ClusterPlan.from_json(text).one_client_only

@@ -324,3 +324,47 @@ def test_a_bag_counted_by_the_dense_shape_trains_like_one_device(tmp_path, run_c
     code, out, err = run_cli("verify", "--replicas", 2, model, "--feeds", model + ".npz",
                              "--batch-size", 16, "--steps", 3)
     assert code == 0 and "PASS" in out, out + err
+
+
+def _safe_wide_model(path) -> str:
+    """A wide (linear) model as TF's wide & deep tutorials build it: weighted ids of a
+    sparse_placeholder through tf.compat.v1.nn.safe_embedding_lookup_sparse, whose
+    SparseFillEmptyRows gives an example with no ids a row (some have none here)."""
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+    g = tf.Graph()
+    with g.as_default():
+        ids = tf1.sparse_placeholder(tf.int64, name="ids")
+        weights = tf1.sparse_placeholder(tf.float32, name="wts")
+        y = tf1.placeholder(tf.float32, [None], name="y")
+        table = tf1.get_variable("wide", [50, 1],
+                                 initializer=tf1.random_normal_initializer(seed=1))
+        bias = tf1.get_variable("bias", [1], initializer=tf1.zeros_initializer())
+        logits = tf1.nn.safe_embedding_lookup_sparse([table], ids, weights,
+                                                     combiner="sqrtn")[:, 0] + bias
+        loss = tf.reduce_mean(tf.nn.sigmoid_cross_entropy_with_logits(labels=y, logits=logits))
+        tf1.train.AdagradOptimizer(0.3).minimize(
+            loss, global_step=tf1.train.get_or_create_global_step())
+        tf1.train.export_meta_graph(str(path), graph=g)
+    rng = np.random.RandomState(0)
+    rows = np.array([(i, j) for i in range(64) for j in range(rng.randint(0, 4))], np.int64)
+    shape = np.array([64, 4], np.int64)
+    np.savez(str(path) + ".npz", **{
+        "ids/indices": rows, "ids/values": rng.randint(0, 50, len(rows)), "ids/shape": shape,
+        "wts/indices": rows, "wts/values": rng.rand(len(rows)).astype(np.float32),
+        "wts/shape": shape, "y": (rng.rand(64) < 0.5).astype(np.float32)})
+    return str(path)
+
+
+@pytest.mark.parametrize("strategy", ["allreduce", "ps"])
+def test_safe_embedding_lookup_sparse_trains_like_one_device(tmp_path, run_cli, strategy):
+    """SparseFillEmptyRows' filled rows and its segment ops follow the sparse-bag rule: the
+    wide model is accepted and exact (a pin: it already was)."""
+    model = _safe_wide_model(tmp_path / "m.meta")
+    spec = tmp_path / "cluster.json"
+    spec.write_text('{"ps": ["127.0.0.1:27121"], "worker": ["127.0.0.1:27122", '
+                    '"127.0.0.1:27123"]}')
+    where = ["--cluster", spec] if strategy == "ps" else ["--replicas", 2]
+    code, out, err = run_cli("verify", "--strategy", strategy, *where, model, "--feeds",
+                             model + ".npz", "--batch-size", 16, "--steps", 3)
+    assert code == 0 and "PASS" in out, out + err

@@ -341,3 +341,48 @@ def test_a_guard_over_what_is_not_shown_a_total_is_refused(run_cli, tmp_path):
     assert "divides by 'Maximum' (Maximum), a function of the batch's totals" in err
     assert len(err.strip().splitlines()) == 1
     assert not (tmp_path / "o.meta").exists()
+
+
+def gcn_masked_graph(path, form="gcn"):
+    """tkipf/gcn's masked_softmax_cross_entropy with the mask fed per example: the mask over
+    its mean weights each example's loss, and the loss is their mean. Each replica would divide
+    by its own slice's mean mask (refused as mixing the batch's examples); global-denominators
+    divides by the whole batch's, so each example's weight is one device's. ``guarded``: the
+    mean kept off zero; ``input_norm``: the data itself over its mean, fed to the model (no
+    weight of a loss: still refused)."""
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+    graph = tf.Graph()
+    with graph.as_default():
+        x, y, weights, logits = _classifier()
+        if form == "input_norm":
+            logits = tf.matmul(x / tf.reduce_mean(tf.abs(x)), tf1.get_variable("w1", [8, 2]))
+        loss = tf.nn.softmax_cross_entropy_with_logits(logits=logits, labels=tf.one_hot(y, 2))
+        mask = tf.cast(weights, dtype=tf.float32)
+        if form == "guarded":
+            mask /= tf.maximum(tf.reduce_mean(mask), 1e-3)
+        elif form != "input_norm":
+            mask /= tf.reduce_mean(mask)
+        loss *= mask
+        return _export_sgd(graph, tf.reduce_mean(loss), path)
+
+
+@pytest.mark.parametrize("form, strategy", [("gcn", "allreduce"), ("gcn", "ps"),
+                                            ("guarded", "allreduce")])
+def test_a_mask_over_its_mean_trains_like_one_device(run_cli, tmp_path, form, strategy):
+    where = ["--cluster", _cluster(tmp_path)] if strategy == "ps" else ["--replicas", 2]
+    code, out, err = run_cli("verify", "--strategy", strategy, *where,
+                             gcn_masked_graph(tmp_path / "m.meta", form), "--feeds",
+                             _feeds(tmp_path), "--batch-size", 16, "--steps", 4)
+    assert code == 0, err
+    assert "PASS" in out, out
+
+
+def test_data_over_its_mean_outside_a_weight_is_still_refused(run_cli, tmp_path):
+    code, _, err = run_cli("apply", "--replicas", 2,
+                           gcn_masked_graph(tmp_path / "m.meta", "input_norm"),
+                           "-o", tmp_path / "o.meta")
+    assert code == 1, err
+    assert "'truediv' (RealDiv) combines each example with a sum or mean over the batch" in err
+    assert len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "o.meta").exists()
