@@ -280,7 +280,7 @@ def check(ir: GraphIR, tg: TrainingGraph, replicas: int, asynchronous: bool = Fa
         return {"variables": 0}
     if replicas > 1 and not asynchronous:
         _check_losses_are_means(ir, tg, replicas)
-        _check_custom_gradients(ir, tg)
+        _check_custom_gradients(ir, tg, replicas)
     closure = _union(closures if closures is not None else step_closures(ir, tg))
     function_writes = (_function_writes(ir, tg, closure) if replicas > 1 and not asynchronous
                        else [])
@@ -396,6 +396,7 @@ def _check_losses_are_means(ir: GraphIR, tg: TrainingGraph, replicas: int) -> No
     (A loss whose kind the rules cannot show is taken to be a mean, as losses almost always
     are; graphxform.replica_values has the rules.)"""
     from graphxform import replica_values
+    from graphxform.passes import half_precision
     from graphxform.passes.summed_losses import seed_of, seeds_scaled
     prefix = replica_prefix(0)
     for step in tg.steps:
@@ -423,8 +424,9 @@ def _check_losses_are_means(ir: GraphIR, tg: TrainingGraph, replicas: int) -> No
         copies = [n for n in ir.ancestors(copy) if n.startswith(prefix)]
         values = replica_values.classify(ir, prefix, copies=copies)
         if values.of(copy, port) == replica_values.SUM:
-            if seeds_scaled(ir, tg, step, replicas):  # passes/summed_losses.py: the
-                _check_batch_extremes(ir, tg, step)  # replicas' gradients sum
+            if seeds_scaled(ir, tg, step, replicas) or half_precision.holds(
+                    ir, tg, step, replicas):  # passes/summed_losses.py, half_precision.py:
+                _check_batch_extremes(ir, tg, step)  # the replicas' gradients sum
                 continue
             constant = _constant_denominator(ir, copy)
             what = ("a sum over the batch" if constant is None else
@@ -559,11 +561,12 @@ def _constant_denominator(ir: GraphIR, node: str):
     return None if value is None or value.size != 1 else value.reshape(-1)[0].item()
 
 
-def _check_custom_gradients(ir: GraphIR, tg: TrainingGraph) -> None:
+def _check_custom_gradients(ir: GraphIR, tg: TrainingGraph, replicas: int) -> None:
     """A custom gradient in a step's backward pass must be linear in the gradient it is given,
-    and the backward pass must not compute in float16 (graphxform/gradient_scale.py says
-    why)."""
+    and a backward pass that computes in float16 must carry one device's gradients
+    (graphxform/gradient_scale.py and passes/half_precision.py say why)."""
     from graphxform.gradient_scale import half_precision_gradient, nonlinear_custom_gradient
+    from graphxform.passes import half_precision
     prefix = replica_prefix(0)
     node_table = ir.g._node
 
@@ -572,14 +575,17 @@ def _check_custom_gradients(ir: GraphIR, tg: TrainingGraph) -> None:
 
     for step in tg.steps:
         half = half_precision_gradient(ir, step.closure, name_of)
-        if half is not None:
+        if half is not None and not half_precision.holds(ir, tg, step, replicas):
+            why = (half_precision.obstacle(ir, tg, step, replicas) or
+                   "its gradients were not carried at one device's scale")
             raise ContractError(
                 f"step '{step.name}': its backward pass computes in float16 ('{half}', "
-                f"{ir.op(name_of(half))}); each replica's gradients are N times one device's "
-                "(its loss is the mean of its own slice), so a loss scale that keeps one "
-                "device inside float16's range can overflow in a replica and train something "
-                "else: compute the gradients in float32 or bfloat16 (float16 has a range of "
-                "65504, bfloat16 float32's), or train on one device")
+                f"{ir.op(name_of(half))}), and {why}: so each replica's gradients would be N "
+                "times one device's (its loss is the mean of its own slice), and a loss scale "
+                "that keeps one device inside float16's range (65504) can overflow in a "
+                "replica (graphxform seeds each replica's backward pass with 1/N and multiplies "
+                "each gradient by N where it is born in float32): compute the gradients in "
+                "bfloat16 or float32, or train on one device")
         found = nonlinear_custom_gradient(ir, step.closure, name_of)
         if found is not None:
             forward, op = found

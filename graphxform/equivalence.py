@@ -200,12 +200,11 @@ def mismatch_reasons(ir: GraphIR, tg: training.TrainingGraph, synced_batch_norm=
                        f"{_some([f'{call} ({op})' for call, op in inside])}) draw for each "
                        "replica's slice, and --consistent-random cannot reach into function "
                        "bodies")
-    low = _low_precision_sums(ir, tg)
-    if low:
-        reasons.append(f"the step computes in bfloat16 ({_some(low)}), whose sums round at "
-                       "about 4e-3: each replica sums its own slice before the replicas' sums "
-                       "are added, so the result rounds differently from one device's by about "
-                       "that much; compare with --rtol 1e-2")
+    for dtype, (low, rounding) in _low_precision_sums(ir, tg).items():
+        reasons.append(f"the step computes in {dtype} ({_some(low)}), whose sums round at "
+                       f"about {rounding}: each replica sums its own slice before the replicas' "
+                       "sums are added, so the result rounds differently from one device's by "
+                       "about that much; compare with --rtol 1e-2")
     shuffles = _unseeded_shuffles(ir, tg)
     if shuffles:
         reasons.append("the input pipeline shuffles without a seed "
@@ -239,18 +238,24 @@ def _racing_queues(ir: GraphIR, tg) -> list[str]:
     return found
 
 
-def _low_precision_sums(ir: GraphIR, tg) -> list[str]:
-    """The step's ops that reduce over an axis (matmuls, convolutions, sums) in bfloat16: the
-    partial sums a replica forms over its own slice round at bfloat16's precision."""
+def _low_precision_sums(ir: GraphIR, tg) -> dict:
+    """The step's ops that reduce over an axis (matmuls, convolutions, sums) in bfloat16 or
+    float16, by dtype name, with the dtype's rounding: the partial sums a replica forms over
+    its own slice round at that precision. {dtype: (names, rounding)}."""
     from graphxform.opdefs import output_dtype
-    return sorted(name for name in tg.train_closure if name in ir
-                  and ir.op(name) in _SUMMING_OPS and output_dtype(ir, name, 0) == BFLOAT16)
+    found = {}
+    for name in sorted(tg.train_closure):
+        if name in ir and ir.op(name) in _SUMMING_OPS:
+            low = _LOW_PRECISION.get(output_dtype(ir, name, 0))
+            if low is not None:
+                found.setdefault(low[0], ([], low[1]))[0].append(name)
+    return found
 
 
 _SUMMING_OPS = {"MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum", "Sum",
                 "Mean", "Conv2D", "Conv2DBackpropFilter", "Conv2DBackpropInput",
                 "Conv3D", "DepthwiseConv2dNative", "BiasAddGrad", "UnsortedSegmentSum"}
-BFLOAT16 = 14  # DataType enum DT_BFLOAT16
+_LOW_PRECISION = {14: ("bfloat16", "4e-3"), 19: ("float16", "5e-4")}  # DataType enum
 
 
 def _unseeded_shuffles(ir: GraphIR, tg) -> list[str]:

@@ -25,6 +25,7 @@ from graphxform.passes.rewire_consumers import RewireConsumers
 from graphxform.passes.share_variables import ShareVariables
 from graphxform.passes.split_inputs import SplitInputs
 from graphxform.passes.strip_saver import StripSaver
+from graphxform.passes.half_precision import HalfPrecision
 from graphxform.passes.summed_losses import SummedLosses
 from graphxform.passes.sync_batch_norm import SyncBatchNorm
 from graphxform.passes.sync_init import SyncInit
@@ -51,6 +52,7 @@ def allreduce(bucket_bytes: int = DEFAULT_BUCKET_BYTES, sparse_as_dense: bool = 
         SyncInit(),
         Replicate(mirror_global_step=on_cluster),
         SplitInputs(),
+        HalfPrecision(),
         SummedLosses(),
         *([SyncBatchNorm()] if sync_batch_norm else []),
         *([ConsistentRandom()] if consistent_random else []),
@@ -92,7 +94,8 @@ def independent(fetch_mean=(), fetch_concat=(), verify: bool = True,
                          dump_dir=dump_dir)
     pipeline.passes = [p for p in pipeline.passes  # each replica's own mean is its own
                        if not isinstance(p, (AllReduce, RewireConsumers, GlobalDenominators,
-                                             GlobalExtremes, GlobalState, SummedLosses))]
+                                             GlobalExtremes, GlobalState, HalfPrecision,
+                                             SummedLosses))]
     return pipeline
 
 
@@ -128,7 +131,8 @@ def ps(ps_tasks: int = 1, staleness: int = 0, asynchronous: bool = False,
         ShareVariables(),
         Replicate(),
         SplitInputs(),
-        *([] if asynchronous else [SummedLosses(), GlobalDenominators(shared=True),
+        *([] if asynchronous else [HalfPrecision(), SummedLosses(),
+                                   GlobalDenominators(shared=True),
                                    GlobalExtremes(shared=True), GlobalState(shared=True)]),
         InsertAccumulators(staleness=staleness, asynchronous=asynchronous),
         MergeFetches(mean=tuple(fetch_mean), concat=tuple(fetch_concat)),
@@ -170,6 +174,7 @@ def hybrid(ps_tasks: int = 1, sparse_as_dense_below: int = 0, placement=None,
         SyncInit(),
         Replicate(),
         SplitInputs(),
+        HalfPrecision(),
         SummedLosses(),
         GlobalDenominators(),
         GlobalExtremes(),

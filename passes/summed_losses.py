@@ -44,16 +44,16 @@ class SummedLosses(Pass):
         build = Builder(ir, self.name)
         scaled = []
         for step in ctx.training.steps:
-            if not summed_loss(ir, step):
-                continue
+            if step.name in ctx.state.get("half-precision", ()) or not summed_loss(ir, step):
+                continue  # half-precision carries its gradients at one device's scale
             found = seed_of(ir, ctx.training, step)
             if found is None:
                 continue  # the contract refuses it
             seed = found[0]
-            if any(_seed_value(ir, replica_prefix(i) + seed) != 1 for i in range(replicas)):
+            if any(seed_value(ir, replica_prefix(i) + seed) != 1 for i in range(replicas)):
                 continue  # grad_ys given by the user: the contract refuses it
             for i in range(replicas):
-                _scale_seed(ir, build, replica_prefix(i), seed, replicas)
+                scale_seed(ir, build, replica_prefix(i), seed, replicas)
             scaled.append(step.name)
         return PassResult(modified=bool(scaled), summary={"steps": len(scaled)})
 
@@ -127,7 +127,7 @@ def _tape_seed(ir, scope: str, step) -> tuple[str, tuple] | None:
         return [src[len(prefix):] for src, _ in ir.inputs(prefix + n) if src.startswith(prefix)]
 
     seeds = [n for n in inside if gradient_scope(n) is None
-             and ir.op(prefix + n) in ("Const", "Fill") and _seed_value(ir, prefix + n)
+             and ir.op(prefix + n) in ("Const", "Fill") and seed_value(ir, prefix + n)
              and consumers(n) and all(gradient_scope(d) == scope for d in consumers(n))]
     if len(seeds) != 1:
         return None
@@ -164,19 +164,21 @@ def _forward_scopes(op: str) -> tuple[str, str]:
     return op.rpartition("/")[0], op
 
 
-def _scale_seed(ir, build, prefix: str, seed: str, replicas: int) -> None:
-    """Make replica ``prefix``'s copy of ``seed`` start its gradient from N: a Fill fills with
-    N; a Const of ones (a tape's, which only the readers of the loss's gradient read) holds N."""
+def scale_seed(ir, build, prefix: str, seed: str, value) -> None:
+    """Make replica ``prefix``'s copy of ``seed`` (of ones) start its gradient from ``value``
+    (N here; 1/N for passes/half_precision.py): a Fill fills with it; a Const of ones (a
+    tape's, which only the readers of the loss's gradient read) holds it."""
     copy = prefix + seed
     if ir.op(copy) == "Fill":
         dtype = numpy_dtype(ir.attrs(copy)["T"].type)
-        value = build.const(ir.unique_name(copy + "/replicas"), np.asarray(replicas, dtype=dtype),
-                            device=ir.node(copy).get("device", ""))
-        ir.set_input(copy, 1, value + ":0")
+        filled = build.const(ir.unique_name(copy + "/replicas"), np.asarray(value, dtype=dtype),
+                             device=ir.node(copy).get("device", ""))
+        ir.set_input(copy, 1, filled + ":0")
     else:
-        value = tensor_proto(const_value(ir, copy) * replicas)
+        held = const_value(ir, copy)
+        held = tensor_proto((held * value).astype(held.dtype))
         build.replace(copy, "Const", (), device=ir.node(copy).get("device", ""),
-                      dtype=value.dtype, value=value)
+                      dtype=held.dtype, value=held)
 
 
 def seeds_scaled(ir, tg, step, replicas: int) -> bool:
@@ -184,10 +186,10 @@ def seeds_scaled(ir, tg, step, replicas: int) -> bool:
     (this pass ran on it): what the contract checks before it accepts a summed loss."""
     found = seed_of(ir, tg, step)
     return found is not None and all(
-        _seed_value(ir, replica_prefix(i) + found[0]) == replicas for i in range(replicas))
+        seed_value(ir, replica_prefix(i) + found[0]) == replicas for i in range(replicas))
 
 
-def _seed_value(ir, node: str):
+def seed_value(ir, node: str):
     """The one value a Fill of a Const fills with, or a Const of one repeated value holds;
     else None."""
     if node not in ir:
