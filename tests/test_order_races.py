@@ -150,3 +150,32 @@ def test_verify_says_the_transformed_graph_runs_one_order(run_cli, tmp_path):
     assert "one order, the same on every replica" in out
     spreads = [line.split()[-1] for line in out.splitlines() if line.startswith("D_")]
     assert spreads and all(float(s) == 0 for s in spreads)  # the replicas never part
+
+
+def clipped_after_a_conditional_step(x, y):
+    """A step applied only when its gradients are finite (a legacy tf.cond, as loss scaling
+    writes it), with the clipping grouped beside it: the clipping cannot wait on an update
+    that may not run."""
+    tf1.disable_control_flow_v2()
+    try:
+        w = tf1.get_variable("w", [8, 2], use_resource=True)
+        loss = tf1.losses.sparse_softmax_cross_entropy(y, tf.matmul(x, w))
+        opt = tf1.train.GradientDescentOptimizer(0.1)
+        grads = opt.compute_gradients(loss)
+        finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g, _ in grads])
+        step = tf1.cond(finite, lambda: tf.group(opt.apply_gradients(grads)), tf.no_op)
+        return tf.group(step, w.assign(tf.clip_by_value(w, -0.5, 0.5)))
+    finally:
+        tf1.enable_control_flow_v2()
+
+
+def test_a_pair_it_cannot_order_is_refused_in_one_line(run_cli, tmp_path):
+    model = export_classifier(tmp_path / "m.meta", clipped_after_a_conditional_step)
+    code, out, err = run_cli("apply", "--strategy", "allreduce", "--replicas", "2", model,
+                             "-o", tmp_path / "out.meta")
+    assert code == 1 and len(err.strip().splitlines()) == 1, err
+    assert "'cond/GradientDescent/update_w/ResourceApplyGradientDescent'" in err
+    assert "runs in a tf.cond branch" in err and "Traceback" not in err
+    # ps keeps the one copy, which one run steps and clips as the original does
+    ir = metagraph.load(model)
+    strategies.transform(ir, "ps", cluster=cluster.Cluster(PS_SPEC))
