@@ -22,6 +22,7 @@ import re
 
 from graphxform import opdefs
 from graphxform.errors import ContractError
+from graphxform.fetch_races import runs_before
 from graphxform.functions import WHILE_OPS, called_nodes, random_in_function
 from graphxform.ir import GraphIR, parse_tensor, tensor_name
 from graphxform.nodes import replica_prefix
@@ -271,13 +272,15 @@ def _first_ancestor(ir: GraphIR, starts: list, wanted) -> str | None:
 
 
 def check(ir: GraphIR, tg: TrainingGraph, replicas: int, asynchronous: bool = False,
-          closures: list | None = None) -> dict:
+          closures: list | None = None, ordered=()) -> dict:
     """Raise ContractError naming the first variable that breaks the contract; return a
     summary (variable copies proven). ``asynchronous`` (ps --async, documented as not
     drop-in): only the start is checked. ``closures``: ``step_closures(ir, tg)``, when the
-    caller has them already."""
+    caller has them already. ``ordered``: the (before, after) pairs order-races ordered in
+    the input, which every replica must still run in that order."""
     if not tg.steps or replicas < 1:
         return {"variables": 0}
+    _check_ordered(ir, ordered, replicas)
     if replicas > 1 and not asynchronous:
         _check_losses_are_means(ir, tg, replicas)
         _check_custom_gradients(ir, tg, replicas)
@@ -317,6 +320,30 @@ def check(ir: GraphIR, tg: TrainingGraph, replicas: int, asynchronous: bool = Fa
     _check_shared_writes(ir, shared, spread)
     _check_start(ir, tg, replicas)
     return {"variables": checked}
+
+
+def _check_ordered(ir: GraphIR, ordered, replicas: int) -> None:
+    """The input's step read or wrote a variable in no order with a write of it, and
+    order-races gave the pair one order (passes/order_races.py): every replica's copies (or the
+    one shared pair) still run in it, or the replicas' copies of the variable could part."""
+    for before, after in ordered:
+        for i in range(replicas):
+            first, then = (_copy_in(ir, name, i) for name in (before, after))
+            if first is None or then is None:
+                continue  # a later pass replaced one: its own proof covers what replaced it
+            if not runs_before(ir, first, then):
+                raise ContractError(
+                    f"'{then}' no longer runs after '{first}': the input's step runs "
+                    f"'{after}' and '{before}' in no order, and each replica picking its own "
+                    "would let their copies of what they read and write part")
+
+
+def _copy_in(ir: GraphIR, name: str, replica: int) -> str | None:
+    """Replica ``replica``'s copy of input node ``name``, its one shared copy, or None."""
+    for candidate in (replica_prefix(replica) + name, name):
+        if candidate in ir:
+            return candidate
+    return None
 
 
 def _check_write(ir: GraphIR, var, write: str, spread: ReplicaSpread) -> None:

@@ -471,6 +471,11 @@ def compare(original: GraphIR, transformed: GraphIR, feeds_path: str | None = No
                        "updates interleave in no fixed order")
     races = [race.describe() for race in fetch_races.races(original, tg, fetches)]
     reasons += races
+    if races and not apart:
+        reasons.append("the transformed graph runs the step's own reads and writes among these "
+                       "in one order, the same on every replica (passes/order_races.py: the "
+                       "reads its loss and update compute from, then the optimizer's update, "
+                       "then its other writes), which a run of the original may or may not take")
     failing = [d.name for d in series if d.scaled > rtol and d.name in fetches]
     served = [name for name in fetches if parse_tensor(name)[0] in unmerged]
     served += [name for name in served_from_replica_0(transformed, failing)

@@ -27,7 +27,17 @@ order goes with them (``tf.gradients`` seeds the loss's gradient with ``Fill(Sha
 which would otherwise order every read of the loss before every update). A read that comes
 after an update (a path from the update to it) is ordered too. A ref variable's snapshot
 (``w/read``) aliases the variable's buffer: it runs early, and the ops that consume it read the
-variable when they run, so those consumers are what must be ordered."""
+variable when they run, so those consumers are what must be ordered.
+
+``step_orders`` gives the order the transformation imposes on such a step (passes/order_races.py:
+replicas that each picked their own would part). Any order that leaves the graph acyclic is a
+run one device may make; the one chosen is what the code means: the step computes its loss and
+its optimizer's updates from the state it starts with, so the reads those compute from come
+first; then the optimizer's writes (what a gradient reaches); then the reads that feed only the
+step's other writes (WGAN's clipping clips the stepped weights, a target network moves towards
+the updated one); then those writes (the clipping, the soft update, BERT's increment of
+global_step). Two writes of one variable in the same phase run in the order the code created
+them."""
 
 from __future__ import annotations
 
@@ -43,9 +53,9 @@ _ALIASING = frozenset({"Identity", "IdentityN", "Reshape", "ExpandDims", "Squeez
                        "StopGradient", "PreventGradient", "Enter", "RefEnter", "Switch",
                        "RefSwitch", "Bitcast", "RefIdentity"})
 # writes that add up the same in either order (two unordered `assign_add`s)
-_ACCUMULATING = frozenset({"AssignAdd", "AssignSub", "AssignAddVariableOp",
-                           "AssignSubVariableOp", "ScatterAdd", "ScatterSub",
-                           "ResourceScatterAdd", "ResourceScatterSub"})
+ACCUMULATING = frozenset({"AssignAdd", "AssignSub", "AssignAddVariableOp",
+                          "AssignSubVariableOp", "ScatterAdd", "ScatterSub",
+                          "ResourceScatterAdd", "ResourceScatterSub"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +106,7 @@ def races(ir: GraphIR, tg, fetches=()) -> list[Race]:
         marked = [p for ps in points.values() for p, _ in ps]
         marked += [u for writes in updates.values() for u in writes]
         before = _ordered_after(ir, set(run) | set(targets), marked)
-        guards = _Guards(ir)
+        guards = Guards(ir)
 
         def unordered(a, b):
             return (a != b and not (before(a, b) or before(b, a))
@@ -105,7 +115,7 @@ def races(ir: GraphIR, tg, fetches=()) -> list[Race]:
         for var, writes in sorted(updates.items()):
             pair = next(((a, b) for i, a in enumerate(writes) for b in writes[i + 1:]
                          if with_writes and unordered(a, b)
-                         and not {ir.op(a), ir.op(b)} <= _ACCUMULATING), None)
+                         and not {ir.op(a), ir.op(b)} <= ACCUMULATING), None)
             race = Race(name, pair[0], var, pair[1], kind="write") if pair else next(
                 (Race(label.get(target, target), point, var, write,
                       kind="read" if target in label else "write_reads")
@@ -114,6 +124,84 @@ def races(ir: GraphIR, tg, fetches=()) -> list[Race]:
             if race:
                 found.append(race)
     return found
+
+
+@dataclasses.dataclass(frozen=True)
+class Order:
+    before: str  # a read point or write of ``variable`` the step runs in no order with ``after``
+    after: str
+    variable: str
+    step: str
+    phases: tuple = (0, 0)  # the phases (below) of ``before`` and ``after``
+
+
+# the phases of ``step_orders``: reads the loss and the optimizer compute from, the optimizer's
+# writes, reads that feed only other writes, other writes
+_EARLY, _OPTIMIZER, _LATE, _OTHER = range(4)
+
+
+def step_orders(ir: GraphIR, tg) -> list[Order]:
+    """The pairs of each step, per variable, that nothing orders (as ``races`` finds them, but
+    every pair), each as (before, after) in the order the module's docstring chooses."""
+    found = []
+    created = None
+    for step in tg.steps:
+        run = step.closure
+        updates = {var: [u for u in v.updates if u in run and u in ir]
+                   for var, v in tg.variables.items()}
+        updates = {var: u for var, u in updates.items() if u}
+        if not updates:
+            continue
+        writes = sorted({u for us in updates.values() for u in us})
+        born = [parse_tensor(t)[0] for v in tg.variables.values() if v.gradient
+                for t in v.gradient.tensors if t]
+        stepped = ir.descendants([b for b in born if b in ir]) if born else set()
+        optimizer = [w for w in writes if w in stepped]
+        loss = [parse_tensor(step.loss)[0]] if step.loss else []
+        loss = [t for t in loss if t in ir]
+        early = _value_sources(ir, loss + optimizer)
+        source_of = _value_sources(ir, loss + writes)
+        points = {var: sorted({p for r in tg.variables[var].reads if r in source_of
+                               for p, _ in _read_points(ir, r, source_of)})
+                  for var in updates}
+        marked = [p for ps in points.values() for p in ps] + writes
+        before = _ordered_after(ir, set(run) | set(loss), marked)
+        guards = Guards(ir)
+        if created is None:
+            created = {name: i for i, name in enumerate(ir.nodes())}
+
+        def phase(node, is_write):
+            if is_write:
+                return _OPTIMIZER if node in stepped else _OTHER
+            return _EARLY if node in early else _LATE
+
+        for var in sorted(updates):
+            events = sorted([(phase(p, False), created[p], p, False) for p in points[var]]
+                            + [(phase(w, True), created[w], w, True) for w in updates[var]])
+            for i, (a_phase, _, a, a_writes) in enumerate(events):
+                for b_phase, _, b, b_writes in events[i + 1:]:
+                    if (a_writes or b_writes) and a != b and not (
+                            before(a, b) or before(b, a) or guards.exclusive(a, b)):
+                        found.append(Order(a, b, var, step.name, (a_phase, b_phase)))
+    return found
+
+
+def runs_before(ir: GraphIR, a: str, b: str) -> bool:
+    """Whether a path of data or control edges leads from ``a`` to ``b``, not through a data
+    input of a shape-only op (what ``races`` counts as an order: Grappler folds those)."""
+    seen, stack = {b}, [b]
+    while stack:
+        node = stack.pop()
+        only = set(ir.control_inputs(node)) if ir.op(node) in _SHAPE_READERS else None
+        for src in ir.predecessors(node):
+            if only is not None and src not in only:
+                continue
+            if src == a:
+                return True
+            if src not in seen:
+                seen.add(src)
+                stack.append(src)
+    return False
 
 
 def _value_sources(ir: GraphIR, targets: list) -> dict:
@@ -156,7 +244,7 @@ def _read_points(ir: GraphIR, read: str, source_of: dict) -> list:
     return points or [(read, source_of[read])]
 
 
-class _Guards:
+class Guards:
     """Which branch of which legacy ``tf.cond`` each node runs in: the (predicate, Switch
     output port) pairs it depends on, short of a Merge (after which both branches meet). Two
     nodes in opposite branches of one predicate never both run (loss scaling's reset of
@@ -189,30 +277,55 @@ class _Guards:
 
 def _ordered_after(ir: GraphIR, closure: set, marked: list):
     """``before(a, b)``: whether an ordering path leads from marked node ``a`` to marked node
-    ``b``, over ``closure`` and the marked nodes' ancestors. A legacy while loop is a cycle
-    (its NextIteration feeds its Merge), so the sweep runs over the graph's strongly connected
-    components in topological order, each carrying a bitmask of the marked nodes before it."""
-    import networkx as nx
+    ``b``, over ``closure`` and the marked nodes' ancestors: a sweep in topological order, each
+    node carrying a bitmask of the marked nodes before it. A legacy while loop is a cycle (its
+    NextIteration feeds its Merge), so a graph with one is swept over its strongly connected
+    components (networkx, slower: apply runs this on every graph)."""
     nodes = set(closure)
     for name in marked:
         if name not in nodes:
             nodes |= ir.ancestors(name)
-    order = nx.DiGraph()
-    order.add_nodes_from(nodes)
+    succ = {}
     for name in nodes:
         controls = set(ir.control_consumers(name))
-        order.add_edges_from((name, dst) for dst in ir.successors(name) if dst in nodes
-                             and (dst in controls or ir.op(dst) not in _SHAPE_READERS))
-    condensed = nx.condensation(order)
-    component = condensed.graph["mapping"]
-    bits = {}
-    for i, name in enumerate(dict.fromkeys(marked)):
-        bits[component[name]] = bits.get(component[name], 0) | 1 << i
+        succ[name] = [dst for dst in ir.successors(name) if dst in nodes
+                      and (dst in controls or ir.op(dst) not in _SHAPE_READERS)]
+    if any(ir.op(name) in ("NextIteration", "RefNextIteration") for name in nodes):
+        import networkx as nx
+        order = nx.DiGraph()
+        order.add_nodes_from(nodes)
+        order.add_edges_from((a, b) for a, targets in succ.items() for b in targets)
+        condensed = nx.condensation(order)
+        component = condensed.graph["mapping"]
+        sweep, after = list(nx.topological_sort(condensed)), condensed.successors
+    else:
+        component = {name: name for name in nodes}
+        sweep, after = _topological(succ), succ.__getitem__
     index = {name: i for i, name in enumerate(dict.fromkeys(marked))}
     mask = {}
-    for c in nx.topological_sort(condensed):
-        here = mask.get(c, 0) | bits.get(c, 0)
-        mask[c] = here
-        for dst in condensed.successors(c):
-            mask[dst] = mask.get(dst, 0) | here
-    return lambda a, b: a != b and bool(mask[component[b]] >> index[a] & 1)
+    for name, i in index.items():
+        mask[component[name]] = mask.get(component[name], 0) | 1 << i
+    for c in sweep:
+        here = mask.get(c, 0)
+        if here:
+            for dst in after(c):
+                mask[dst] = mask.get(dst, 0) | here
+    return lambda a, b: a != b and bool(mask.get(component[b], 0) >> index[a] & 1)
+
+
+def _topological(succ: dict) -> list:
+    """The nodes of the acyclic graph ``succ`` ({node: successors}) in topological order."""
+    waiting = dict.fromkeys(succ, 0)
+    for targets in succ.values():
+        for dst in targets:
+            waiting[dst] += 1
+    ready = [name for name, count in waiting.items() if not count]
+    found = []
+    while ready:
+        name = ready.pop()
+        found.append(name)
+        for dst in succ[name]:
+            waiting[dst] -= 1
+            if not waiting[dst]:
+                ready.append(dst)
+    return found

@@ -17,6 +17,7 @@ from graphxform.passes.insert_accumulators import InsertAccumulators
 from graphxform.passes.merge_fetches import MergeFetches
 from graphxform.passes.model_average import ModelAverage
 from graphxform.passes.model_average import worker_devices as model_average_devices
+from graphxform.passes.order_races import OrderRaces
 from graphxform.passes.partition_variables import PartitionVariables
 from graphxform.passes.place_variables import PlaceVariables
 from graphxform.passes.replicate import Replicate, require_single_device
@@ -47,6 +48,7 @@ def allreduce(bucket_bytes: int = DEFAULT_BUCKET_BYTES, sparse_as_dense: bool = 
     task's part of the step is written into the graph (``hierarchical``: reduce inside each
     worker, then across workers)."""
     return Pipeline([
+        OrderRaces(),
         *([UnpinDevices()] if on_cluster else []),
         StripSaver(),
         SyncInit(),
@@ -96,6 +98,9 @@ def independent(fetch_mean=(), fetch_concat=(), verify: bool = True,
                        if not isinstance(p, (AllReduce, RewireConsumers, GlobalDenominators,
                                              GlobalExtremes, GlobalState, HalfPrecision,
                                              SummedLosses))]
+    # the replicas train apart by design: a pair left unordered is no new divergence
+    pipeline.passes = [OrderRaces(strict=False) if isinstance(p, OrderRaces) else p
+                       for p in pipeline.passes]
     return pipeline
 
 
@@ -125,6 +130,7 @@ def ps(ps_tasks: int = 1, staleness: int = 0, asynchronous: bool = False,
     worker's gradients aggregated in accumulators on the ps and applied once per step (replica
     devices and the cluster come from the PassContext)."""
     return Pipeline([
+        OrderRaces(strict=False),  # one copy of each variable, stepped by one run
         UnpinDevices(),
         StripSaver(),
         PlaceVariables(ps_tasks=ps_tasks),
@@ -148,7 +154,8 @@ def partitioned_ps(ps_tasks: int = 1, partitions: int | None = None,
     into ``partitions`` shards (default: one per ps task), placed like separate variables."""
     pipeline = ps(ps_tasks, staleness, asynchronous, fetch_mean, fetch_concat, verify, dump_dir)
     shards = ps_tasks if partitions is None else partitions  # 0 reaches the pass, which refuses
-    pipeline.passes.insert(2, PartitionVariables(partitions=shards, min_bytes=partition_min_bytes))
+    at = next(i for i, p in enumerate(pipeline.passes) if isinstance(p, StripSaver)) + 1
+    pipeline.passes.insert(at, PartitionVariables(partitions=shards, min_bytes=partition_min_bytes))
     return pipeline
 
 
@@ -163,6 +170,7 @@ def hybrid(ps_tasks: int = 1, sparse_as_dense_below: int = 0, placement=None,
     is split along axis 0 into ``partitions`` shards (default: one per ps task)."""
     shards = ps_tasks if partitions is None else partitions  # 0 reaches the pass, which refuses
     return Pipeline([
+        OrderRaces(),
         UnpinDevices(),
         StripSaver(),
         ChoosePlacement(sparse_as_dense_below=sparse_as_dense_below,
@@ -266,9 +274,10 @@ def _prove(ir, ctx, pipeline, strategy: str, options: dict) -> None:
     from graphxform import contract
     devices = ctx.devices
     closures = contract.step_closures(ir, ctx.training)
+    ordered = ctx.state.get("order-races", {}).get("ordered", ())
     pipeline.contract = contract.check(ir, ctx.training, len(devices),
                                        asynchronous=_asynchronous(strategy, options),
-                                       closures=closures)
+                                       closures=closures, ordered=ordered)
     if strategy == "model-average":  # its own invariant in place of the per-step one
         pipeline.contract = contract.check_model_average(ir, ctx.training, len(devices),
                                                          closures)

@@ -1,0 +1,181 @@
+"""order-races (passes/order_races.py): what the original step runs in no order gets one order,
+the same in every replica, so that the replicas' copies of a variable cannot part."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from conftest import export_classifier
+from test_fetch_races import dqn
+
+from graphxform import cluster, contract, metagraph, strategies, training
+from graphxform.errors import ContractError
+from graphxform.runtime.local import Feeds, Runner
+
+tf1 = tf.compat.v1
+CLIP = 0.01
+CRITIC = ("D_W1", "D_b1", "D_W2", "D_b2")
+PS_SPEC = {"ps": ["127.0.0.1:27011"], "worker": ["127.0.0.1:27012", "127.0.0.1:27013"]}
+
+
+def wgan_critic(x, y):
+    """wiseodd/generative-models' WGAN critic step (tf.Variable weights, RMSProp on -D_loss,
+    clipping as a list of assigns), with the clipping grouped into the train op."""
+    def xavier_init(size):
+        return tf1.random_normal(shape=size, stddev=1. / tf.sqrt(size[0] / 2.))
+    D_W1 = tf1.Variable(xavier_init([8, 128]), name="D_W1")
+    D_b1 = tf1.Variable(tf.zeros(shape=[128]), name="D_b1")
+    D_W2 = tf1.Variable(xavier_init([128, 1]), name="D_W2")
+    D_b2 = tf1.Variable(tf.zeros(shape=[1]), name="D_b2")
+    theta_D = [D_W1, D_W2, D_b1, D_b2]
+
+    def discriminator(h):
+        return tf.matmul(tf.nn.relu(tf.matmul(h, D_W1) + D_b1), D_W2) + D_b2
+    fake = tf.reverse(x, [1]) * 0.5 + tf.cast(tf.expand_dims(y, 1), tf.float32)
+    D_loss = tf.reduce_mean(discriminator(x)) - tf.reduce_mean(discriminator(fake))
+    D_solver = tf1.train.RMSPropOptimizer(learning_rate=1e-2).minimize(-D_loss,
+                                                                        var_list=theta_D)
+    clip_D = [p.assign(tf.clip_by_value(p, -CLIP, CLIP)) for p in theta_D]
+    return tf.group(D_solver, *clip_D, name="train")
+
+
+def transformed(tmp_path, build, strategy="allreduce", **options):
+    model = export_classifier(tmp_path / "m.meta", build)
+    ir = metagraph.load(model)
+    if strategy in ("ps", "hybrid"):
+        options["cluster"] = cluster.Cluster(PS_SPEC)
+    else:
+        options.setdefault("devices", ["/device:CPU:0", "/device:CPU:1"])
+    pipeline = strategies.transform(ir, strategy, **options)
+    return model, ir, pipeline
+
+
+def writes_of(ir, variable, op, prefix=""):
+    return sorted(dst for dst, _ in ir.consumers(prefix + variable) if ir.op(dst) == op)
+
+
+def clip_read(ir, variable, prefix=""):
+    """The read of ``variable`` its clipping assigns from."""
+    assign = next(a for a in writes_of(ir, variable, "AssignVariableOp", prefix)
+                  if "clip_by_value" in ir.input(a, 1)[0])
+    (read,) = [r for r, _ in ir.consumers(prefix + variable) if ir.op(r) == "ReadVariableOp"
+               and r.removeprefix(prefix).startswith("clip_by_value")]
+    assert read in ir.ancestors(assign)
+    return read, assign
+
+
+@pytest.mark.parametrize("strategy", ["allreduce", "replicated", "model-average", "hybrid"])
+def test_every_replica_clips_after_the_step(tmp_path, strategy):
+    """Each replica's clipping reads its copy after RMSProp's apply of it: before, nothing
+    ordered them and each replica's executor picked its own order."""
+    _, ir, pipeline = transformed(tmp_path, wgan_critic, strategy)
+    assert pipeline.timings[0].name == "order-races" and pipeline.timings[0].modified
+    for prefix in ("replica_0/", "replica_1/"):
+        for var in CRITIC:
+            read, assign = clip_read(ir, var, prefix)
+            (apply,) = writes_of(ir, var, "ResourceApplyRMSProp", prefix)
+            assert apply in ir.ancestors(read), (prefix, var)
+            # the forward pass reads the weights before the update, and so before the clipping
+            forward = [r for r, _ in ir.consumers(prefix + var) if ir.op(r) == "ReadVariableOp"
+                       and r.removeprefix(prefix).startswith(("MatMul", "add"))]
+            assert forward and all(r in ir.ancestors(assign) for r in forward)
+
+
+def test_ps_clips_its_one_copy_after_the_step(tmp_path):
+    """ps keeps one copy, clipped and stepped once per step by one run: already one of the
+    original's orders, and given the same one as the replicated strategies."""
+    _, ir, _ = transformed(tmp_path, wgan_critic, "ps")
+    for var in CRITIC:
+        read, _ = clip_read(ir, var)
+        (apply,) = writes_of(ir, var, "ResourceApplyRMSProp")
+        assert apply in ir.ancestors(read)
+
+
+def test_wgan_replicas_stay_equal_and_clipped(tmp_path):
+    """Trained under allreduce, every replica's copy of every critic weight is equal to the
+    others' and inside the clipping range after every step (the clipping ran last); before,
+    replicas parted after a few steps, one clipped, another stepped past the range."""
+    model, ir, _ = transformed(tmp_path, wgan_critic, devices=[f"/device:CPU:{i}"
+                                                             for i in range(4)])
+    feeds = Feeds(training.analyze(ir).inputs, model + ".npz", 32)
+    with Runner(ir) as run:
+        run.initialize()
+        for k in range(10):
+            run.step(feeds.batch(k))
+            values = run.variable_values()
+            for var in CRITIC:
+                copies = [values[f"replica_{i}/{var}"] for i in range(4)]
+                assert all(np.array_equal(c, copies[0]) for c in copies), (k, var)
+                assert np.abs(copies[0]).max() <= CLIP, (k, var)
+
+
+def test_a_soft_update_reads_the_stepped_network_in_every_replica(tmp_path):
+    """A DQN's soft update grouped beside its step: the target network's reads for the loss
+    come before the soft update writes it, and the soft update reads the Q-network after its
+    update, in every replica."""
+    _, ir, _ = transformed(tmp_path, dqn(soft_update_in_step=True))
+    for prefix in ("replica_0/", "replica_1/"):
+        (apply,) = writes_of(ir, "q/out/kernel", "ResourceApplyGradientDescent", prefix)
+        (soft,) = [w for w in writes_of(ir, "target/out/kernel", "AssignVariableOp", prefix)
+                   if w.removeprefix(prefix).startswith("AssignVariableOp")]
+        reads = [dst for dst, _ in ir.consumers(prefix + "q/out/kernel")
+                 if ir.op(dst) == "ReadVariableOp" and dst in ir.value_sources(soft)]
+        assert reads and all(apply in ir.ancestors(r) for r in reads)
+
+
+def test_the_contract_refuses_a_replica_that_lost_the_order(tmp_path):
+    _, ir, _ = transformed(tmp_path, wgan_critic)
+    read, _ = clip_read(ir, "D_W1", "replica_1/")
+    (apply,) = writes_of(ir, "D_W1", "ResourceApplyRMSProp", "replica_1/")
+    ir.remove_control_input(read, apply)
+    tg = training.analyze(metagraph.load(str(tmp_path / "m.meta")))
+    contract.check(ir, tg, 2, ordered=[])  # the variables' own proof does not see it
+    with pytest.raises(ContractError, match="no longer runs after 'replica_1/RMSProp/update_D_W1"):
+        contract.check(ir, tg, 2, ordered=_ordered(tmp_path))
+
+
+def _ordered(tmp_path):
+    from graphxform.pipeline import PassContext
+    from graphxform.passes.order_races import OrderRaces
+    ir = metagraph.load(str(tmp_path / "m.meta"))
+    ctx = PassContext(training=training.analyze(ir), devices=["/device:CPU:0"])
+    OrderRaces().run(ir, ctx)
+    return ctx.state["order-races"]["ordered"]
+
+
+def test_verify_says_the_transformed_graph_runs_one_order(run_cli, tmp_path):
+    model = export_classifier(tmp_path / "m.meta", wgan_critic)
+    code, out, _ = run_cli("verify", model, "--strategy", "allreduce", "--replicas", "2",
+                           "--feeds", model + ".npz", "--batch-size", "16", "--steps", "2")
+    assert "writes 'D_W1' with" in out  # the original races: it may legitimately differ
+    assert "one order, the same on every replica" in out
+    spreads = [line.split()[-1] for line in out.splitlines() if line.startswith("D_")]
+    assert spreads and all(float(s) == 0 for s in spreads)  # the replicas never part
+
+
+def clipped_after_a_conditional_step(x, y):
+    """A step applied only when its gradients are finite (a legacy tf.cond, as loss scaling
+    writes it), with the clipping grouped beside it: the clipping cannot wait on an update
+    that may not run."""
+    tf1.disable_control_flow_v2()
+    try:
+        w = tf1.get_variable("w", [8, 2], use_resource=True)
+        loss = tf1.losses.sparse_softmax_cross_entropy(y, tf.matmul(x, w))
+        opt = tf1.train.GradientDescentOptimizer(0.1)
+        grads = opt.compute_gradients(loss)
+        finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g, _ in grads])
+        step = tf1.cond(finite, lambda: tf.group(opt.apply_gradients(grads)), tf.no_op)
+        return tf.group(step, w.assign(tf.clip_by_value(w, -0.5, 0.5)))
+    finally:
+        tf1.enable_control_flow_v2()
+
+
+def test_a_pair_it_cannot_order_is_refused_in_one_line(run_cli, tmp_path):
+    model = export_classifier(tmp_path / "m.meta", clipped_after_a_conditional_step)
+    code, out, err = run_cli("apply", "--strategy", "allreduce", "--replicas", "2", model,
+                             "-o", tmp_path / "out.meta")
+    assert code == 1 and len(err.strip().splitlines()) == 1, err
+    assert "'cond/GradientDescent/update_w/ResourceApplyGradientDescent'" in err
+    assert "runs in a tf.cond branch" in err and "Traceback" not in err
+    # ps keeps the one copy, which one run steps and clips as the original does
+    ir = metagraph.load(model)
+    strategies.transform(ir, "ps", cluster=cluster.Cluster(PS_SPEC))
