@@ -160,7 +160,7 @@ def step_orders(ir: GraphIR, tg) -> list[Order]:
         loss = [parse_tensor(step.loss)[0]] if step.loss else []
         loss = [t for t in loss if t in ir]
         early = _value_sources(ir, loss + optimizer)
-        source_of = _value_sources(ir, loss + writes)
+        source_of = _value_sources(ir, [w for w in writes if w not in early], dict(early))
         points = {var: sorted({p for r in tg.variables[var].reads if r in source_of
                                for p, _ in _read_points(ir, r, source_of)})
                   for var in updates}
@@ -204,10 +204,11 @@ def runs_before(ir: GraphIR, a: str, b: str) -> bool:
     return False
 
 
-def _value_sources(ir: GraphIR, targets: list) -> dict:
+def _value_sources(ir: GraphIR, targets: list, source_of: dict | None = None) -> dict:
     """{node: the first of ``targets`` whose value depends on it} (``GraphIR.value_sources``
-    of each, in one sweep)."""
-    source_of = {}
+    of each, in one sweep); ``source_of``: such a dict to extend (its nodes are not swept
+    again)."""
+    source_of = {} if source_of is None else source_of
     for target in targets:
         if target in source_of:
             continue
