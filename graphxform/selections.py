@@ -76,9 +76,18 @@ def mask_of(ir, indices: str, through=MASK_INDEX_OPS):
     return inputs[0] if ir.op(indices) == "Where" and len(inputs) == 1 else None
 
 
-def selected_rows(ir, counted: str, sources: set):
+# ops whose output's length their input's values decide, not its shape
+VALUE_SIZED_OPS = frozenset({
+    "Where", "Unique", "UniqueV2", "UniqueWithCounts", "UniqueWithCountsV2", "ListDiff",
+    "DynamicPartition", "NonMaxSuppression", "NonMaxSuppressionV2", "NonMaxSuppressionV3",
+    "NonMaxSuppressionV4", "NonMaxSuppressionV5"})
+
+
+def selected_rows(ir, counted: str, sources: set, any_size: bool = False):
     """A gather by the indices tf.where finds in a mask computed from the batch, whose rows
-    reach ``counted`` through ops that keep rows; None when there is none."""
+    reach ``counted`` through ops that keep rows; with ``any_size``, also any op whose
+    output's length the batch's values decide (tf.unique of the labels); None when there is
+    none."""
     seen, stack = set(), [counted]
     while stack:
         node = stack.pop()
@@ -89,6 +98,9 @@ def selected_rows(ir, counted: str, sources: set):
         if op in _GATHERS:
             mask = mask_of(ir, ir.inputs(node)[1][0], through=_INDEX_OPS)
             if mask is not None and not sources.isdisjoint(ir.value_sources(mask[0])):
+                return node
+        if any_size and op in VALUE_SIZED_OPS:
+            if not sources.isdisjoint(ir.value_sources(node)):
                 return node
         elif op in _ROWS_KEPT:
             stack.extend(src for src, _ in ir.inputs(node))
