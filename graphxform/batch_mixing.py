@@ -73,7 +73,11 @@ _FLOAT_DTYPES = (1, 2, 14, 19)  # float, double, bfloat16, half: what a collecti
 
 @dataclasses.dataclass(frozen=True)
 class Shape:
+    """A shape vector whose entry ``batch_at`` counts the rows: the batch's size (SIZE), or,
+    for rows a mask of the batch selects (tf.boolean_mask), how many it selects, a sum over
+    the batch (``count`` AGGREGATE)."""
     batch_at: int
+    count: str = "size"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,6 +192,7 @@ class _Flow:
         self.port_ints = {}  # (node, port) -> values worked out from shapes (broadcasting)
         self.sparse_indices = set()  # sparse_placeholders' indices (mixing_in)
         self.loss_divisions = set()  # divisions on the loss's way from its terms (mixing_in)
+        self.selected = set()  # per-example nodes holding the rows a mask of the batch keeps
 
     def run(self, target: str) -> dict:
         """States of ``target`` and its data ancestors, each worked out after its inputs."""
@@ -200,6 +205,9 @@ class _Flow:
             elif name in expanded or name in self.sources or name in self.seeds:
                 stack.pop()
                 states[name] = self._scaled(name, self._state(name))
+                if type(states[name]) is int and any(
+                        src in self.selected for src, _ in ir.inputs(name)):
+                    self.selected.add(name)  # a selection's rows, carried on
             else:
                 expanded.add(name)
                 stack.extend(src for src, _ in ir.inputs(name)
@@ -1019,6 +1027,7 @@ def _gather(n: _Node):
                        "tf.math.unsorted_segment_mean, gathered back by label)")
     if type(params) is int:
         if params == axis == 0 and _picked_by_mask(n):
+            n.flow.selected.add(n.name)
             return 0  # tf.boolean_mask: the rows a per-example mask keeps, in order
         if params == axis:
             return n.mixed("picks or reorders the examples of the batch by index (a gather "
@@ -1404,10 +1413,11 @@ _RULES = {
 # What is computed from the batch's size alone. Entry k of a shape vector is the batch's size
 # only where the batch is on axis k, so tf.shape(x)[1] (a sequence length) is not.
 
-def _shape_of(state):
-    """What Shape of a tensor in ``state`` says of the batch."""
+def _shape_of(state, selected: bool = False):
+    """What Shape of a tensor in ``state`` says of the batch (``selected``: its rows are those
+    a mask of the batch keeps, as many as the mask's sum)."""
     if type(state) is int:
-        return Shape(state)
+        return Shape(state, AGGREGATE if selected and state == 0 else SIZE)
     return None if state in (None, AGGREGATE, NORM, SIZE) or isinstance(state, Curved) \
         else UNKNOWN
 
@@ -1416,12 +1426,13 @@ def _shape_rule(flow, name: str, found: list):
     op = flow.ir.op(name)
     if op == "Rank":
         return None
+    selected = [src in flow.selected for src, _ in flow.ir.inputs(name)]
     if op == "Size":
-        shape = _shape_of(found[0])
-        return SIZE if isinstance(shape, Shape) else shape
+        shape = _shape_of(found[0], selected[0])
+        return shape.count if isinstance(shape, Shape) else shape
     if op == "ShapeN":
-        return [_shape_of(s) for s in found]
-    return _shape_of(found[0]) if found else None
+        return [_shape_of(s, k) for s, k in zip(found, selected)]
+    return _shape_of(found[0], selected[0]) if found else None
 
 
 def _broadcast_gradient_args(flow, name: str, found: list):
@@ -1459,11 +1470,12 @@ _SHAPE_RULES = {**dict.fromkeys(("Shape", "ShapeN", "Size", "Rank", "VariableSha
 def _picked(n: _Node, picked: list | None, scalar: bool):
     """Entries ``picked`` of a shape vector whose batch entry is n.states[0].batch_at."""
     at = n.states[0].batch_at
+    count = n.states[0].count
     if picked is None:
-        return SIZE
+        return count
     if at not in picked:
         return None
-    return SIZE if scalar else Shape(picked.index(at))
+    return count if scalar else Shape(picked.index(at), count)
 
 
 def _size_strided_slice(n: _Node):
@@ -1484,7 +1496,7 @@ def _size_strided_slice(n: _Node):
     at = state.batch_at
     if at < start or (stop is not None and at >= stop):
         return None
-    return Shape(at - start)
+    return Shape(at - start, state.count)
 
 
 def _size_gather(n: _Node):
@@ -1506,7 +1518,7 @@ def _size_slice(n: _Node):
     at = state.batch_at
     if at < begin[0] or (stop is not None and at >= stop):
         return None
-    return Shape(at - begin[0])
+    return Shape(at - begin[0], state.count)
 
 
 def _size_pack(n: _Node):
@@ -1553,8 +1565,10 @@ def _size_tile(n: _Node):
 
 
 def _size_value(n: _Node):
-    """Arithmetic, casts and reductions of sizes: still a size."""
-    return SIZE
+    """Arithmetic, casts and reductions of sizes: still a size (a count of selected rows in
+    them: a sum over the batch)."""
+    counted = any(isinstance(s, Shape) and s.count == AGGREGATE for s in n.states)
+    return AGGREGATE if counted else SIZE
 
 
 _SIZE_RULES = {

@@ -558,12 +558,24 @@ def batch_denominators(ir: GraphIR, loss: tuple, classes,
                                  stop=lambda n: combines_every_replica(ir, n))
         if (ir.op(bottom[0]) not in CROSS_REPLICA_OPS
                 and opdefs.output_dtype(ir, *bottom) in _FLOATS
-                and not reads.isdisjoint(sources)
+                and (not reads.isdisjoint(sources) or _sized_by_the_batch(ir, reads, sources))
                 and any(ir.op(n) in VARIABLE_OPS for n in reads) == reading_variables
                 and classes().of(*bottom) not in BATCHED
                 and not _rows_of_the_batch(ir, *bottom)):
             found.append(tensor_name(*bottom))
     return found
+
+
+def _sized_by_the_batch(ir: GraphIR, reads: set, sources: set) -> bool:
+    """Whether ``reads`` (a divisor's value sources) hold the shape or size of a tensor whose
+    length the batch's values decide (rows tf.boolean_mask selects, then tf.compat.v1.losses'
+    count of their losses; tf.unique of the labels): unlike a count of examples, that count
+    differs between equal slices."""
+    from graphxform.ir import SHAPE_ONLY_OPS
+    from graphxform.selections import selected_rows
+    return any(ir.op(n) in SHAPE_ONLY_OPS and ir.inputs(n)
+               and selected_rows(ir, ir.inputs(n)[0][0], sources, any_size=True) is not None
+               for n in reads)
 
 
 def _rows_of_the_batch(ir: GraphIR, node: str, port: int) -> bool:

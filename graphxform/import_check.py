@@ -143,8 +143,8 @@ def find_leaves(ir: GraphIR, twins: dict) -> dict:
     (merge-fetches serves every name of the input graph so, ten thousand of them). Given its
     input's dtype, TF's importer can say nothing else of such a node: its name is plain, its
     other inputs are control edges to nodes the structural checks have found, its device and
-    colocation are checked with every node's. A NoOp counts only when nothing waits on it. Returns leaf ->
-    (the node standing in for it, which its control consumers wait on instead: its input's
+    colocation are checked with every node's. A NoOp counts only when nothing waits on it.
+    Returns leaf -> (the node standing in for it, which its control consumers wait on instead: its input's
     representative (a NoOp: itself); the port it reads; the dtype its T names, or None)."""
     node_table, protos, pred, succ = ir.g._node, ir._protos, ir.g._pred, ir.g._succ
     leaves = {}
@@ -164,7 +164,8 @@ def find_leaves(ir: GraphIR, twins: dict) -> dict:
                 continue  # waited on (it stands for its inputs), or reads data: imported
             leaves[name] = (name, -1, None)
             continue
-        sources = [(src, keys) for src, keys in data_pairs(pred[name]) if keys is not CONTROL_KEYS]
+        sources = [(src, keys) for src, keys in data_pairs(pred[name])
+                   if keys is not CONTROL_KEYS]
         if (len(sources) == 1 and list(sources[0][1]) == [0] and "T" in attr
                 and attr["T"].WhichOneof("value") == "type"
                 and not _read_as_data(succ[name], node_table)):

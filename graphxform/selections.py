@@ -18,7 +18,8 @@ from graphxform.replica_values import (CROSS_ENTROPY_OPS, DIVIDE_OPS, ELEMENTWIS
 def loss_means(ir, loss: str) -> list[tuple[str, str]]:
     """The averages the value of ``loss`` (a tensor name) is a sum or multiple of, each as
     (the averaging node, the tensor it counts the elements of): Means, and divisions by the
-    Size of a tensor (``reduce_sum(x) / tf.size(x)``)."""
+    Size of a tensor (``reduce_sum(x) / tf.size(x)``) or by its rows (``tf.shape(x)[0]``, the
+    product of ``tf.shape(x)``)."""
     found, seen, stack = [], set(), [parse_tensor(loss)[0]]
     while stack:
         node = stack.pop()
@@ -32,12 +33,27 @@ def loss_means(ir, loss: str) -> list[tuple[str, str]]:
             count = inputs[1][0]
             while ir.op(count) in ("Cast", "Identity") and ir.inputs(count):
                 count = ir.inputs(count)[0][0]
-            if ir.op(count) == "Size":
+            if ir.op(count) in ("StridedSlice", "Prod") and ir.inputs(count):
+                count = _rows_or_size(ir, count)
+            if count is not None and ir.op(count) in ("Size", "Shape"):
                 found.append((node, ir.inputs(count)[0][0]))
             stack.append(inputs[0][0])
         elif op in LOSS_TERM_OPS:
             stack.extend(src for src, _ in inputs)
     return found
+
+
+def _rows_or_size(ir, count: str):
+    """The Shape node whose rows (``tf.shape(x)[0]``) or product ``count`` takes, or None."""
+    from graphxform.nodes import const_value
+    inputs = ir.inputs(count)
+    shape = inputs[0][0]
+    if ir.op(shape) != "Shape":
+        return None
+    if ir.op(count) == "StridedSlice":
+        begin = const_value(ir, inputs[1][0]) if len(inputs) > 1 else None
+        return shape if begin is not None and begin.reshape(-1)[:1].tolist() == [0] else None
+    return shape
 
 
 # ops whose output's rows are their (first) inputs' rows: where a selection's count carries on
@@ -60,9 +76,18 @@ def mask_of(ir, indices: str, through=MASK_INDEX_OPS):
     return inputs[0] if ir.op(indices) == "Where" and len(inputs) == 1 else None
 
 
-def selected_rows(ir, counted: str, sources: set):
+# ops whose output's length their input's values decide, not its shape
+VALUE_SIZED_OPS = frozenset({
+    "Where", "Unique", "UniqueV2", "UniqueWithCounts", "UniqueWithCountsV2", "ListDiff",
+    "DynamicPartition", "NonMaxSuppression", "NonMaxSuppressionV2", "NonMaxSuppressionV3",
+    "NonMaxSuppressionV4", "NonMaxSuppressionV5"})
+
+
+def selected_rows(ir, counted: str, sources: set, any_size: bool = False):
     """A gather by the indices tf.where finds in a mask computed from the batch, whose rows
-    reach ``counted`` through ops that keep rows; None when there is none."""
+    reach ``counted`` through ops that keep rows; with ``any_size``, also any op whose
+    output's length the batch's values decide (tf.unique of the labels); None when there is
+    none."""
     seen, stack = set(), [counted]
     while stack:
         node = stack.pop()
@@ -73,6 +98,9 @@ def selected_rows(ir, counted: str, sources: set):
         if op in _GATHERS:
             mask = mask_of(ir, ir.inputs(node)[1][0], through=_INDEX_OPS)
             if mask is not None and not sources.isdisjoint(ir.value_sources(mask[0])):
+                return node
+        if any_size and op in VALUE_SIZED_OPS:
+            if not sources.isdisjoint(ir.value_sources(node)):
                 return node
         elif op in _ROWS_KEPT:
             stack.extend(src for src, _ in ir.inputs(node))

@@ -137,7 +137,12 @@ def tagger_graph(path, form):
     and labels first (``selected_first``); the selection's sum over its size
     (``sum_over_size``, the same mean); the selection's sum over the mask's sum
     (``sum_over_mask``); and a mean over weights a mask of the weights picks, beside a mean
-    over the tokens (``weights_selected``)."""
+    over the tokens (``weights_selected``). The selection's sum over its rows (``sum_over_rows``,
+    ``tf.shape(selected)[0]``), and tf.compat.v1.losses on the selected labels and logits,
+    which divides the sum by its count of the losses (``losses_selected``, the default
+    SUM_BY_NONZERO_WEIGHTS; ``losses_mean_selected``, MEAN): that count, read from the
+    selection's shape, was taken for a count of examples; `apply` exited 0, verify failed
+    (6e-02)."""
     import tensorflow as tf
     tf1 = tf.compat.v1
     graph = tf.Graph()
@@ -165,6 +170,15 @@ def tagger_graph(path, form):
         elif form == "sum_over_size":
             selected = tf.boolean_mask(xent(labels=labels, logits=logits), mask)
             loss = tf.reduce_sum(selected) / tf.cast(tf.size(selected), tf.float32)
+        elif form == "sum_over_rows":
+            selected = tf.boolean_mask(xent(labels=labels, logits=logits), mask)
+            loss = tf.reduce_sum(selected) / tf.cast(tf.shape(selected)[0], tf.float32)
+        elif form in ("losses_selected", "losses_mean_selected"):
+            reduction = (tf1.losses.Reduction.MEAN if form == "losses_mean_selected" else
+                         tf1.losses.Reduction.SUM_BY_NONZERO_WEIGHTS)
+            loss = tf1.losses.sparse_softmax_cross_entropy(
+                tf.boolean_mask(labels, mask), tf.boolean_mask(logits, mask),
+                reduction=reduction)
         elif form == "sum_over_mask":
             loss = (tf.reduce_sum(tf.boolean_mask(xent(labels=labels, logits=logits), mask))
                     / tf.reduce_sum(tf.cast(mask, tf.float32)))
@@ -191,7 +205,8 @@ def _tagger_feeds(tmp_path):
                                               "boolean_mask/GatherV2"),
                                              ("selected_first", "boolean_mask/GatherV2"),
                                              ("recurrent_sum_over_size",
-                                              "boolean_mask/GatherV2")])
+                                              "boolean_mask/GatherV2"),
+                                             ("sum_over_rows", "boolean_mask/GatherV2")])
 def test_a_mean_over_the_tokens_a_mask_selects_is_refused(run_cli, tmp_path, form, selection):
     code, _, err = run_cli("apply", "--replicas", 2, tagger_graph(tmp_path / "m.meta", form),
                            "-o", tmp_path / "o.meta")
@@ -203,9 +218,26 @@ def test_a_mean_over_the_tokens_a_mask_selects_is_refused(run_cli, tmp_path, for
 
 
 @pytest.mark.parametrize("form", ["sum_over_mask", "recurrent_sum_over_mask",
-                                  "weights_selected"])
+                                  "weights_selected", "losses_selected",
+                                  "losses_mean_selected"])
 def test_a_selection_divided_by_the_masks_sum_trains_like_one_device(run_cli, tmp_path, form):
     code, out, err = run_cli("verify", "--replicas", 2, tagger_graph(tmp_path / "m.meta", form),
+                             "--feeds", _tagger_feeds(tmp_path), "--batch-size", 16,
+                             "--steps", 4)
+    assert code == 0, err
+    assert "PASS" in out, out
+
+
+@pytest.mark.parametrize("strategy", ["replicated", "ps"])
+def test_losses_over_a_selection_divide_by_the_whole_batchs_count(run_cli, tmp_path, strategy):
+    """tf.compat.v1.losses' count of the selected losses is the whole batch's in the other
+    synchronous strategies too (global-denominators)."""
+    cluster = tmp_path / "cluster.json"
+    cluster.write_text('{"ps": ["127.0.0.1:2222"], "worker": ["127.0.0.1:2224", '
+                       '"127.0.0.1:2225"]}')
+    where = ("--cluster", cluster) if strategy == "ps" else ("--replicas", 2)
+    code, out, err = run_cli("verify", "--strategy", strategy, *where,
+                             tagger_graph(tmp_path / "m.meta", "losses_selected"),
                              "--feeds", _tagger_feeds(tmp_path), "--batch-size", 16,
                              "--steps", 4)
     assert code == 0, err

@@ -384,5 +384,35 @@ def test_data_over_its_mean_outside_a_weight_is_still_refused(run_cli, tmp_path)
                            "-o", tmp_path / "o.meta")
     assert code == 1, err
     assert "'truediv' (RealDiv) combines each example with a sum or mean over the batch" in err
+
+
+def sized_by_values(form):
+    """A step dividing by a count read from the shape of a tensor whose length the batch's
+    values decide: the classes present in the batch (tf.unique of the labels, averaging over
+    them), or the rows tf.where finds in a mask. value_sources skips shapes (a count of
+    examples is equal on equal slices), so neither divisor was seen to read the batch: apply
+    exited 0 and verify failed by 6e-01 (a slice holding one class) and 2e-01."""
+    def build(x, y):
+        import tensorflow as tf
+        tf1 = tf.compat.v1
+        per = tf.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=y, logits=tf.matmul(x, tf1.get_variable("w0", [8, 2])))
+        if form == "classes_present":
+            loss = tf.reduce_mean(per) / tf.cast(tf.size(tf.unique(y)[0]), tf.float32)
+        else:  # rows_where_finds
+            mask = x[:, 1] > -0.3
+            loss = (tf.reduce_sum(per * tf.cast(mask, tf.float32))
+                    / tf.cast(tf.shape(tf.where(mask))[0], tf.float32))
+        return tf1.train.GradientDescentOptimizer(0.5).minimize(loss)
+    return build
+
+
+@pytest.mark.parametrize("form", ["classes_present", "rows_where_finds"])
+def test_a_divisor_sized_by_the_batch_s_values_is_refused(run_cli, tmp_path, form):
+    from conftest import export_classifier
+    model = export_classifier(tmp_path / "m.meta", sized_by_values(form))
+    code, _, err = run_cli("apply", "--replicas", 2, model, "-o", tmp_path / "o.meta")
+    assert code == 1, err
+    assert "(Cast), a function of the batch's totals" in err and "mean of it is not" in err
     assert len(err.strip().splitlines()) == 1
     assert not (tmp_path / "o.meta").exists()
