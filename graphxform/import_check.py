@@ -144,8 +144,9 @@ def find_leaves(ir: GraphIR, twins: dict) -> dict:
     input's dtype, TF's importer can say nothing else of such a node: its name is plain, its
     other inputs are control edges to nodes the structural checks have found, its device and
     colocation are checked with every node's. A NoOp counts only when nothing waits on it.
-    Returns leaf -> (the node standing in for it, which its control consumers wait on instead: its input's
-    representative (a NoOp: itself); the port it reads; the dtype its T names, or None)."""
+    Returns leaf -> (the node standing in for it, which its control consumers wait on instead:
+    its input's representative (a NoOp: itself); the port it reads; the dtype its T names, or
+    None)."""
     node_table, protos, pred, succ = ir.g._node, ir._protos, ir.g._pred, ir.g._succ
     leaves = {}
     for name, proto in protos.items():  # the nodes of their own
