@@ -20,8 +20,9 @@ Every replica runs the same step from equal variables on its own even slice of t
   ``sum``, or the slice's mean, ``mean``.
 - ``same``: equal on every replica, but not shown to be the single-device value: a collective
   that does not average means, sum sums or gather batch slices (the gradient sums synchronised
-  batch norm exchanges), a shared node that combines the replicas' values, and what is
-  computed from these. Served: replica 0's, and named as not merged. Writing it keeps a
+  batch norm exchanges), a shared node that combines the replicas' values (the ps
+  strategies' AddN of every replica's copy is classed as the collective it stands in for),
+  and what is computed from these. Served: replica 0's, and named as not merged. Writing it keeps a
   variable equal on every replica.
 - ``batch``: axis 0 is the replica's slice of the batch (the split inputs, and per-example work
   on them: elementwise ops with identical operands of no higher rank, MatMul by an identical
