@@ -30,10 +30,12 @@ input-pipeline reads) to each step's loss, along data edges, giving every tensor
 - a ``Curved``: a non-linear function of sums or means over the batch (``square(mean)``, a
   variance beside the mean): mixing where it reaches the loss or meets an example, except as
   the denominator of a sum (a guarded weighted mean);
-- ``RATIO``: a count of the batch's elements over a total of its values (Keras weights a
+- a ``Ratio``: a count of the batch's elements over a total of its values (Keras weights a
   masked loss by size(mask) / sum(mask)): read as holding nothing of the batch where it weights
-  examples, since global-denominators makes it the whole batch's ratio (and the contract
-  refuses it where no pass does); a Curved anywhere else;
+  examples and is divided on the loss's way from its terms, since global-denominators makes it
+  the whole batch's ratio there (and the contract refuses it where no pass does); a Curved
+  anywhere else, and mixing where one divided elsewhere (``x * size(m) / sum(m)`` fed to the
+  model) meets the examples: each replica would take its own slice's;
 - per-example values over a total of the batch's data, or a function of its totals, in a
   division on the loss's way from its terms (``replica_values.loss_divisions``: tkipf/gcn's
   ``mask / tf.reduce_mean(mask)`` weighting each example's loss): per-example, of the
@@ -62,10 +64,6 @@ from graphxform.replica_values import (BATCH_NORM_OPS, CROSS_ENTROPY_OPS, ELEMEN
 from graphxform.training import RANDOM_OPS
 
 SIZE, AGGREGATE, NORM, UNKNOWN = "size", "aggregate", "norm", "unknown"
-# a count of the batch's elements over a total of its values (Keras rescales a masked loss's
-# weights by size(mask) / sum(mask)): global-denominators makes it the whole batch's ratio in
-# every replica, and the contract refuses it where no pass does (see _through_ratio)
-RATIO = "ratio"
 _MOMENTS = ("moments/mean", "moments/variance")  # tf.nn.moments: sync-batch-norm's
 _INTEGER_DTYPES = (3, 9)  # int32, int64: lengths, counts
 _FLOAT_DTYPES = (1, 2, 14, 19)  # float, double, bfloat16, half: what a collective reduces
@@ -78,6 +76,16 @@ class Shape:
     the batch (``count`` AGGREGATE)."""
     batch_at: int
     count: str = "size"
+
+
+@dataclasses.dataclass(frozen=True)
+class Ratio:
+    """A count of the batch's elements over a total of its values, divided at ``node`` (Keras
+    rescales a masked loss's weights by size(mask) / sum(mask)): the whole batch's ratio in
+    every replica where global-denominators makes the total global, that is where ``node`` is
+    a division on the loss's way from its terms (the contract refuses it there where no pass
+    does); each replica's own slice's anywhere else (see _through_ratio)."""
+    node: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,12 +250,13 @@ class _Flow:
             return None
         if self.over_whole_batch(name, found):
             found = [found[0], None]  # the whole batch's total (global-denominators)
-        if RATIO in found:
-            found = _through_ratio(name, op, inputs, found)
+        ratio = next((s for s in found if isinstance(s, Ratio)), None)
+        if ratio is not None:
+            found = _through_ratio(self, name, op, inputs, found)
             if not isinstance(found, list):
                 return found
             if all(s is None for s in found):
-                return RATIO
+                return ratio
         curved = _curved(_Node(self, name, op, inputs, found))
         if curved is not None:
             return curved
@@ -455,23 +464,35 @@ def _curved(n: _Node):
     if n.op in _DIVISIONS and len(states) == 2 and statistics == [False, True]:
         # 1 / sum; over a numerator no rule here knows (a sum after a loop, most likely: a
         # masked mean), unknown: global-denominators' case if it is a sum
-        return UNKNOWN if states[0] == UNKNOWN else RATIO if states[0] == SIZE else \
+        return UNKNOWN if states[0] == UNKNOWN else Ratio(n.name) if states[0] == SIZE else \
             Curved(n.name, n.op)
     return None
 
 
-def _through_ratio(name: str, op: str, inputs: list, states: list):
-    """``states`` with each RATIO read as holding nothing of the batch, where ``op`` carries
-    the ratio the way the contract's search for denominators follows a loss's terms
-    (graphxform.contract.batch_denominators): added, multiplied, as a dividend, summed, or
-    reshaped and cast as a weight; elsewhere a Curved, so what no pass can make global is
-    never taken for linear."""
+def _through_ratio(flow: _Flow, name: str, op: str, inputs: list, states: list):
+    """``states`` with each Ratio read as holding nothing of the batch where it is the whole
+    batch's ratio (divided on the loss's way from its terms, where global-denominators makes
+    its total the whole batch's for every reader) and ``op`` carries it the way the contract's
+    search for denominators follows a loss's terms (graphxform.contract.batch_denominators):
+    added, multiplied, as a dividend, summed, or reshaped and cast as a weight. Elsewhere a
+    Curved, so what no pass makes global is never taken for linear; a Mixed where a ratio
+    that stays each replica's own slice's meets the examples (scales the model's input)."""
     from graphxform.replica_values import LOSS_TERM_OPS, WEIGHT_OPS
-    at = [k for k, s in enumerate(states) if s == RATIO]
+    at = [k for k, s in enumerate(states) if isinstance(s, Ratio)]
+    source = inputs[at[0]][0]
+    own = next((states[k].node for k in at if states[k].node not in flow.loss_divisions), None)
+    what = "a count of the batch over a total of its values" + (
+        f" ('{own}')" if own != source else "")
+    if own is not None and any(type(s) is int for s in states):
+        return Mixed(name, op, f"combines each example with '{source}', {what} off the "
+                     "loss's way from its terms, which each replica would compute over its "
+                     "own slice, not the whole batch")
+    if own is not None:
+        return Curved(name, op, f"applies {op} to '{source}', {what} off the loss's way from "
+                      "its terms, which each replica would compute over its own slice")
     if op in LOSS_TERM_OPS or (at == [0] and (op in _DIVISIONS or op in WEIGHT_OPS
                                               or op in ("Sum", "Mean"))):
-        return [None if s == RATIO else s for s in states]
-    source = inputs[at[0]][0]
+        return [None if isinstance(s, Ratio) else s for s in states]
     return Curved(name, op, f"applies {op} to '{source}', a count of the batch over a total of "
                   "its values, other than as a weight of its examples")
 

@@ -20,8 +20,9 @@ Every replica runs the same step from equal variables on its own even slice of t
   ``sum``, or the slice's mean, ``mean``.
 - ``same``: equal on every replica, but not shown to be the single-device value: a collective
   that does not average means, sum sums or gather batch slices (the gradient sums synchronised
-  batch norm exchanges), a shared node that combines the replicas' values, and what is
-  computed from these. Served: replica 0's, and named as not merged. Writing it keeps a
+  batch norm exchanges), a shared node that combines the replicas' values (the ps
+  strategies' AddN of every replica's copy is classed as the collective it stands in for),
+  and what is computed from these. Served: replica 0's, and named as not merged. Writing it keeps a
   variable equal on every replica.
 - ``batch``: axis 0 is the replica's slice of the batch (the split inputs, and per-example work
   on them: elementwise ops with identical operands of no higher rank, MatMul by an identical
@@ -307,7 +308,8 @@ class _Sweep:
                 elif found is not _S:
                     same = False
         if self._owner(name) is None or name in self.single:
-            classes[name] = _U if name in self.raced else _shared_classes(data, op, identical)
+            classes[name] = (_U if name in self.raced else self._combined(name, op)
+                             or _shared_classes(data, op, identical))
             return
         if op in _MARKED_OPS:
             attrs = self.ir.attrs(name)  # not data["attr"]: that makes a copy its own NodeDef
@@ -333,6 +335,39 @@ class _Sweep:
         if name in self.overridden:
             found = self._adjusted(name, found)
         classes[name] = _I if found == _I else _U if found == _U else _S if found == _S else found
+
+    def _combined(self, name: str, op: str):
+        """A shared node that combines every replica's copy of one tensor (the ps strategies'
+        stand-in for an all-reduce, passes/cross_replica.combine_copies) is classed as the
+        collective (_cross_replica): identical (of the copy's rank) where it is the whole
+        batch's value, an AddN of sums or counts, that AddN over the number of replicas of
+        means, the largest of maxima (the smallest of minima); else the same on every replica
+        (a mean of sums is no single-device value). None for any other node."""
+        from graphxform.nodes import const_value
+        ir, inputs = self.ir, self.ir.inputs(name)
+        if op in DIVIDE_OPS and len(inputs) == 2:  # their AddN over the number of replicas
+            total, count = inputs[0][0], const_value(ir, inputs[1][0])
+            if ir.op(total) != "AddN" or count is None or count.size != 1 or \
+                    count.reshape(-1)[0] != len(ir.inputs(total)):
+                return None
+            combining, kinds = total, (MEAN, IDENTICAL)
+        else:
+            combining = name
+            kinds = {"AddN": (SUM, COUNT), "Maximum": (MAX,), "Minimum": (MIN,)}.get(op)
+        copy = self._combined_copy(combining) if kinds else None
+        if copy is None:
+            return None
+        self.ranks[name] = (self.rank_of(*copy),)
+        return _I if self.class_of(*copy) in kinds else _S
+
+    def _combined_copy(self, name: str):
+        """This replica's copy (node, port) of the tensor ``name`` combines every replica's
+        copy of (replica_spread.combines_every_replica), or None."""
+        from graphxform.replica_spread import combines_every_replica
+        if not combines_every_replica(self.ir, name):
+            return None
+        src, port = self.ir.inputs(name)[-1]  # replica_<k>/X: a copy (a chain's last link)
+        return self.prefix + src.split("/", 1)[1], port
 
     def _made_constant(self, name: str) -> tuple:
         """A constant a pass made in this replica's scope: identical when another replica's

@@ -15,6 +15,11 @@ A tf.GradientTape in graph mode seeds ``tape.gradient(loss)`` with ``ones`` (a C
 or a Fill for a target of unknown shape) outside its ``gradient_tape/`` scope, read by the ops
 of the gradient of the op that made the loss; in each replica those readers read N instead.
 
+It runs after global-denominators: tkipf/gcn's and many seq2seq losses sum each example's
+masked loss over the batch's total of the mask (``reduce_sum(l * m / reduce_sum(m))``), which
+is a sum over the batch (the replicas' copies add up to one device's loss) only once every
+replica divides by the whole batch's total.
+
 A step qualifies when its loss is shown a sum (graphxform.replica_values) and every gradient
 its updates apply comes from one tf.gradients call (or one tape's gradient) with one seed that
 is shown to start the loss's gradient; anything else (several losses differentiated at once,

@@ -416,3 +416,75 @@ def test_a_divisor_sized_by_the_batch_s_values_is_refused(run_cli, tmp_path, for
     assert "(Cast), a function of the batch's totals" in err and "mean of it is not" in err
     assert len(err.strip().splitlines()) == 1
     assert not (tmp_path / "o.meta").exists()
+
+
+def ratio_graph(path, form):
+    """Keras' ratio of a mask's size to its sum (size(w) / sum(w)), where the model uses it:
+    ``weight`` weights each example's loss by w * ratio (global-denominators makes the ratio
+    the whole batch's), ``weight_and_hidden`` scales a hidden layer by that same ratio too;
+    ``input`` and ``hidden`` feed it to the model alone, off the loss's way from its terms,
+    where each replica would compute it over its own slice."""
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+    graph = tf.Graph()
+    with graph.as_default():
+        x, y, weights, _ = _classifier()
+        ratio = tf.cast(tf.size(weights), tf.float32) / tf.reduce_sum(weights)
+        h = tf.nn.relu(tf.matmul(x * ratio if form == "input" else x,
+                                 tf1.get_variable("w1", [8, 8])))
+        if form in ("hidden", "weight_and_hidden"):
+            h *= ratio
+        per = tf.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=y, logits=tf.matmul(h, tf1.get_variable("w2", [8, 2])))
+        weighted = form in ("weight", "weight_and_hidden")
+        loss = tf.reduce_mean(per * weights * ratio if weighted else per, name="loss")
+        return _export_sgd(graph, loss, path)
+
+
+@pytest.mark.parametrize("form", ["input", "hidden"])
+def test_a_ratio_of_the_mask_fed_to_the_model_is_refused(run_cli, tmp_path, form):
+    """batch_mixing read the ratio as the whole batch's through any Mul: apply exited 0 and
+    verify FAILed by 5.4."""
+    code, _, err = run_cli("apply", "--replicas", 2, ratio_graph(tmp_path / "m.meta", form),
+                           "-o", tmp_path / "o.meta")
+    assert code == 1, err
+    assert "'mul' (Mul) combines each example with 'truediv', a count of the batch over a " \
+           "total of its values off the loss's way from its terms" in err
+    assert len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "o.meta").exists()
+
+
+@pytest.mark.parametrize("form", ["weight", "weight_and_hidden"])
+def test_a_ratio_of_the_mask_that_weights_the_loss_trains_like_one_device(run_cli, tmp_path,
+                                                                         form):
+    code, out, err = run_cli("verify", "--replicas", 2, ratio_graph(tmp_path / "m.meta", form),
+                             "--feeds", _feeds(tmp_path), "--batch-size", 16, "--steps", 3)
+    assert code == 0, err
+    assert "PASS" in out, out
+
+
+def masked_sum_graph(path, total):
+    """tkipf/gcn's and many seq2seq masked losses written as a sum: each example's loss times
+    its mask over the batch's total of the mask (``reduce_sum`` or ``reduce_mean``), summed."""
+    import tensorflow as tf
+    graph = tf.Graph()
+    with graph.as_default():
+        x, y, weights, logits = _classifier()
+        per = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
+        loss = tf.reduce_sum(per * weights / total(weights), name="loss")
+        return _export_sgd(graph, loss, path)
+
+
+@pytest.mark.parametrize("strategy", ["allreduce", "ps"])
+@pytest.mark.parametrize("total", ["reduce_sum", "reduce_mean"])
+def test_a_sum_over_the_masks_total_trains_like_one_device(run_cli, tmp_path, total, strategy):
+    """Once global-denominators divides by the whole batch's total, the replicas' copies of the
+    loss add up to one device's: summed-losses ran before it and could not see so (refused
+    'not one seed of ones' under allreduce, by check (losses) under ps)."""
+    import tensorflow as tf
+    where = ["--cluster", _cluster(tmp_path)] if strategy == "ps" else ["--replicas", 2]
+    code, out, err = run_cli("verify", "--strategy", strategy, *where,
+                             masked_sum_graph(tmp_path / "m.meta", getattr(tf, total)),
+                             "--feeds", _feeds(tmp_path), "--batch-size", 16, "--steps", 4)
+    assert code == 0, err
+    assert "PASS" in out, out
