@@ -47,6 +47,9 @@ def inspect(model, as_json, train_op, debug):
     from graphxform.inspector import report
     ir, tg = _analysis(model, train_op)
     doc = report.inspect_document(ir, tg)
+    from graphxform.fetch_races import beside_steps, beside_warnings
+    for line in beside_warnings(beside_steps(ir, tg)):
+        click.echo(f"graphxform: warning: {line}", err=True)
     if as_json:
         click.echo(json.dumps(doc, indent=2))
     else:
@@ -218,6 +221,10 @@ def _transform(model, options, no_verify=False, dump_dir=None, keep_original=Tru
                                     train_op=options["train_op"], verify=not no_verify,
                                     dump_dir=dump_dir, **kwargs)
     verify_mod.check_imports(ir, keep_until_exit=_ends_without_teardown)
+    from graphxform.fetch_races import beside_warnings
+    for t in pipeline.timings:
+        for line in beside_warnings(t.summary.get("unordered_beside", [])):
+            click.echo(f"graphxform: warning: {line}", err=True)
     return original, ir, pipeline
 
 
@@ -518,6 +525,9 @@ def run(model, steps, feeds, batch_size, restore, save_to, fetches, train_op, cl
         finish_child()
         return
     with Runner(ir, train_op=train_op, fetches=fetches, timeout_s=timeout) as runner:
+        for name, why in runner.apart.items():
+            click.echo(f"graphxform: note: --fetch {name} runs {why.describe()}: it is "
+                       "fetched in a session.run of its own after the steps", err=True)
         source = Feeds(runner.inputs, feeds, batch_size)
         if restore:
             runner.restore(restore)

@@ -55,6 +55,7 @@ class Report:
     step_losses: dict  # step name -> [(original, transformed) per step]; None: no loss found
     reasons: list  # why the graphs cannot match, when they cannot
     floor: float = 0.0  # the smallest scale a variable was compared at
+    notes: list = dataclasses.field(default_factory=list)  # how both graphs were run
 
     @property
     def losses(self) -> list:
@@ -418,14 +419,19 @@ def compare(original: GraphIR, transformed: GraphIR, feeds_path: str | None = No
     fetches = [_tensor_of(original, name) for name in fetches]
     _require_numbers(original, fetches)
     feeds = Feeds(needed_inputs(original, tg.inputs, fetches), feeds_path, batch_size)
+    # a fetch that runs a write no step runs, in no order with the step: both graphs read it
+    # after the steps (the transformed graph's replicas would each pick their own order)
+    alone = fetch_races.fetched_beside(original, tg, fetches, tg.steps[-1])
+    notes = [f"--fetch {name} runs {why.describe()}: both graphs fetch it in a session.run "
+             "of its own after the steps" for name, why in alone.items()]
     with tempfile.TemporaryDirectory(prefix="graphxform-verify-") as tmp:
-        with Runner(original, fetches=fetches, steps=tg.steps) as run:
+        with Runner(original, fetches=fetches, steps=tg.steps, apart=alone) as run:
             run.initialize()
             initial = run.variable_values()
             start = run.save(os.path.join(tmp, "start"))
             before = [run.step(feeds.batch(k)) for k in range(steps)]
             expected = run.variable_values()
-        with _transformed_runner(transformed, fetches, tg.steps) as run:
+        with _transformed_runner(transformed, fetches, tg.steps, alone) as run:
             run.restore(start)
             after = [run.step(feeds.batch(k)) for k in range(steps)]
             got = run.variable_values()
@@ -469,7 +475,8 @@ def compare(original: GraphIR, transformed: GraphIR, feeds_path: str | None = No
     if plan is not None and plan.is_async:
         reasons.append("--async: each worker applies its own gradient when it is ready, so "
                        "updates interleave in no fixed order")
-    races = [race.describe() for race in fetch_races.races(original, tg, fetches)]
+    races = [race.describe() for race in fetch_races.races(
+        original, tg, [f for f in fetches if f not in alone])]
     reasons += races
     if races and not apart:
         reasons.append("the transformed graph runs the step's own reads and writes among these "
@@ -501,7 +508,7 @@ def compare(original: GraphIR, transformed: GraphIR, feeds_path: str | None = No
                        "that much (tiny batches through batch norm, say), so differences of "
                        "that size are not the transformation's; try a larger --batch-size or "
                        "fewer --steps")
-    return Report(steps, rtol, variables, series, step_losses, reasons, floor)
+    return Report(steps, rtol, variables, series, step_losses, reasons, floor, notes)
 
 
 _NOT_NUMBERS = {7: "string", 20: "resource", 21: "variant"}  # DataType enum values
@@ -630,13 +637,13 @@ def _join_shards(got: dict, expected: dict) -> None:
 
 
 @contextlib.contextmanager
-def _transformed_runner(transformed: GraphIR, fetches, steps):
+def _transformed_runner(transformed: GraphIR, fetches, steps, apart=None):
     """A Runner for the transformed graph running the original's ``steps``; a cluster graph
     gets its cluster's servers in this process on 127.0.0.1 ports (fresh ones where the step
     runs collectives) and a session on its chief."""
     plan = ClusterPlan.from_ir(transformed)
     if plan is None:
-        with Runner(transformed, fetches=fetches, steps=steps) as run:
+        with Runner(transformed, fetches=fetches, steps=steps, apart=apart) as run:
             yield run
         return
     job, task = plan.chief.split(":")
@@ -652,7 +659,7 @@ def _transformed_runner(transformed: GraphIR, fetches, steps):
         config = servers.session_config(plan.filters_of(job, int(task)),
                                         collective_leader=leader)
         with Runner(transformed, fetches=fetches, target=running.target(job, int(task)),
-                    config=config, steps=steps) as run:
+                    config=config, steps=steps, apart=apart) as run:
             yield run
 
 
@@ -675,6 +682,7 @@ def format_report(report: Report) -> str:
     head = "cannot match exactly" if not report.ok else "may not match in general"
     for reason in report.reasons:
         lines.append(f"{head}: {reason}")
+    lines += [f"note: {note}" for note in report.notes]
     return "\n".join(lines)
 
 

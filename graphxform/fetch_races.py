@@ -37,7 +37,14 @@ first; then the optimizer's writes (what a gradient reaches); then the reads tha
 step's other writes (WGAN's clipping clips the stepped weights, a target network moves towards
 the updated one); then those writes (the clipping, the soft update, BERT's increment of
 global_step). Two writes of one variable in the same phase run in the order the code created
-them."""
+them.
+
+A write no step runs cannot be ordered so (run on its own it would then run a step too), yet
+code fetches some beside a step: wiseodd's WGAN runs ``sess.run([D_solver, D_loss, clip_D])``
+with the clipping outside the train op. ``beside_steps`` finds the pairs such a session.run
+would leave in no order (each replica would pick its own, and their copies part): `apply`
+and `inspect` warn, and `run`/`verify` fetch what runs such a write (``fetched_beside``) in a
+session.run of its own after the steps, one of the orders one device may take."""
 
 from __future__ import annotations
 
@@ -143,46 +150,152 @@ _EARLY, _OPTIMIZER, _LATE, _OTHER = range(4)
 def step_orders(ir: GraphIR, tg) -> list[Order]:
     """The pairs of each step, per variable, that nothing orders (as ``races`` finds them, but
     every pair), each as (before, after) in the order the module's docstring chooses."""
-    found = []
-    created = None
-    for step in tg.steps:
-        run = step.closure
-        updates = {var: [u for u in v.updates if u in run and u in ir]
-                   for var, v in tg.variables.items()}
-        updates = {var: u for var, u in updates.items() if u}
-        if not updates:
+    created = {name: i for i, name in enumerate(ir.nodes())}
+    return [o for step in tg.steps for o in _run_orders(ir, tg, step, {}, created)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Beside:
+    write: str  # a write of a variable no step runs (WGAN's clipping fetched beside the step)
+    step: str
+    order: Order  # a pair one session.run of both would make in no order
+
+    def describe(self) -> str:
+        o = self.order
+        return (f"'{self.write}', a write no step runs, which in one session.run with step "
+                f"'{self.step}' would run in no order with it ('{o.before}' and '{o.after}' "
+                f"of variable '{o.variable}')")
+
+
+def beside_warnings(found: list) -> list[str]:
+    """One line per step of ``beside_steps``' finds: what runs in no order with it, and how
+    to run it exactly."""
+    lines = []
+    for step in dict.fromkeys(b.step for b in found):
+        mine = [b for b in found if b.step == step]
+        names = [f"'{b.write}'" for b in mine]
+        some = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        o = mine[0].order
+        lines.append(
+            f"{some} write{'s' if len(names) == 1 else ''} variables step '{step}' uses, "
+            f"outside every step ('{o.before}' and '{o.after}' of '{o.variable}' would run in "
+            "no order): fetched in the same session.run as the step, TF orders them its own "
+            "way, and each replica its own, so the replicas' copies can part; run them in a "
+            "session.run of their own after the step to train exactly as one device")
+    return lines
+
+
+def outside_writes(ir: GraphIR, tg) -> dict:
+    """{write: the variables it writes} of the ops that write a variable and that no step runs,
+    its initializer and the saver's restore aside (the user runs them on their own, or fetches
+    them beside a step: WGAN's weight clipping, a learning rate's assign)."""
+    from graphxform.training import consumers_through_switches, is_mutating_op
+    found = {}
+    for var in tg.variables.values():
+        if var.name not in ir:
             continue
-        writes = sorted({u for us in updates.values() for u in us})
-        born = [parse_tensor(t)[0] for v in tg.variables.values() if v.gradient
-                for t in v.gradient.tensors if t]
-        stepped = ir.descendants([b for b in born if b in ir]) if born else set()
-        optimizer = [w for w in writes if w in stepped]
-        loss = [parse_tensor(step.loss)[0]] if step.loss else []
-        loss = [t for t in loss if t in ir]
-        early = _value_sources(ir, loss + optimizer)
-        source_of = _value_sources(ir, [w for w in writes if w not in early], dict(early))
-        points = {var: sorted({p for r in tg.variables[var].reads if r in source_of
-                               for p, _ in _read_points(ir, r, source_of)})
-                  for var in updates}
-        marked = [p for ps in points.values() for p in ps] + writes
-        before = _ordered_after(ir, set(run) | set(loss), marked)
-        guards = Guards(ir)
-        if created is None:
-            created = {name: i for i, name in enumerate(ir.nodes())}
+        for write, _ in consumers_through_switches(ir, ir.consumers(var.name)):
+            if (is_mutating_op(ir.op(write)) and write not in tg.train_closure
+                    and write != var.initializer
+                    and not (tg.saver_scope and write.startswith(tg.saver_scope))):
+                found.setdefault(write, []).append(var.name)
+    return found
 
-        def phase(node, is_write):
-            if is_write:
-                return _OPTIMIZER if node in stepped else _OTHER
-            return _EARLY if node in early else _LATE
 
-        for var in sorted(updates):
-            events = sorted([(phase(p, False), created[p], p, False) for p in points[var]]
-                            + [(phase(w, True), created[w], w, True) for w in updates[var]])
-            for i, (a_phase, _, a, a_writes) in enumerate(events):
-                for b_phase, _, b, b_writes in events[i + 1:]:
-                    if (a_writes or b_writes) and a != b and not (
-                            before(a, b) or before(b, a) or guards.exclusive(a, b)):
-                        found.append(Order(a, b, var, step.name, (a_phase, b_phase)))
+def beside_steps(ir: GraphIR, tg, writes=None, steps=None) -> list[Beside]:
+    """Each write no step runs (``writes``: {write: variables}, default ``outside_writes``)
+    with each step (``steps``: default every one) whose run with it, in one session.run, makes
+    a pair in no order that the step alone does not (``step_orders`` of the two together): one
+    such pair per write and step, the optimizer's write and the other where there is one. Run
+    in a session.run of its own, the write comes after the step (or before) as a whole."""
+    writes = outside_writes(ir, tg) if writes is None else writes
+    if not writes:
+        return []
+    created = {name: i for i, name in enumerate(ir.nodes())}
+    reading = {}  # write -> the variables it reads
+    for write in writes:
+        upstream = ir.ancestors(write)
+        reading[write] = {var for var, v in tg.variables.items()
+                          if not upstream.isdisjoint(v.reads)}
+    found = []
+    for step in tg.steps if steps is None else steps:
+        written = {var for var, v in tg.variables.items()
+                   if not step.closure.isdisjoint(v.updates)}
+        read = {var for var, v in tg.variables.items() if not step.closure.isdisjoint(v.reads)}
+        own = None
+        for write, variables in sorted(writes.items()):
+            if set(variables).isdisjoint(written | read) and reading[write].isdisjoint(written):
+                continue  # nothing of the step's it writes, nothing the step writes it reads
+            if own is None:
+                own = {(o.before, o.after) for o in _run_orders(ir, tg, step, {}, created)}
+            pairs = [o for o in _run_orders(ir, tg, step, {write: variables}, created)
+                     if (o.before, o.after) not in own]
+            if pairs:  # the one naming the optimizer's write first, the telling one
+                found.append(Beside(write, step.name, min(
+                    pairs, key=lambda o: o.phases != (_OPTIMIZER, _OTHER))))
+    return found
+
+
+def fetched_beside(ir: GraphIR, tg, fetches, step) -> dict:
+    """{fetch: a ``Beside``}: those of ``fetches`` (tensors or ops) that run a write no step
+    runs (the read of a clipped variable that waits on its clipping) in no order with
+    ``step``, were they fetched in one session.run with it (`run` and `verify` then fetch
+    them in one of their own after the step)."""
+    writes = outside_writes(ir, tg) if fetches else {}
+    if not writes:
+        return {}
+    runs = {f: ir.ancestors(parse_tensor(f.lstrip("^"))[0]) for f in fetches
+            if parse_tensor(f.lstrip("^"))[0] in ir}
+    ran = {w: v for w, v in writes.items() if any(w in r for r in runs.values())}
+    found = {b.write: b for b in beside_steps(ir, tg, ran, [step])} if ran else {}
+    return {f: next(found[w] for w in sorted(found) if w in run)
+            for f, run in runs.items() if not found.keys().isdisjoint(run)}
+
+
+def _run_orders(ir: GraphIR, tg, step, extra: dict, created: dict) -> list[Order]:
+    """``step_orders`` of one run of ``step`` and of the writes of ``extra`` ({write: the
+    variables it writes}, each with what it reads)."""
+    run = set(step.closure)
+    for write in extra:
+        run |= ir.ancestors(write) | {write}
+    updates = {var: [u for u in v.updates if u in run and u in ir]
+               for var, v in tg.variables.items()}
+    for write, variables in extra.items():
+        for var in variables:
+            updates[var].append(write)
+    updates = {var: u for var, u in updates.items() if u}
+    if not updates:
+        return []
+    writes = sorted({u for us in updates.values() for u in us})
+    born = [parse_tensor(t)[0] for v in tg.variables.values() if v.gradient
+            for t in v.gradient.tensors if t]
+    stepped = ir.descendants([b for b in born if b in ir]) if born else set()
+    optimizer = [w for w in writes if w in stepped and w not in extra]
+    loss = [parse_tensor(step.loss)[0]] if step.loss else []
+    loss = [t for t in loss if t in ir]
+    early = _value_sources(ir, loss + optimizer)
+    source_of = _value_sources(ir, [w for w in writes if w not in early], dict(early))
+    points = {var: sorted({p for r in tg.variables[var].reads if r in source_of
+                           for p, _ in _read_points(ir, r, source_of)})
+              for var in updates}
+    marked = [p for ps in points.values() for p in ps] + writes
+    before = _ordered_after(ir, run | set(loss), marked)
+    guards = Guards(ir)
+
+    def phase(node, is_write):
+        if is_write:
+            return _OPTIMIZER if node in stepped and node not in extra else _OTHER
+        return _EARLY if node in early else _LATE
+
+    found = []
+    for var in sorted(updates):
+        events = sorted([(phase(p, False), created[p], p, False) for p in points[var]]
+                        + [(phase(w, True), created[w], w, True) for w in updates[var]])
+        for i, (a_phase, _, a, a_writes) in enumerate(events):
+            for b_phase, _, b, b_writes in events[i + 1:]:
+                if (a_writes or b_writes) and a != b and not (
+                        before(a, b) or before(b, a) or guards.exclusive(a, b)):
+                    found.append(Order(a, b, var, step.name, (a_phase, b_phase)))
     return found
 
 

@@ -168,10 +168,13 @@ class InsertAccumulators(Pass):
             raise GraphxformError(f"'{outside[0]}' waits on the optimizer's update; cannot give "
                                   "each worker its own update for --async")
         copies = {s.entry: [] for s in steps}
+        named = {n: [] for n in sorted(_collected(ir) & region)}  # kept: see `entry`
         plan = {}
         for w, task in enumerate(workers.tasks):
             mapping = ir.copy_nodes(region, f"{ASYNC_SCOPE}{task.replace(':', '_')}/",
                                     created_by=build.created_by)
+            for name, found in named.items():
+                found.append(mapping[name])
             local = {}
             for consumer, port, tensor in grad_edges:
                 agg, part = points[tensor]
@@ -190,6 +193,8 @@ class InsertAccumulators(Pass):
             for copy in rest:
                 ir.add_control_input(step.entry, copy)
         ir.remove_nodes(region)
+        for name, (first, *rest) in named.items():
+            build.entry(name, first, rest)  # a name the user runs
         if plan and workers.chief is None:
             plan[workers.chief_task] = build.op(build.scope(workers.chief_task) + "step", "NoOp")
         return plan
@@ -267,6 +272,16 @@ def _recolocate_shared(ir, takes) -> int:
             del attr["_class"]
         changed += 1
     return changed
+
+
+def _collected(ir) -> set:
+    """The nodes the collections name (TF1's ``minimize`` adds its apply op to `train_op`
+    besides the group of it the user adds): what a user reloading the graph can run by name."""
+    found = set()
+    for col in ir.meta.collection_def.values():
+        if col.HasField("node_list"):
+            found.update(parse_tensor(v.lstrip("^"))[0] for v in col.node_list.value)
+    return found
 
 
 def _drop_missing_from_collections(ir) -> None:
@@ -530,14 +545,19 @@ class _Build:
                                      ["^" + c for c in controls], T=dtype)
 
     def _entry_reading(self, step_op, core, controls):
-        """The entry for a step whose work all moved to ``core``: a NoOp, or the Identity of
-        its first output when it has outputs (a reference `assign_add` of global_step)."""
-        deps = ["^" + c for c in controls]
-        dtype = self._dtype(step_op) if opdefs.num_outputs(self.ir, step_op) else None
+        """The entry for a step whose work all moved to ``core``."""
+        return lambda: self.entry(step_op, core, controls)
+
+    def entry(self, name, first, waits):
+        """``name`` again, once ``first`` does its work: a NoOp that runs it and ``waits``,
+        or the Identity of its output 0 when it has outputs (a reference `assign_add` of
+        global_step), waiting on ``waits``."""
+        deps = ["^" + c for c in waits]
+        dtype = self._dtype(first) if opdefs.num_outputs(self.ir, first) else None
         if dtype is None:
-            return lambda: self.op(step_op, "NoOp", ["^" + core] + deps)
+            return self.op(name, "NoOp", ["^" + first] + deps)
         dtype = dtype - 100 if dtype > 100 else dtype  # a ref output reads as its value
-        return lambda: self.op(step_op, "Identity", [core + ":0"] + deps, T=dtype)
+        return self.op(name, "Identity", [first + ":0"] + deps, T=dtype)
 
     def replica_mean(self, name, tensor):
         """The mean over every replica of ``tensor`` (a float value each replica computes):

@@ -20,7 +20,13 @@ independent and model-average replicas train apart by design; there the pair is 
 original has it.
 
 The edge makes the later op wait on the earlier one wherever it runs: running the clipping on
-its own, outside the step, now runs the step's update first."""
+its own, outside the step, now runs the step's update first.
+
+A write no step runs (wiseodd's WGAN fetches its clipping beside the critic's step,
+``sess.run([D_solver, D_loss, clip_D])``) gets no edge: run on its own it would run a step
+too. Fetched with a step, each replica orders the two its own way; the pass lists these
+(``fetch_races.beside_steps``, in its summary as ``unordered_beside``), `apply` warns about
+them, and `run`/`verify` run such a fetch in a session.run of its own after the step."""
 
 from __future__ import annotations
 
@@ -63,8 +69,12 @@ class OrderRaces(Pass):
                     "them in the model (tf.control_dependencies) or train on one device")
             ir.add_control_input(order.after, order.before)
             added.append((order.before, order.after))
-        ctx.state[self.name] = {"ordered": added}
-        return PassResult(modified=bool(added), summary={"ordered": len(added)})
+        # a write no step runs cannot wait on the step: run alone, it would run a step too
+        beside = (fetch_races.beside_steps(ir, ctx.training)
+                  if self.strict and len(ctx.devices) > 1 else [])
+        ctx.state[self.name] = {"ordered": added, "beside": beside}
+        return PassResult(modified=bool(added), summary={"ordered": len(added),
+                                                         "unordered_beside": beside})
 
 
 def _problem(ir, order, frames: dict, guards) -> str | None:

@@ -179,3 +179,104 @@ def test_a_pair_it_cannot_order_is_refused_in_one_line(run_cli, tmp_path):
     # ps keeps the one copy, which one run steps and clips as the original does
     ir = metagraph.load(model)
     strategies.transform(ir, "ps", cluster=cluster.Cluster(PS_SPEC))
+
+
+def wgan_clip_fetched(x, y):
+    """wiseodd/generative-models' WGAN as written: critic and generator steps (RMSProp's
+    minimize puts both in the train_op collection), and the clipping outside both, fetched
+    beside the critic's step: ``sess.run([D_solver, D_loss, clip_D])``."""
+    def xavier_init(size):
+        return tf1.random_normal(shape=size, stddev=1. / tf.sqrt(size[0] / 2.))
+    D_W1 = tf1.Variable(xavier_init([8, 16]))
+    D_b1 = tf1.Variable(tf.zeros(shape=[16]))
+    D_W2 = tf1.Variable(xavier_init([16, 1]))
+    D_b2 = tf1.Variable(tf.zeros(shape=[1]))
+    theta_D = [D_W1, D_W2, D_b1, D_b2]
+    G_W1 = tf1.Variable(xavier_init([4, 8]))
+    G_b1 = tf1.Variable(tf.zeros(shape=[8]))
+    theta_G = [G_W1, G_b1]
+
+    def discriminator(h):
+        return tf.matmul(tf.nn.relu(tf.matmul(h, D_W1) + D_b1), D_W2) + D_b2
+    G_sample = tf.nn.sigmoid(tf.matmul(x[:, :4], G_W1) + G_b1)
+    D_loss = tf.reduce_mean(discriminator(x)) - tf.reduce_mean(discriminator(G_sample))
+    G_loss = -tf.reduce_mean(discriminator(G_sample))
+    D_solver = tf1.train.RMSPropOptimizer(learning_rate=1e-2).minimize(-D_loss,
+                                                                        var_list=theta_D)
+    tf1.train.RMSPropOptimizer(learning_rate=1e-2).minimize(G_loss, var_list=theta_G)
+    clip_D = [p.assign(tf.clip_by_value(p, -CLIP, CLIP)) for p in theta_D]
+    assert [tf1.get_default_graph().as_graph_element(c).name for c in clip_D] == CLIP_FETCHES
+    return D_solver
+
+
+CLIP_FETCHES = [f"ReadVariableOp{s}:0" for s in ("", "_1", "_2", "_3")]  # clip_D's values
+
+
+@pytest.mark.parametrize("strategy, warned", [("allreduce", True), ("replicated", True),
+                                              ("ps", False), ("model-average", False)])
+def test_a_clipping_fetched_beside_the_step_is_named_in_a_warning(run_cli, tmp_path,
+                                                                   strategy, warned):
+    """The clipping runs in no step, so nothing can order it (run alone it would run a step);
+    fetched with the step, each replica orders the two its own way. apply says so, naming
+    it; ps keeps one copy (one order), model-average's replicas train apart by design."""
+    model = export_classifier(tmp_path / "m.meta", wgan_clip_fetched)
+    where = (["--cluster", _cluster_file(tmp_path)] if strategy == "ps"
+             else ["--replicas", "2"])
+    code, _, err = run_cli("apply", "--strategy", strategy, *where, model,
+                           "-o", tmp_path / "out.meta")
+    assert code == 0, err
+    warnings = [line for line in err.splitlines() if line.startswith("graphxform: warning:")]
+    assert bool(warnings) == warned, err
+    if warned:
+        assert "'AssignVariableOp', 'AssignVariableOp_1', 'AssignVariableOp_2' and 1 more" in err
+        assert "'RMSProp/update_Variable/ResourceApplyRMSProp' and 'AssignVariableOp'" in err
+        assert "step 'RMSProp' uses" in warnings[0] and "session.run of their own" in err
+    code, _, err = run_cli("inspect", model)
+    assert code == 0 and "'AssignVariableOp'" in err and "step 'RMSProp' uses" in err
+
+
+def test_the_clipping_grouped_into_the_step_is_no_warning(run_cli, tmp_path):
+    model = export_classifier(tmp_path / "m.meta", wgan_critic)
+    code, _, err = run_cli("apply", "--strategy", "allreduce", "--replicas", "2", model,
+                           "-o", tmp_path / "out.meta")
+    assert code == 0 and "warning" not in err, err
+
+
+def test_verify_reads_a_clipping_fetched_beside_the_step_after_it(run_cli, tmp_path):
+    """verify fetches the clipping after the steps, on both graphs (beside the step, the
+    original runs the two in TF's order of the moment and each replica in its own): the
+    values compare, and the replicas never part."""
+    model = export_classifier(tmp_path / "m.meta", wgan_clip_fetched)
+    fetches = [a for f in CLIP_FETCHES for a in ("--fetch", f)]
+    code, out, _ = run_cli("verify", model, "--strategy", "allreduce", "--replicas", "2",
+                           "--feeds", model + ".npz", "--batch-size", "16", "--steps", "3",
+                           *fetches)
+    assert code == 0 and "PASS" in out, out
+    assert f"note: --fetch {CLIP_FETCHES[0]} runs 'AssignVariableOp', a write no step runs" in out
+    assert "both graphs fetch it in a session.run of its own" in out
+    assert not any(f"'{f}' reads" in out for f in CLIP_FETCHES)  # no longer a race
+    spreads = [line.split()[-1] for line in out.splitlines() if line.startswith("Variable")]
+    assert spreads and all(float(s) == 0 for s in spreads)
+
+
+def test_run_fetches_the_clipping_after_the_step(run_cli, tmp_path):
+    model = export_classifier(tmp_path / "m.meta", wgan_clip_fetched)
+    feeds = Feeds(training.analyze(metagraph.load(model)).inputs, model + ".npz", 16)
+    with Runner(metagraph.load(model), fetches=[CLIP_FETCHES[0], "sub:0"]) as run:
+        assert list(run.apart) == [CLIP_FETCHES[0]]  # the loss stays beside the step
+        run.initialize()
+        result = run.step(feeds.batch(0))
+        assert list(result.fetches) == [CLIP_FETCHES[0], "sub:0"]
+        clipped = run.variable_values()["Variable"]
+        assert np.abs(clipped).max() <= CLIP  # clipped after both steps' updates
+        assert np.array_equal(result.fetches[CLIP_FETCHES[0]], clipped)
+    code, out, err = run_cli("run", model, "--feeds", model + ".npz", "--batch-size", "16",
+                             "--steps", "1", "--fetch", CLIP_FETCHES[0])
+    assert code == 0 and f"note: --fetch {CLIP_FETCHES[0]} runs 'AssignVariableOp'" in err
+
+
+def _cluster_file(tmp_path):
+    import json
+    path = tmp_path / "cluster.json"
+    path.write_text(json.dumps(PS_SPEC))
+    return str(path)

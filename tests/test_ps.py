@@ -93,6 +93,25 @@ def test_async_verify_says_why_it_cannot_match(run_cli, cluster_file):
     assert "may not match in general: --async" in out
 
 
+def test_async_keeps_the_apply_op_the_collection_names(run_cli, tmp_path, cluster_file):
+    """TF1's minimize puts its apply op ('RMSProp') in the train_op collection beside the group
+    the user adds (WGAN's step and clipping): --async copied it per worker and dropped it,
+    leaving the collection naming no node (apply refused its own graph). It is kept under its
+    name, running every worker's copy."""
+    from conftest import export_classifier
+    from test_order_races import wgan_critic
+    model = export_classifier(tmp_path / "m.meta", wgan_critic)
+    out = tmp_path / "out.meta"
+    code, _, err = run_cli("apply", "--strategy", "ps", "--async", "--cluster", cluster_file,
+                           model, "-o", out)
+    assert code == 0, err
+    ir = metagraph.load(str(out))
+    assert list(ir.meta.collection_def["train_op"].node_list.value) == ["RMSProp", "train"]
+    assert ir.op("RMSProp") == "NoOp"
+    assert set(ir.control_inputs("RMSProp")) == {"ps_async/worker_0/RMSProp",
+                                                 "ps_async/worker_1/RMSProp"}
+
+
 @pytest.mark.parametrize("name, strategy, options", [
     ("mlp_sgd", "ps", {}),
     ("embedding_adam", "partitioned-ps", {"partitions": 3, "partition_min_bytes": 100}),

@@ -278,13 +278,16 @@ class Runner:
 
     def __init__(self, ir: GraphIR, train_op: str | None = None, fetches=(),
                  threads: int = 0, target: str = "", config=None, steps=None,
-                 timeout_s: float | None = None):
+                 timeout_s: float | None = None, apart=None):
         """``target``/``config``: a TF server's session target and its ConfigProto (a cluster
         graph); by default a local session with the CPU devices the graph names. ``steps``:
         another graph's ``training.Step`` list to run here by name (verify runs the original's
         steps and losses on the transformed graph). ``timeout_s`` bounds each session.run (by
         default ``config``'s operation timeout, else LOCAL_TIMEOUT_S): TF stops a run still
-        blocked then (an input queue nothing fills any more)."""
+        blocked then (an input queue nothing fills any more). ``apart``: the fetches to read
+        in a session.run of their own after the steps (by default those that run a write no
+        step runs in no order with the last step: ``fetch_races.fetched_beside``; verify gives
+        the original's to both graphs)."""
         import tensorflow as tf
         tf1 = tf.compat.v1
         self.tf1 = tf1
@@ -301,6 +304,12 @@ class Runner:
         from graphxform.towers import replica_splits
         self.tower_splits = replica_splits(ir) if self.replicas > 1 else []
         self.fetches = list(fetches)
+        if apart is None:
+            from graphxform.fetch_races import fetched_beside
+            last = next((s for s in self.analysis.steps if s.name == self.steps[-1].name),
+                        self.analysis.steps[-1])  # this graph's, with its closure
+            apart = fetched_beside(ir, self.analysis, self.fetches, last)
+        self.apart = {f: apart[f] for f in self.fetches if f in apart}  # {fetch: why}
         self.inputs = needed_inputs(ir, self.analysis.inputs, self.fetches)
         meta = metagraph.to_metagraph(ir)
         devices = {ir.node(n)["device"] for n in ir.nodes()}
@@ -400,11 +409,13 @@ class Runner:
 
     def step(self, feed: dict) -> StepResult:
         """Run every step once, in order, on the same feed. The fetches are read in the last
-        step's ``session.run``, as a user's loop fetching them beside its train op would."""
+        step's ``session.run``, as a user's loop fetching them beside its train op would, but
+        ``apart`` in one of their own after it (each replica would order them its own way)."""
         self._check_batch(feed)
         losses, fetched, towers = {}, {}, {}
+        beside = [f for f in self.fetches if f not in self.apart]
         for index, step in enumerate(self.steps):
-            extra = self.fetches if index == len(self.steps) - 1 else []
+            extra = beside if index == len(self.steps) - 1 else []
             own = [step.loss] if step.loss else list(step.towers)
             values = self._run([step.name] + own + extra, feed)[1:]
             found = [float(np.mean(v)) for v in values[:len(own)]]
@@ -412,7 +423,9 @@ class Runner:
             if not step.loss:
                 towers.update(zip(own, found))
             fetched.update(zip(extra, values[len(own):]))
-        return StepResult(losses, fetched, towers)
+        if self.apart:
+            fetched.update(zip(self.apart, self._run(list(self.apart), feed)))
+        return StepResult(losses, {f: fetched[f] for f in self.fetches}, towers)
 
     def _run(self, names, feed) -> list:
         import tensorflow as tf
