@@ -339,11 +339,14 @@ def _check_ordered(ir: GraphIR, ordered, replicas: int) -> None:
 
 
 def _copy_in(ir: GraphIR, name: str, replica: int) -> str | None:
-    """Replica ``replica``'s copy of input node ``name``, its one shared copy, or None."""
-    for candidate in (replica_prefix(replica) + name, name):
-        if candidate in ir:
-            return candidate
-    return None
+    """Replica ``replica``'s copy of input node ``name``, its one shared copy, or None. A node
+    a pass made under the name is neither: merge-fetches' stand-in for a replica's update
+    insert-accumulators dropped (ps updates batch norm's moving statistics from replica 0's
+    slice alone), which orders nothing."""
+    copy = replica_prefix(replica) + name
+    if copy in ir:
+        return copy
+    return name if name in ir and ir.node(name).get("origin") == name else None
 
 
 def _check_write(ir: GraphIR, var, write: str, spread: ReplicaSpread) -> None:

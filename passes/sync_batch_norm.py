@@ -17,7 +17,9 @@ replica's own elements, all-reduced (sum) in one collective:
   other gradients, as for any variable).
 Each replica's loss is a mean over its slice, so its dy is R times the single-device one on
 those rows; the formulas above then give R times the single-device dx, which the all-reduce
-mean of the weight gradients divides back. Both rewritten ops keep their names (an IdentityN
+mean of the weight gradients divides back. A batch norm that several train ops' tf.gradients
+run through (a GAN's discriminator, in d_train and g_train) has a gradient in each: every one
+is rewritten, with collectives of its own. Both rewritten ops keep their names (an IdentityN
 of the new outputs), so the rest of the graph is untouched.
 
 The `moments` + `batch_normalization` form (tf.nn.moments, and tf_keras's non-fused batch
@@ -31,6 +33,7 @@ which is the same R-times scaling as above."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import numpy as np
 
@@ -68,32 +71,33 @@ class SyncBatchNorm(Pass):
         grads = _gradients_of(ir, layers)
         build = Builder(ir, self.name)
         replicas = len(ctx.devices)
-        keys = iter(range(INSTANCE_KEYS, INSTANCE_KEYS + 3 * len(layers) + 2 * len(moments)))
-        for mean, grad in moments:
-            forward_key, backward_key = next(keys), next(keys)
+        keys = itertools.count(INSTANCE_KEYS)  # one per collective: each runs on its own
+        for mean, scopes in moments:
+            forward_key = next(keys)
+            backward_keys = [next(keys) for _ in scopes]
             for i in range(replicas):
                 prefix = replica_prefix(i)
                 count = _rewrite_mean(ir, build, prefix + mean, ctx.devices[i], replicas,
                                       forward_key)
-                if grad:
-                    _rewrite_mean_gradient(ir, build, prefix + grad, ctx.devices[i], replicas,
-                                           backward_key, count)
+                for scope, key in zip(scopes, backward_keys):
+                    _rewrite_mean_gradient(ir, build, prefix + scope, ctx.devices[i],
+                                           replicas, key, count)
         for layer in layers:
             forward_keys = (next(keys), next(keys))
-            backward_key = next(keys)
+            backward_keys = [next(keys) for _ in grads[layer]]
             for i in range(replicas):
                 node = replica_prefix(i) + layer
                 if node not in ir:
                     continue
                 stats = _rewrite_forward(ir, build, node, ctx.devices[i], replicas, forward_keys)
-                grad = grads.get(layer)
-                if grad and replica_prefix(i) + grad in ir:
-                    _rewrite_gradient(ir, build, replica_prefix(i) + grad, ctx.devices[i],
-                                      replicas, backward_key, stats)
+                for grad, key in zip(grads[layer], backward_keys):
+                    if replica_prefix(i) + grad in ir:
+                        _rewrite_gradient(ir, build, replica_prefix(i) + grad,
+                                          ctx.devices[i], replicas, key, stats)
         return PassResult(modified=True, summary={
             "batch_norms_synchronised": len(layers) + len(moments) // 2,
-            "collectives_per_replica": 2 * len(layers) + len([g for g in grads.values() if g])
-            + len(moments) + len([g for _, g in moments if g])})
+            "collectives_per_replica": 2 * len(layers) + sum(map(len, grads.values()))
+            + len(moments) + sum(len(scopes) for _, scopes in moments)})
 
 
 def _is_training_attr(attrs) -> bool:
@@ -108,23 +112,19 @@ def _training_batch_norms(ir) -> list[str]:
 
 
 def _gradients_of(ir, layers) -> dict:
-    """Batch norm -> its FusedBatchNormGrad (original names): the grad reads the forward's
-    reserve outputs."""
+    """Batch norm -> its FusedBatchNormGrads (original names), which read the forward's reserve
+    outputs: one per tf.gradients call through it (a GAN's d_train and g_train both run
+    through the discriminator's), each synchronised, or that step would use local sums."""
     prefix = replica_prefix(0)
-    found = {}
-    for layer in layers:
-        grads = {dst for dst, port in ir.consumers(prefix + layer) if port >= 3
-                 and ir.op(dst) in FUSED_GRAD}
-        if len(grads) > 1:
-            raise GraphxformError(f"--sync-batch-norm: batch norm '{layer}' has "
-                                  f"{len(grads)} gradients; only one can be synchronised")
-        found[layer] = grads.pop()[len(prefix):] if grads else None
-    return found
+    return {layer: sorted({dst[len(prefix):] for dst, port in ir.consumers(prefix + layer)
+                           if port >= 3 and ir.op(dst) in FUSED_GRAD})
+            for layer in layers}
 
 
-def _moment_means(ir) -> list[tuple[str, str | None]]:
-    """(Mean, its gradient's scope) of every tf.nn.moments in replica 0 that averages over the
-    batch (axis 0 among its reduction indices), original names."""
+def _moment_means(ir) -> list[tuple[str, list[str]]]:
+    """(Mean, its gradients' scopes) of every tf.nn.moments in replica 0 that averages over the
+    batch (axis 0 among its reduction indices), original names: a scope per tf.gradients call
+    through it (several train ops), every one synchronised."""
     from graphxform.training import gradient_scope
     prefix = replica_prefix(0)
     scopes = {gradient_scope(n[len(prefix):]) for n in ir.nodes_of({"RealDiv"})
@@ -139,7 +139,7 @@ def _moment_means(ir) -> list[tuple[str, str | None]]:
             continue
         grads = [scope + name + "_grad/" for scope in sorted(scopes)
                  if prefix + scope + name + "_grad/truediv" in ir]
-        found.append((name, grads[0] if grads else None))
+        found.append((name, grads))
     return found
 
 

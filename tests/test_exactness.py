@@ -4,7 +4,7 @@ without either are left alone, and the options say when there is nothing to do."
 
 import pytest
 import tensorflow as tf
-from conftest import fixture_path
+from conftest import export_classifier, fixture_path
 from recipe_loop import RECIPES_DIR, before_and_after, load_manifest, recipe_meta
 
 from graphxform import equivalence, metagraph, strategies
@@ -174,3 +174,54 @@ def test_batch_renormalization_is_batch_norm(run_cli, tmp_path):
     code, out, err = run_cli("verify", "--replicas", 2, "--sync-batch-norm", model, "--feeds",
                              model + ".npz", "--batch-size", 16, "--steps", 2)
     assert code == 0 and "PASS" in out, out + err  # 2.4e-06: a bias before the norm, ~0
+
+
+def gan_through_one_batch_norm(image: bool):
+    """A GAN as DCGAN ports write it: the discriminator (tf_keras Dense or Conv2D, then
+    BatchNormalization, training=True) scores real and generated rows; d_train and g_train
+    each minimise their loss over their own model's variables. Both gradients run through the
+    batch norm of the discriminator's call on generated rows: its statistics' gradient lives
+    in two tf.gradients scopes, one per train op. ``image``: 4-D input, so the
+    batch norm is fused (FusedBatchNormV3 and one FusedBatchNormGradV3 per train op)."""
+    import tf_keras as keras
+    layers = keras.layers
+    tf1 = tf.compat.v1
+
+    def build(x, y):
+        init = keras.initializers.GlorotUniform
+        generator = keras.Sequential([layers.Dense(4, activation="tanh",
+                                                   kernel_initializer=init(seed=1))])
+        if image:
+            shape = layers.Reshape([2, 2, 1])
+            body = [shape, layers.Conv2D(3, 2, padding="same", use_bias=False,
+                                          kernel_initializer=init(seed=2))]
+        else:
+            body = [layers.Dense(6, use_bias=False, kernel_initializer=init(seed=2))]
+        discriminator = keras.Sequential(body + [
+            layers.BatchNormalization(momentum=0.9), layers.LeakyReLU(0.2), layers.Flatten(),
+            layers.Dense(1, kernel_initializer=init(seed=3))])
+        real, noise = x[:, :4], x[:, 4:]
+        fake = generator(noise, training=True)
+        real_logits = discriminator(real, training=True)
+        fake_logits = discriminator(fake, training=True)
+        xent = tf.nn.sigmoid_cross_entropy_with_logits
+        d_loss = tf.reduce_mean(xent(labels=tf.ones_like(real_logits), logits=real_logits)
+                                + xent(labels=tf.zeros_like(fake_logits), logits=fake_logits))
+        g_loss = tf.reduce_mean(xent(labels=tf.ones_like(fake_logits), logits=fake_logits))
+        # the real batch's statistics only: two unordered updates of one moving mean would race
+        with tf.control_dependencies(discriminator.get_updates_for(real)):
+            d_train = tf1.train.AdamOptimizer(1e-2, beta1=0.5).minimize(
+                d_loss, var_list=discriminator.trainable_variables, name="d_train")
+        tf1.add_to_collection("train_op", d_train)
+        return tf1.train.AdamOptimizer(1e-2, beta1=0.5).minimize(
+            g_loss, var_list=generator.trainable_variables, name="g_train")
+    return build
+
+
+@pytest.mark.parametrize("image", [False, True], ids=["moments", "fused"])
+def test_a_batch_norm_two_train_ops_run_through_is_synchronised_in_both(run_cli, tmp_path,
+                                                                        image):
+    model = export_classifier(tmp_path / "gan.meta", gan_through_one_batch_norm(image))
+    code, out, err = run_cli("verify", "--replicas", 2, "--sync-batch-norm", model,
+                             "--feeds", model + ".npz", "--batch-size", 16, "--steps", 3)
+    assert code == 0 and "PASS" in out, out + err
