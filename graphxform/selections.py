@@ -143,9 +143,13 @@ def what_is_counted(ir, node: str, prefix: str = "") -> str:
     if op.startswith("NonMaxSuppression"):
         return (f"a count of the boxes non-max suppression keeps ('{name}'): {alone} (each box "
                 "is kept or suppressed by the other examples' boxes)")
-    what = {"Where": f"the rows tf.where finds ('{name}') in a mask",
-            "DynamicPartition": f"the examples tf.dynamic_partition puts in a part ('{name}') "
-                                "by partitions"}.get(
-        op, f"the rows '{name}' ({op}) keeps with a mask (tf.boolean_mask)")
-    return (f"a count of {what} not shown to hold each example's own values, so the replicas' "
-            "counts are not shown to add up to the whole batch's")
+    if op == "Where":
+        return (f"a count of the rows tf.where finds ('{name}') in a mask not shown to hold each "
+                "example's own values, so the replicas' counts are not shown to add up to the "
+                "whole batch's")
+    what = (f"the examples tf.dynamic_partition puts in a part ('{name}')"
+            if op == "DynamicPartition" else
+            f"the rows '{name}' ({op}) keeps with a mask (tf.boolean_mask)")
+    return (f"a count of {what}, which each replica would count in its own slice and which "
+            "graphxform does not make the whole batch's (it does the rows tf.where finds in a "
+            "mask of the examples, and the mask's sum)")

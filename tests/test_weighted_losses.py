@@ -408,23 +408,31 @@ def sized_by_values(form):
                 "rows_where_finds": lambda: masked / rows,
                 "rows_where_finds_guarded": lambda: masked / tf.maximum(
                     tf.cast(tf.size(tf.where(mask)), tf.float32), 1.),
-                "mean_over_rows_where_finds": lambda: tf.reduce_mean(per) / rows}[form]()
+                "mean_over_rows_where_finds": lambda: tf.reduce_mean(per) / rows,
+                "boxes_kept": lambda: tf.reduce_sum(per) / tf.cast(tf.size(
+                    tf.image.non_max_suppression(tf.concat([x[:, :2], x[:, :2] + 1.], 1),
+                                                 x[:, 2], 10, 0.3)), tf.float32)}[form]()
         return tf1.train.GradientDescentOptimizer(0.5).minimize(loss)
     return build
 
 
-@pytest.mark.parametrize("form, divisor", [("classes_present", "Cast"),
-                                           ("classes_present_guarded", "Maximum")])
+DISTINCT = "the distinct values the batch holds ('Unique', tf.unique)"
+
+
+@pytest.mark.parametrize("form, divisor, counted", [
+    ("classes_present", "Cast", DISTINCT), ("classes_present_guarded", "Maximum", DISTINCT),
+    ("boxes_kept", "Cast_3", "the boxes non-max suppression keeps")])
 def test_a_divisor_counting_the_batch_s_distinct_values_is_refused(run_cli, tmp_path, form,
-                                                                   divisor):
-    """The slices' counts of distinct labels do not add up to the batch's: no all-reduce
-    stands in for it. The refusal said "a function of the batch's totals", which it is not."""
+                                                                   divisor, counted):
+    """The slices' counts of distinct labels (or of the boxes non-max suppression keeps) do
+    not add up to the batch's: no all-reduce stands in for it. The refusal said "a function of
+    the batch's totals", which it is not."""
     from conftest import export_classifier
     model = export_classifier(tmp_path / "m.meta", sized_by_values(form))
     code, _, err = run_cli("apply", "--replicas", 2, model, "-o", tmp_path / "o.meta")
     assert code == 1, err
-    assert (f"divides by '{divisor}' ({divisor}), which reads a count of the distinct values "
-            "the batch holds ('Unique', tf.unique)") in err
+    op = divisor.split("_")[0]
+    assert f"divides by '{divisor}' ({op}), which reads a count of {counted}" in err
     assert "the slices' counts do not add up to the whole batch's" in err
     assert len(err.strip().splitlines()) == 1
     assert not (tmp_path / "o.meta").exists()
