@@ -23,7 +23,9 @@ input-pipeline reads) to each step's loss, along data edges, giving every tensor
 
 - ``None``: holds nothing from the batch (constants, variables, what is computed from them);
 - ``SIZE``: depends on the batch's size only (``tf.shape(x)[0]``, ``tf.size(x)``); a
-  ``Shape`` (k) is a shape vector whose entry k is the batch's size (``tf.shape(x)``);
+  ``Shape`` (k) is a shape vector whose entry k is the batch's size (``tf.shape(x)``), or a
+  count the batch's values decide: the length of tf.where's rows, of tf.unique's values (see
+  ``_value_sized``);
 - an int k: per-example, the batch on axis k;
 - ``AGGREGATE``: a sum or mean over the batch (batch-norm statistics are ``NORM``), or
   affine in such sums and means;
@@ -61,6 +63,7 @@ from graphxform import functions, opdefs, replica_values
 from graphxform.functions import WHILE_OPS
 from graphxform.replica_values import (BATCH_NORM_OPS, CROSS_ENTROPY_OPS, ELEMENTWISE_UNARY_OPS,
                                        LIKE_OPS, LINEAR_UNARY_OPS)
+from graphxform.selections import VALUE_SIZED_OPS
 from graphxform.training import RANDOM_OPS
 
 SIZE, AGGREGATE, NORM, UNKNOWN = "size", "aggregate", "norm", "unknown"
@@ -72,10 +75,11 @@ _FLOAT_DTYPES = (1, 2, 14, 19)  # float, double, bfloat16, half: what a collecti
 @dataclasses.dataclass(frozen=True)
 class Shape:
     """A shape vector whose entry ``batch_at`` counts the rows: the batch's size (SIZE), or,
-    for rows a mask of the batch selects (tf.boolean_mask), how many it selects, a sum over
-    the batch (``count`` AGGREGATE)."""
+    for rows a mask of the batch selects (tf.boolean_mask, tf.where), how many it selects, a
+    sum over the batch (``count`` AGGREGATE); for a length the batch's values decide otherwise
+    (tf.unique's distinct values), a Curved (or the Mixed its values are)."""
     batch_at: int
-    count: str = "size"
+    count: object = "size"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,6 +205,8 @@ class _Flow:
         self.sparse_indices = set()  # sparse_placeholders' indices (mixing_in)
         self.loss_divisions = set()  # divisions on the loss's way from its terms (mixing_in)
         self.selected = set()  # per-example nodes holding the rows a mask of the batch keeps
+        self.lengths = {}  # (node, port) -> the count its length is, where the batch's values
+        # decide it (_value_sized), carried through ops that keep the length (_carry_length)
 
     def run(self, target: str) -> dict:
         """States of ``target`` and its data ancestors, each worked out after its inputs."""
@@ -216,6 +222,8 @@ class _Flow:
                 if type(states[name]) is int and any(
                         src in self.selected for src, _ in ir.inputs(name)):
                     self.selected.add(name)  # a selection's rows, carried on
+                elif self.lengths and type(states[name]) is not int:
+                    _carry_length(self, name)
             else:
                 expanded.add(name)
                 stack.extend(src for src, _ in ir.inputs(name)
@@ -233,6 +241,13 @@ class _Flow:
         found = [_port(self.states.get(src, UNKNOWN), port) for src, port in inputs]
         if op in _SHAPE_RULES:
             return _SHAPE_RULES[op](self, name, found)
+        if op in VALUE_SIZED_OPS and any(s is not None for s in found):
+            _value_sized(self, name, op, found)  # before mixing: a mixed mask's count is mixed
+        if found and found[0] == UNKNOWN and inputs[0] in self.lengths:
+            counted = _over_counted_rows(_Node(self, name, op, inputs, found),
+                                         self.lengths[inputs[0]])
+            if counted is not None:
+                return counted
         mixed = next((s for s in found if isinstance(s, Mixed)), None)
         if mixed is not None:
             return mixed
@@ -314,7 +329,8 @@ class _Flow:
         if type(state) is int and (n.op in LIKE_OPS or (all(filled) if filled else
                                                          n.op in _FILLS)):
             self.filled.add(name)
-        elif state == AGGREGATE and n.op in ("Sum", "Mean") and inputs[0][0] in self.filled:
+        elif state == AGGREGATE and n.op in ("Sum", "Mean") and inputs[0][0] in self.filled \
+                and inputs[0][0] not in self.selected:
             return SIZE  # the count of rows of a constant (tf.compat.v1.losses' num_present)
         return state
 
@@ -1207,6 +1223,13 @@ def _dynamic_partition(n: _Node):
     return UNKNOWN
 
 
+def _non_max_suppression(n: _Node):
+    """The count of boxes non-max suppression keeps that V4 and V5 return beside the indices
+    (valid_outputs): what ``_value_sized`` says their length is."""
+    count = _row_count(n.flow, n.name, n.op, n.states)
+    return [*([UNKNOWN] * (1 if n.op.endswith("V4") else 2)), count or UNKNOWN]
+
+
 def _pad(n: _Node):
     state = n.states[0]
     if type(state) is not int or any(s is not None for s in n.states[1:]):
@@ -1414,6 +1437,7 @@ _RULES = {
     "Gather": _gather, "GatherV2": _gather, "ResourceGather": _gather, "OneHot": _one_hot,
     "L2Loss": _l2_loss, "UnsortedSegmentSum": _segment_sum, "SegmentSum": _segment_sum,
     "DynamicPartition": _dynamic_partition, "ScatterNd": _scatter_nd,
+    "NonMaxSuppressionV4": _non_max_suppression, "NonMaxSuppressionV5": _non_max_suppression,
     **dict.fromkeys(("SparseSegmentSum", "SparseSegmentMean", "SparseSegmentSqrtN",
                      "SparseSegmentSumWithNumSegments", "SparseSegmentMeanWithNumSegments",
                      "SparseSegmentSqrtNWithNumSegments"), _sparse_segment),
@@ -1447,13 +1471,108 @@ def _shape_rule(flow, name: str, found: list):
     op = flow.ir.op(name)
     if op == "Rank":
         return None
-    selected = [src in flow.selected for src, _ in flow.ir.inputs(name)]
+    shapes = [Shape(0, flow.lengths[(src, port)]) if (src, port) in flow.lengths else
+              _shape_of(state, src in flow.selected)
+              for (src, port), state in zip(flow.ir.inputs(name), found)]
     if op == "Size":
-        shape = _shape_of(found[0], selected[0])
-        return shape.count if isinstance(shape, Shape) else shape
+        return shapes[0].count if isinstance(shapes[0], Shape) else shapes[0]
     if op == "ShapeN":
-        return [_shape_of(s, k) for s, k in zip(found, selected)]
-    return _shape_of(found[0], selected[0]) if found else None
+        return shapes
+    return shapes[0] if shapes else None
+
+
+def _value_sized(flow, name: str, op: str, found: list) -> None:
+    """Record in ``flow.lengths`` the count that the length of each output of ``name`` is, an
+    op whose outputs' length its inputs' values decide (selections.VALUE_SIZED_OPS): where a
+    per-example mask is true (tf.where, tf.boolean_mask), the examples in a partition or the
+    entries tf.setdiff1d keeps of per-example values: a sum over the batch of each example's
+    0 or 1 (AGGREGATE); the distinct values the batch holds (tf.unique), what non-max
+    suppression keeps, and what any of them finds in a statistic of the batch: a Curved (the
+    slices' counts do not add up to the batch's); the Mixed its values are. Unknown: none."""
+    count = _row_count(flow, name, op, found)
+    if count is None:
+        return
+    if op.startswith("NonMaxSuppression"):
+        padded = flow.ir.attrs(name).get("pad_to_max_output_size")
+        ports = () if padded is not None and padded.b else (0, 1) if op.endswith("V5") else (0,)
+    elif op == "DynamicPartition":
+        ports = range(flow.ir.attrs(name)["num_partitions"].i)
+    else:
+        ports = _SIZED_PORTS.get(op, (0,))
+    for port in ports:
+        flow.lengths[(name, port)] = count
+
+
+# the outputs whose length their inputs' values decide (tf.unique's idx keeps its input's)
+_SIZED_PORTS = {"UniqueWithCounts": (0, 2), "UniqueWithCountsV2": (0, 2), "ListDiff": (0, 1)}
+# for each, the inputs whose values decide it, and whether the count is each example's 0 or 1
+# summed where those are per-example (the other inputs batch-free)
+_DECIDED_BY = {"Where": ((0,), True), "DynamicPartition": ((1,), True),
+               "ListDiff": ((0, 1), True), "NonMaxSuppression": ((0, 1), False)}
+_COUNTS = {"Unique": "the distinct values the batch holds (tf.unique), which the slices' "
+                     "counts do not add up to (a value found in several slices is one)",
+           "ListDiff": "the values tf.setdiff1d keeps where the batch's are those it removes, "
+                       "which the slices' counts do not add up to (a value found in several "
+                       "slices is removed once)",
+           "NonMaxSuppression": "the boxes non-max suppression keeps, each kept or suppressed "
+                                "by the other examples' boxes"}
+
+
+def _row_count(flow, name: str, op: str, found: list):
+    """The count ``_value_sized`` records for ``name``, or None where it is not known."""
+    family = next((k for k in ("NonMaxSuppression", "Unique", "ListDiff") if op.startswith(k)),
+                  op)
+    deciding, summed = _DECIDED_BY.get(family, ((0,), False))
+    states = [found[k] for k in deciding if k < len(found)]
+    mixed = next((s for s in states if isinstance(s, Mixed)), None)
+    curved = next((s for s in states if isinstance(s, Curved)), None)
+    if mixed is not None or curved is not None:
+        return mixed or curved
+    if any(s in (AGGREGATE, NORM) or isinstance(s, Ratio) for s in states):
+        return Curved(name, op, f"counts what {op} finds in a sum or mean over the batch")
+    rows = [s for s in states if type(s) is int]
+    if not rows or any(s is not None and type(s) is not int for s in states):
+        return None  # free of the batch, or unknown
+    if summed and (family != "ListDiff" or states[1] is None):
+        return AGGREGATE
+    return Curved(name, op, "counts " + _COUNTS[family])
+
+
+def _over_counted_rows(n: _Node, count):
+    """What ones_like of (or a reduction along axis 0 over) values no rule follows says, where
+    ``count`` is their length (``_value_sized``): rows in that count's shape, or a function of
+    a count the slices' do not add up to (the distinct values of the batch, summed); None
+    where the rules decide."""
+    if n.op in LIKE_OPS:
+        return _rows_in(n, Shape(0, count))
+    if n.op in REDUCE_OPS and count not in (SIZE, AGGREGATE):
+        axes = _reduction_axes(n, n.rank(0))
+        return count if axes == "all" or (axes is not None and 0 in axes) else None
+    return None
+
+
+# ops whose output has the length of their (first) input: where a count carries on
+_LENGTH_KEPT = frozenset({*PASS_OPS, *ELEMENTWISE_OPS, "Squeeze", "Reshape", "ExpandDims"})
+
+
+def _carry_length(flow, name: str) -> None:
+    """``flow.lengths`` for ``name`` where it keeps the length of an input recorded there (a
+    cast of tf.unique's values, the indices tf.boolean_mask squeezes out of tf.where, a table's
+    rows at them), its axis 0 left unknown by the graph as theirs is."""
+    ir = flow.ir
+    op = ir.op(name)
+    inputs = ir.inputs(name)
+    if op in _GATHER_OPS:
+        inputs = inputs[1:2]  # the rows are the indices'
+    elif op not in _LENGTH_KEPT:
+        return
+    count = next((flow.lengths[t] for t in inputs if t in flow.lengths), None)
+    dims = flow.dims(name, 0)
+    if count is not None and dims and dims[0] == -1:
+        flow.lengths[(name, 0)] = count
+
+
+_GATHER_OPS = frozenset({"Gather", "GatherV2", "ResourceGather"})
 
 
 def _broadcast_gradient_args(flow, name: str, found: list):
@@ -1565,8 +1684,19 @@ def _size_filled(n: _Node):
         done = shape == SIZE and n.states[0] is None and all(s is None for s in n.states[2:])
         return 0 if done else UNKNOWN
     if isinstance(shape, Shape):
-        return shape.batch_at
+        return _rows_in(n, shape)
     return 0 if shape == SIZE and n.rank(0) == 1 else UNKNOWN
+
+
+def _rows_in(n: _Node, shape: Shape):
+    """The state of rows of a value made in ``shape``: per-example on its batch axis, those a
+    mask keeps as a selection's (their sum is no size); where the batch's values decide the
+    length otherwise (tf.unique's), a function of that count."""
+    if shape.count == AGGREGATE:
+        n.flow.selected.add(n.name)
+    elif shape.count != SIZE:
+        return shape.count
+    return shape.batch_at
 
 
 def _size_broadcast(n: _Node):
@@ -1574,22 +1704,22 @@ def _size_broadcast(n: _Node):
     seeds a mean's gradient so, with 1/size in every row)."""
     value, shape = n.states[0], n.states[1]
     if value in (None, SIZE) and isinstance(shape, Shape):
-        return shape.batch_at
+        return _rows_in(n, shape)
     return UNKNOWN
 
 
 def _size_tile(n: _Node):
     value, multiples = n.states[0], n.states[1]
     if value in (None, SIZE) and isinstance(multiples, Shape):
-        return multiples.batch_at
+        return _rows_in(n, multiples)
     return SIZE if multiples is None else UNKNOWN
 
 
 def _size_value(n: _Node):
     """Arithmetic, casts and reductions of sizes: still a size (a count of selected rows in
-    them: a sum over the batch)."""
-    counted = any(isinstance(s, Shape) and s.count == AGGREGATE for s in n.states)
-    return AGGREGATE if counted else SIZE
+    them: a sum over the batch; a count the batch's values decide otherwise: that count)."""
+    counts = [s.count for s in n.states if isinstance(s, Shape) and s.count != SIZE]
+    return next((c for c in counts if c != AGGREGATE), AGGREGATE) if counts else SIZE
 
 
 _SIZE_RULES = {

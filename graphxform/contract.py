@@ -561,7 +561,8 @@ def batch_denominators(ir: GraphIR, loss: tuple, classes,
                                  stop=lambda n: combines_every_replica(ir, n))
         if (ir.op(bottom[0]) not in CROSS_REPLICA_OPS
                 and opdefs.output_dtype(ir, *bottom) in _FLOATS
-                and (not reads.isdisjoint(sources) or _sized_by_the_batch(ir, reads, sources))
+                and (not reads.isdisjoint(sources)
+                     or _sized_by_the_batch(ir, reads, sources) is not None)
                 and any(ir.op(n) in VARIABLE_OPS for n in reads) == reading_variables
                 and classes().of(*bottom) not in BATCHED
                 and not _rows_of_the_batch(ir, *bottom)):
@@ -569,16 +570,29 @@ def batch_denominators(ir: GraphIR, loss: tuple, classes,
     return found
 
 
-def _sized_by_the_batch(ir: GraphIR, reads: set, sources: set) -> bool:
-    """Whether ``reads`` (a divisor's value sources) hold the shape or size of a tensor whose
-    length the batch's values decide (rows tf.boolean_mask selects, then tf.compat.v1.losses'
-    count of their losses; tf.unique of the labels): unlike a count of examples, that count
-    differs between equal slices."""
+def _sized_by_the_batch(ir: GraphIR, reads: set, sources: set, skip=lambda n: False):
+    """The op whose output's length ``reads`` (a divisor's value sources) hold the shape or
+    size of, where the batch's values decide that length (rows tf.boolean_mask selects, then
+    tf.compat.v1.losses' count of their losses; tf.unique of the labels; tf.where's rows), or
+    None: unlike a count of examples, that count differs between equal slices."""
     from graphxform.ir import SHAPE_ONLY_OPS
     from graphxform.selections import selected_rows
-    return any(ir.op(n) in SHAPE_ONLY_OPS and ir.inputs(n)
-               and selected_rows(ir, ir.inputs(n)[0][0], sources, any_size=True) is not None
-               for n in reads)
+    for n in reads:
+        if ir.op(n) in SHAPE_ONLY_OPS and ir.inputs(n):
+            found = selected_rows(ir, ir.inputs(n)[0][0], sources, any_size=True)
+            if found is not None and not skip(found):
+                return found
+    return None
+
+
+def counted_by_values(ir: GraphIR, tensor: str, skip=lambda n: False):
+    """The op whose output's length the denominator ``tensor`` (a node in the transformed
+    graph) counts, where the batch's values decide it (``_sized_by_the_batch``) and ``skip``
+    does not hold for it, or None: for a refusal to name."""
+    sources = {n for n in ir.nodes_of({"Split"}) if n.startswith(SPLIT_SCOPE)}
+    reads = ir.value_sources(tensor, stop_at=CROSS_REPLICA_OPS,
+                             stop=lambda n: combines_every_replica(ir, n))
+    return _sized_by_the_batch(ir, reads, sources, skip)
 
 
 def _rows_of_the_batch(ir: GraphIR, node: str, port: int) -> bool:

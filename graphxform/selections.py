@@ -76,6 +76,25 @@ def mask_of(ir, indices: str, through=MASK_INDEX_OPS):
     return inputs[0] if ir.op(indices) == "Where" and len(inputs) == 1 else None
 
 
+def where_counted(ir, tensor: str):
+    """The tf.where (a one-input Where node) whose rows ``tensor`` (a node) counts, through
+    casts: ``tf.shape(tf.where(m))[0]``, or their size or the product of their shape (as many
+    times the mask's rank); None for anything else. Like ``tf.math.count_nonzero(m)``, that
+    is a sum over the mask's entries, which the replicas' counts add up to where the mask
+    holds values of the batch's examples."""
+    from graphxform import opdefs
+    while ir.op(tensor) in ("Cast", "Identity") and ir.inputs(tensor):
+        tensor = ir.inputs(tensor)[0][0]
+    if ir.op(tensor) == "StridedSlice" and opdefs.recorded_dims(ir, tensor, 0) not in ([], [1]):
+        return None  # not the rows alone
+    if ir.op(tensor) in ("StridedSlice", "Prod") and ir.inputs(tensor):
+        tensor = _rows_or_size(ir, tensor)
+    if tensor is None or ir.op(tensor) not in ("Size", "Shape") or not ir.inputs(tensor):
+        return None
+    where = ir.inputs(tensor)[0][0]
+    return where if mask_of(ir, where, through=()) is not None else None
+
+
 # ops whose output's length their input's values decide, not its shape
 VALUE_SIZED_OPS = frozenset({
     "Where", "Unique", "UniqueV2", "UniqueWithCounts", "UniqueWithCountsV2", "ListDiff",
@@ -105,3 +124,32 @@ def selected_rows(ir, counted: str, sources: set, any_size: bool = False):
         elif op in _ROWS_KEPT:
             stack.extend(src for src, _ in ir.inputs(node))
     return None
+
+
+def what_is_counted(ir, node: str, prefix: str = "") -> str:
+    """How a refusal names a count of the rows of ``node`` (what selected_rows found; a name
+    in a copy whose ``prefix`` is dropped), and why no total of the replicas' is the whole
+    batch's."""
+    op, name = ir.op(node), node[len(prefix):]
+    alone = ("each replica would count its own slice's, and the slices' counts do not add up "
+             "to the whole batch's")
+    if op.startswith("Unique"):
+        return (f"a count of the distinct values the batch holds ('{name}', tf.unique): {alone} "
+                "(a value found in several slices is one)")
+    if op == "ListDiff":
+        return (f"a count of the values tf.setdiff1d keeps ('{name}'): {alone} where the "
+                "batch's values are those it removes (a value found in several slices is "
+                "removed once)")
+    if op.startswith("NonMaxSuppression"):
+        return (f"a count of the boxes non-max suppression keeps ('{name}'): {alone} (each box "
+                "is kept or suppressed by the other examples' boxes)")
+    if op == "Where":
+        return (f"a count of the rows tf.where finds ('{name}') in a mask not shown to hold each "
+                "example's own values, so the replicas' counts are not shown to add up to the "
+                "whole batch's")
+    what = (f"the examples tf.dynamic_partition puts in a part ('{name}')"
+            if op == "DynamicPartition" else
+            f"the rows '{name}' ({op}) keeps with a mask (tf.boolean_mask)")
+    return (f"a count of {what}, which each replica would count in its own slice and which "
+            "graphxform does not make the whole batch's (it does the rows tf.where finds in a "
+            "mask of the examples, and the mask's sum)")

@@ -27,7 +27,9 @@ for the contract to refuse.
 A denominator qualifies when it depends on the batch's values (not only on its shape: a count
 of examples is the same on every equal slice) and on no variable (then the gradient would flow
 through it): graphxform.contract.batch_denominators finds them, and the contract refuses
-what is left."""
+what is left. The rows tf.where finds in a mask of the examples (tf.shape(tf.where(m))[0])
+are counted by a total like the mask's sum; a count the slices' do not add up to (the
+distinct values tf.unique finds in the batch) is refused, named."""
 
 from __future__ import annotations
 
@@ -224,7 +226,16 @@ def _require_total(ir, values, tensor: str, loss: tuple) -> None:
     node, port = parse_tensor(tensor)
     if _total_kind(ir, values, (node, port)) is not None:
         return
+    from graphxform.contract import counted_by_values
+    from graphxform.selections import what_is_counted
     first = len(replica_prefix(0))
+    counted = counted_by_values(ir, node, skip=lambda n: _rows_of_a_batch_mask(ir, values, n))
+    if counted is not None:  # what decides its length is named: no total stands in for it
+        what = what_is_counted(ir, counted, replica_prefix(0))
+        raise ContractError(
+            f"the loss '{tensor_name(*loss)[first:]}' divides by '{node[first:]}' "
+            f"({ir.op(node)}), which reads {what}; divide by a constant, or by a sum over the "
+            "batch (tf.reduce_sum(tf.cast(mask, tf.float32)))")
     raise ContractError(
         f"the loss '{tensor_name(*loss)[first:]}' divides by '{node[first:]}' ({ir.op(node)}), "
         "a function of the batch's totals that cannot be recomputed from them here (its "
@@ -233,16 +244,30 @@ def _require_total(ir, values, tensor: str, loss: tuple) -> None:
         "tf.reduce_sum(mask) itself, or by a constant")
 
 
+def _rows_of_a_batch_mask(ir, values, node: str) -> bool:
+    """Whether ``node`` is tf.where of a mask of the batch's examples: its rows' count is a
+    total (_total_kind), and not what a refusal of a denominator reading it names."""
+    from graphxform.replica_values import BATCHED
+    from graphxform.selections import mask_of
+    mask = mask_of(ir, node, through=())
+    return mask is not None and values.of(*mask) in BATCHED
+
+
 def _total_kind(ir, values, tensor: tuple):
     """SUM, MEAN or COUNT for a total of the batch: its class, or, where the rules cannot
-    tell (what a loop read), a Sum or Mean recorded as a scalar; else None."""
+    tell (what a loop read), a Sum or Mean recorded as a scalar, or the count of rows tf.where
+    finds in a mask of the batch's examples (a sum of each example's count); else None."""
     from graphxform.replica_values import COUNT, MEAN, SUM
+    from graphxform.selections import where_counted
     kind = values.of(*tensor)
     if kind in (SUM, MEAN, COUNT):
         return kind
     op = ir.op(tensor[0])
     if op in ("Sum", "Mean") and _scalar(ir, tensor[0]):
         return SUM if op == "Sum" else MEAN
+    where = where_counted(ir, tensor[0]) if tensor[1] == 0 else None
+    if where is not None and _rows_of_a_batch_mask(ir, values, where):
+        return SUM  # each example's count of true entries, summed
     return None
 
 

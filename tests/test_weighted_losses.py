@@ -389,31 +389,51 @@ def test_data_over_its_mean_outside_a_weight_is_still_refused(run_cli, tmp_path)
 def sized_by_values(form):
     """A step dividing by a count read from the shape of a tensor whose length the batch's
     values decide: the classes present in the batch (tf.unique of the labels, averaging over
-    them), or the rows tf.where finds in a mask. value_sources skips shapes (a count of
-    examples is equal on equal slices), so neither divisor was seen to read the batch: apply
-    exited 0 and verify failed by 6e-01 (a slice holding one class) and 2e-01."""
+    them; ``_guarded``: at least one), or the rows tf.where finds in a mask (a sum, or
+    ``_guarded`` the size of those rows at least one, or a mean over that count).
+    value_sources skips shapes (a count of examples is equal on equal slices), so neither
+    divisor was seen to read the batch: apply exited 0 and verify failed by 6e-01 (a slice
+    holding one class) and 2e-01."""
     def build(x, y):
         import tensorflow as tf
         tf1 = tf.compat.v1
         per = tf.nn.sparse_softmax_cross_entropy_with_logits(
             labels=y, logits=tf.matmul(x, tf1.get_variable("w0", [8, 2])))
-        if form == "classes_present":
-            loss = tf.reduce_mean(per) / tf.cast(tf.size(tf.unique(y)[0]), tf.float32)
-        else:  # rows_where_finds
-            mask = x[:, 1] > -0.3
-            loss = (tf.reduce_sum(per * tf.cast(mask, tf.float32))
-                    / tf.cast(tf.shape(tf.where(mask))[0], tf.float32))
+        classes = tf.cast(tf.size(tf.unique(y)[0]), tf.float32)
+        mask = x[:, 1] > -0.3
+        rows = tf.cast(tf.shape(tf.where(mask))[0], tf.float32)
+        masked = tf.reduce_sum(per * tf.cast(mask, tf.float32))
+        loss = {"classes_present": lambda: tf.reduce_mean(per) / classes,
+                "classes_present_guarded": lambda: tf.reduce_sum(per) / tf.maximum(classes, 1.),
+                "rows_where_finds": lambda: masked / rows,
+                "rows_where_finds_guarded": lambda: masked / tf.maximum(
+                    tf.cast(tf.size(tf.where(mask)), tf.float32), 1.),
+                "mean_over_rows_where_finds": lambda: tf.reduce_mean(per) / rows,
+                "boxes_kept": lambda: tf.reduce_sum(per) / tf.cast(tf.size(
+                    tf.image.non_max_suppression(tf.concat([x[:, :2], x[:, :2] + 1.], 1),
+                                                 x[:, 2], 10, 0.3)), tf.float32)}[form]()
         return tf1.train.GradientDescentOptimizer(0.5).minimize(loss)
     return build
 
 
-@pytest.mark.parametrize("form", ["classes_present", "rows_where_finds"])
-def test_a_divisor_sized_by_the_batch_s_values_is_refused(run_cli, tmp_path, form):
+DISTINCT = "the distinct values the batch holds ('Unique', tf.unique)"
+
+
+@pytest.mark.parametrize("form, divisor, counted", [
+    ("classes_present", "Cast", DISTINCT), ("classes_present_guarded", "Maximum", DISTINCT),
+    ("boxes_kept", "Cast_3", "the boxes non-max suppression keeps")])
+def test_a_divisor_counting_the_batch_s_distinct_values_is_refused(run_cli, tmp_path, form,
+                                                                   divisor, counted):
+    """The slices' counts of distinct labels (or of the boxes non-max suppression keeps) do
+    not add up to the batch's: no all-reduce stands in for it. The refusal said "a function of
+    the batch's totals", which it is not."""
     from conftest import export_classifier
     model = export_classifier(tmp_path / "m.meta", sized_by_values(form))
     code, _, err = run_cli("apply", "--replicas", 2, model, "-o", tmp_path / "o.meta")
     assert code == 1, err
-    assert "(Cast), a function of the batch's totals" in err and "mean of it is not" in err
+    op = divisor.split("_")[0]
+    assert f"divides by '{divisor}' ({op}), which reads a count of {counted}" in err
+    assert "the slices' counts do not add up to the whole batch's" in err
     assert len(err.strip().splitlines()) == 1
     assert not (tmp_path / "o.meta").exists()
 
@@ -486,5 +506,24 @@ def test_a_sum_over_the_masks_total_trains_like_one_device(run_cli, tmp_path, to
     code, out, err = run_cli("verify", "--strategy", strategy, *where,
                              masked_sum_graph(tmp_path / "m.meta", getattr(tf, total)),
                              "--feeds", _feeds(tmp_path), "--batch-size", 16, "--steps", 4)
+    assert code == 0, err
+    assert "PASS" in out, out
+
+
+@pytest.mark.parametrize("form, strategy", [("rows_where_finds", "allreduce"),
+                                            ("rows_where_finds", "ps"),
+                                            ("rows_where_finds_guarded", "allreduce"),
+                                            ("mean_over_rows_where_finds", "ps")])
+def test_a_divisor_counting_the_rows_tf_where_finds_trains_like_one_device(
+        run_cli, tmp_path, form, strategy):
+    """tf.shape(tf.where(mask))[0] counts the mask's true entries, a sum over the examples
+    as tf.reduce_sum(mask) is: global-denominators stands the replicas' total in for it (it
+    was refused as a function of the batch's totals; verify PASS with slices whose masks
+    keep different counts)."""
+    from conftest import export_classifier
+    model = export_classifier(tmp_path / "m.meta", sized_by_values(form))
+    where = ["--cluster", _cluster(tmp_path)] if strategy == "ps" else ["--replicas", 2]
+    code, out, err = run_cli("verify", "--strategy", strategy, *where, model, "--feeds",
+                             model + ".npz", "--batch-size", 16, "--steps", 3)
     assert code == 0, err
     assert "PASS" in out, out
