@@ -193,6 +193,19 @@ def test_the_contract_refuses_a_replica_that_lost_the_order(tmp_path):
         contract.check(ir, tg, 2, ordered=_ordered(tmp_path))
 
 
+def test_the_contract_refuses_a_step_that_runs_the_unordered_original(tmp_path):
+    """The step runs ordered copies of the clipping; a step that runs the originals again (in
+    no order with its update) is refused, though the originals keep no order to lose."""
+    _, ir, _ = transformed(tmp_path, wgan_critic)
+    for src in list(ir.control_inputs("replica_1/train")):
+        if src.startswith("replica_1/order_races/"):
+            ir.remove_control_input("replica_1/train", src)
+            ir.add_control_input("replica_1/train", src.replace("order_races/", ""))
+    tg = training.analyze(metagraph.load(str(tmp_path / "m.meta")))
+    with pytest.raises(ContractError, match="the step no longer runs 'replica_1/order_races/"):
+        contract.check(ir, tg, 2, ordered=_ordered(tmp_path))
+
+
 def _ordered(tmp_path):
     from graphxform.pipeline import PassContext
     from graphxform.passes.order_races import OrderRaces
