@@ -280,11 +280,11 @@ def check(ir: GraphIR, tg: TrainingGraph, replicas: int, asynchronous: bool = Fa
     the input, which every replica must still run in that order."""
     if not tg.steps or replicas < 1:
         return {"variables": 0}
-    _check_ordered(ir, ordered, replicas)
+    closure = _union(closures if closures is not None else step_closures(ir, tg))
+    _check_ordered(ir, ordered, replicas, closure)
     if replicas > 1 and not asynchronous:
         _check_losses_are_means(ir, tg, replicas)
         _check_custom_gradients(ir, tg, replicas)
-    closure = _union(closures if closures is not None else step_closures(ir, tg))
     function_writes = (_function_writes(ir, tg, closure) if replicas > 1 and not asynchronous
                        else [])
     checked, proven = 0, []  # proven: (variable, write) whose inputs must be equal everywhere
@@ -322,15 +322,22 @@ def check(ir: GraphIR, tg: TrainingGraph, replicas: int, asynchronous: bool = Fa
     return {"variables": checked}
 
 
-def _check_ordered(ir: GraphIR, ordered, replicas: int) -> None:
+def _check_ordered(ir: GraphIR, ordered, replicas: int, closure: set) -> None:
     """The input's step read or wrote a variable in no order with a write of it, and
-    order-races gave the pair one order (passes/order_races.py): every replica's copies (or the
-    one shared pair) still run in it, or the replicas' copies of the variable could part."""
+    order-races gave the pair one order (passes/order_races.py), the later one often a copy
+    only the step runs: every replica's step (``closure``: what the steps run) still runs that
+    pair (or the one shared pair) in it, or the replicas' copies of the variable could part."""
     for before, after in ordered:
         for i in range(replicas):
             first, then = (_copy_in(ir, name, i) for name in (before, after))
             if first is None or then is None:
                 continue  # a later pass replaced one: its own proof covers what replaced it
+            if then not in closure:
+                raise ContractError(
+                    f"the step no longer runs '{then}', which order-races ordered after "
+                    f"'{first}': the input's step runs '{after}' and '{before}' in no order, "
+                    "and each replica picking its own would let their copies of what they "
+                    "read and write part")
             if not runs_before(ir, first, then):
                 raise ContractError(
                     f"'{then}' no longer runs after '{first}': the input's step runs "

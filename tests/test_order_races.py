@@ -17,9 +17,10 @@ CRITIC = ("D_W1", "D_b1", "D_W2", "D_b2")
 PS_SPEC = {"ps": ["127.0.0.1:27011"], "worker": ["127.0.0.1:27012", "127.0.0.1:27013"]}
 
 
-def wgan_critic(x, y):
+def wgan_critic(x, y, counted=False):
     """wiseodd/generative-models' WGAN critic step (tf.Variable weights, RMSProp on -D_loss,
-    clipping as a list of assigns), with the clipping grouped into the train op."""
+    clipping as a list of assigns), with the clipping grouped into the train op; ``counted``:
+    the optimizer bumps global_step."""
     def xavier_init(size):
         return tf1.random_normal(shape=size, stddev=1. / tf.sqrt(size[0] / 2.))
     D_W1 = tf1.Variable(xavier_init([8, 128]), name="D_W1")
@@ -32,8 +33,9 @@ def wgan_critic(x, y):
         return tf.matmul(tf.nn.relu(tf.matmul(h, D_W1) + D_b1), D_W2) + D_b2
     fake = tf.reverse(x, [1]) * 0.5 + tf.cast(tf.expand_dims(y, 1), tf.float32)
     D_loss = tf.reduce_mean(discriminator(x)) - tf.reduce_mean(discriminator(fake))
-    D_solver = tf1.train.RMSPropOptimizer(learning_rate=1e-2).minimize(-D_loss,
-                                                                        var_list=theta_D)
+    D_solver = tf1.train.RMSPropOptimizer(learning_rate=1e-2).minimize(
+        -D_loss, var_list=theta_D,
+        global_step=tf1.train.get_or_create_global_step() if counted else None)
     clip_D = [p.assign(tf.clip_by_value(p, -CLIP, CLIP)) for p in theta_D]
     return tf.group(D_solver, *clip_D, name="train")
 
@@ -53,12 +55,14 @@ def writes_of(ir, variable, op, prefix=""):
     return sorted(dst for dst, _ in ir.consumers(prefix + variable) if ir.op(dst) == op)
 
 
-def clip_read(ir, variable, prefix=""):
-    """The read of ``variable`` its clipping assigns from."""
-    assign = next(a for a in writes_of(ir, variable, "AssignVariableOp", prefix)
-                  if "clip_by_value" in ir.input(a, 1)[0])
+def clip_read(ir, variable, prefix="", step="train"):
+    """The read of ``variable`` its clipping assigns from, in the clipping ``step`` runs (a
+    copy: the original clipping, run alone, runs no step)."""
+    runs = ir.ancestors(step)
+    (assign,) = [a for a in writes_of(ir, variable, "AssignVariableOp", prefix)
+                 if "clip_by_value" in ir.input(a, 1)[0] and a in runs]
     (read,) = [r for r, _ in ir.consumers(prefix + variable) if ir.op(r) == "ReadVariableOp"
-               and r.removeprefix(prefix).startswith("clip_by_value")]
+               and "clip_by_value" in r and r in runs]
     assert read in ir.ancestors(assign)
     return read, assign
 
@@ -78,6 +82,61 @@ def test_every_replica_clips_after_the_step(tmp_path, strategy):
             forward = [r for r, _ in ir.consumers(prefix + var) if ir.op(r) == "ReadVariableOp"
                        and r.removeprefix(prefix).startswith(("MatMul", "add"))]
             assert forward and all(r in ir.ancestors(assign) for r in forward)
+
+
+def clip_ops(ir):
+    """The input's clipping ops, ``p.assign(tf.clip_by_value(p, ...))``, by name."""
+    return sorted(a for a in ir.nodes_of(["AssignVariableOp"])
+                  if ir.input(a, 1)[0].startswith("clip_by_value"))
+
+
+@pytest.mark.parametrize("strategy", ["allreduce", "replicated", "model-average", "hybrid",
+                                      "ps"])
+def test_the_clipping_run_alone_waits_on_no_step(tmp_path, strategy):
+    """The order holds inside the step only: the clipping's own names (served by
+    merge-fetches) run no optimizer update and need no batch; the step runs ordered copies."""
+    model, ir, pipeline = transformed(tmp_path, lambda x, y: wgan_critic(x, y, counted=True),
+                                      strategy)
+    clips = clip_ops(metagraph.load(model))
+    assert len(clips) == len(CRITIC)
+    for clip in clips:
+        runs = {ir.op(n) for n in ir.ancestors(clip)}
+        assert "ResourceApplyRMSProp" not in runs and "Placeholder" not in runs, (clip, runs)
+        assert "AssignAddVariableOp" not in runs  # global_step's increment
+    assert pipeline.timings[0].summary["copied"] > 0
+
+
+def test_the_clipping_run_alone_only_clips(tmp_path):
+    """WGAN code may run the clipping on its own (clipping the initial weights once before
+    training). The order put on the clipping itself made it wait on RMSProp's update, so
+    running it alone also stepped every replica: slots and weights moved (given a batch)."""
+    model, ir, _ = transformed(tmp_path, lambda x, y: wgan_critic(x, y, counted=True))
+    original = metagraph.load(model)
+    clips = clip_ops(original)
+    feeds = Feeds(training.analyze(original).inputs, model + ".npz", 16)
+    with Runner(original) as run:
+        run.initialize()
+        start = run.save(str(tmp_path / "start"))
+        run.session.run([run.graph.get_operation_by_name(c) for c in clips])
+        expected = run.variable_values()
+    assert expected["global_step"] == 0 and np.abs(expected["D_W1"]).max() <= CLIP
+    with Runner(ir) as run:
+        run.restore(start)
+        run.session.run([run.graph.get_operation_by_name(c) for c in clips], feeds.batch(0))
+        got = run.variable_values()
+        assert got["global_step"] == 0
+        for i in range(2):
+            for name, value in expected.items():
+                if name != "global_step":
+                    assert np.array_equal(got[f"replica_{i}/{name}"], value), (i, name)
+        run.step(feeds.batch(0))  # the step still clips after its update, on every replica
+        values = run.variable_values()
+        assert values["global_step"] == 1
+        for var in CRITIC:
+            assert np.array_equal(values[f"replica_0/{var}"], values[f"replica_1/{var}"])
+            assert np.abs(values[f"replica_0/{var}"]).max() <= CLIP
+            assert not np.array_equal(values[f"replica_0/{var}/RMSProp"],
+                                      expected[f"{var}/RMSProp"])
 
 
 def test_ps_clips_its_one_copy_after_the_step(tmp_path):
@@ -115,8 +174,9 @@ def test_a_soft_update_reads_the_stepped_network_in_every_replica(tmp_path):
     _, ir, _ = transformed(tmp_path, dqn(soft_update_in_step=True))
     for prefix in ("replica_0/", "replica_1/"):
         (apply,) = writes_of(ir, "q/out/kernel", "ResourceApplyGradientDescent", prefix)
+        runs = ir.ancestors("train_and_update")  # the step's copy of the soft update
         (soft,) = [w for w in writes_of(ir, "target/out/kernel", "AssignVariableOp", prefix)
-                   if w.removeprefix(prefix).startswith("AssignVariableOp")]
+                   if "AssignVariableOp" in w and w in runs]
         reads = [dst for dst, _ in ir.consumers(prefix + "q/out/kernel")
                  if ir.op(dst) == "ReadVariableOp" and dst in ir.value_sources(soft)]
         assert reads and all(apply in ir.ancestors(r) for r in reads)
@@ -130,6 +190,19 @@ def test_the_contract_refuses_a_replica_that_lost_the_order(tmp_path):
     tg = training.analyze(metagraph.load(str(tmp_path / "m.meta")))
     contract.check(ir, tg, 2, ordered=[])  # the variables' own proof does not see it
     with pytest.raises(ContractError, match="no longer runs after 'replica_1/RMSProp/update_D_W1"):
+        contract.check(ir, tg, 2, ordered=_ordered(tmp_path))
+
+
+def test_the_contract_refuses_a_step_that_runs_the_unordered_original(tmp_path):
+    """The step runs ordered copies of the clipping; a step that runs the originals again (in
+    no order with its update) is refused, though the originals keep no order to lose."""
+    _, ir, _ = transformed(tmp_path, wgan_critic)
+    for src in list(ir.control_inputs("replica_1/train")):
+        if src.startswith("replica_1/order_races/"):
+            ir.remove_control_input("replica_1/train", src)
+            ir.add_control_input("replica_1/train", src.replace("order_races/", ""))
+    tg = training.analyze(metagraph.load(str(tmp_path / "m.meta")))
+    with pytest.raises(ContractError, match="the step no longer runs 'replica_1/order_races/"):
         contract.check(ir, tg, 2, ordered=_ordered(tmp_path))
 
 
@@ -179,6 +252,29 @@ def test_a_pair_it_cannot_order_is_refused_in_one_line(run_cli, tmp_path):
     # ps keeps the one copy, which one run steps and clips as the original does
     ir = metagraph.load(model)
     strategies.transform(ir, "ps", cluster=cluster.Cluster(PS_SPEC))
+
+
+def two_optimizers_on_one_weight(x, y):
+    """Two optimizers grouped into one step, both training ``w``: their updates of it run in
+    no order, and either one, run alone, must not run the other."""
+    w = tf1.get_variable("w", [8, 2], use_resource=True)
+    loss = tf1.losses.sparse_softmax_cross_entropy(y, tf.matmul(x, w))
+    fit = tf1.train.GradientDescentOptimizer(0.1).minimize(loss)
+    decay = tf1.train.GradientDescentOptimizer(0.1).minimize(1e-3 * tf.reduce_sum(w * w))
+    return tf.group(fit, decay)
+
+
+def test_an_order_that_would_tie_an_update_to_the_other_is_refused(run_cli, tmp_path):
+    """Ordering the two updates in the step would make one wait on the other wherever it
+    runs (the fit's update on the decay's: run alone, it would run both); a copy of an
+    optimizer's update or a gradient for the step alone is not made."""
+    model = export_classifier(tmp_path / "m.meta", two_optimizers_on_one_weight)
+    code, _, err = run_cli("apply", "--strategy", "allreduce", "--replicas", "2", model,
+                           "-o", tmp_path / "out.meta")
+    assert code == 1 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert ("'GradientDescent/update_w/ResourceApplyGradientDescent' computes or applies a "
+            "gradient and would wait on 'GradientDescent_1/update_w/ResourceApplyGradientDescent'"
+            " wherever it runs, alone too" in err), err
 
 
 def wgan_clip_fetched(x, y):
