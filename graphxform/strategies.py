@@ -199,9 +199,9 @@ def hybrid(ps_tasks: int = 1, sparse_as_dense_below: int = 0, placement=None,
 STRATEGIES = {"allreduce": allreduce, "replicated": replicated, "independent": independent,
               "ps": ps, "partitioned-ps": partitioned_ps, "model-average": model_average,
               "hybrid": hybrid}
-# strategies whose passes reduce one gradient per variable (Variable.gradient), not each
-# optimizer's (Variable.applications)
-ONE_GRADIENT_PER_VARIABLE = {"allreduce", "replicated", "ps", "partitioned-ps", "hybrid"}
+# strategies whose passes aggregate one gradient per variable (Variable.gradient), not each
+# optimizer's (Variable.applications, which allreduce and replicated reduce)
+ONE_GRADIENT_PER_VARIABLE = {"ps", "partitioned-ps", "hybrid"}
 NOT_DROP_IN = {"independent"}  # documented as such: the contract check proves only the start
 # strategies whose devices are a cluster's worker tasks (hybrid: its ps side needs ps tasks)
 CLUSTER_STRATEGIES = {"ps", "partitioned-ps", "hybrid"}

@@ -132,8 +132,23 @@ class Variable:
         return count * dtypes.as_dtype(self.dtype).size
 
     def applied_in(self, closure) -> bool:
-        """Whether a step whose closure is ``closure`` applies this variable's gradient."""
-        return self.gradient is not None and self.applied_by in closure
+        """Whether a step whose closure is ``closure`` applies a gradient to this variable."""
+        return bool(self.gradients_applied_in(closure))
+
+    @property
+    def gradients(self) -> list:
+        """Every gradient an optimizer applies to it, one per optimizer (see applications)."""
+        return [a.gradient for a in self.applications] or (
+            [self.gradient] if self.gradient is not None else [])
+
+    def gradients_applied_in(self, closure) -> list:
+        """The gradients a step whose closure is ``closure`` applies to this variable: those
+        whose optimizer's update it runs (both, for a step that groups an actor's and a
+        critic's optimizer over one trunk)."""
+        if self.applications:
+            return [a.gradient for a in self.applications if a.update in closure]
+        return [self.gradient] if self.gradient is not None and self.applied_by in closure \
+            else []
 
 
 @dataclasses.dataclass
@@ -401,8 +416,8 @@ def gradient_scope(name: str) -> str | None:
 def _step(ir: GraphIR, name: str, closure: set, variables: dict) -> "Step":
     """The Step of train op ``name``; tower code's (graphxform/towers.py) lists its towers'
     losses instead of one loss."""
-    towers = sorted({t for v in variables.values() if v.gradient and v.gradient.towers
-                     and v.applied_in(closure) for t in v.gradient.towers})
+    towers = sorted({t for v in variables.values() for g in v.gradients_applied_in(closure)
+                     for t in g.towers})
     if towers:
         losses = tuple(dict.fromkeys(loss for t in towers for loss in [
             scope_loss(ir, gradient_scope(parse_tensor(t)[0]))] if loss))
@@ -442,8 +457,8 @@ def _step_loss(ir: GraphIR, step: str, closure: set, variables: dict) -> str | N
     ``<scope>grad_ys_0`` (a Fill of ones), read by the gradient of the op that made ys;
     Identity-like ops pass the gradient through unnamed, so the walk climbs from that op
     through Identity/AddN consumers to the tensor the user named."""
-    scopes = sorted({gradient_scope(n) for v in variables.values() if v.applied_in(closure)
-                     for t in v.gradient.tensors for n in [parse_tensor(t)[0]]} - {None})
+    scopes = sorted({gradient_scope(parse_tensor(t)[0]) for v in variables.values()
+                     for g in v.gradients_applied_in(closure) for t in g.tensors} - {None})
     if not scopes and step in ir and ir.op(parse_tensor(step)[0]) == "Identity":
         return tensor_name(*ir.input(parse_tensor(step)[0], 0))
     for scope in scopes:
@@ -495,9 +510,8 @@ def _ones(ir: GraphIR, node: str) -> bool:
 def tape_gradients(variables: dict, closure: set) -> list[str]:
     """The variables (updated in ``closure``) whose gradients a GradientTape made."""
     return sorted(v.name for v in variables.values()
-                  if v.applied_in(closure)
-                  and any(TAPE_SCOPE.search(gradient_scope(parse_tensor(t)[0]) or "")
-                          for t in v.gradient.tensors))
+                  if any(TAPE_SCOPE.search(gradient_scope(parse_tensor(t)[0]) or "")
+                         for g in v.gradients_applied_in(closure) for t in g.tensors))
 
 
 def _common_consumer(ir: GraphIR, ops: list[str]) -> str | None:
