@@ -52,11 +52,12 @@ def check_input(ir: GraphIR, tg: TrainingGraph) -> None:
     for step in tg.steps:
         if sources:
             towers.check(ir, tg, step)
-        found = (mixing_in(ir, step.loss, sources, shapes, indices)
-                 if step.loss and sources else None)
-        if found is not None:
+        for loss in step_losses(ir, step) if sources else ():
+            found = mixing_in(ir, loss, sources, shapes, indices)
+            if found is None:
+                continue
             raise ContractError(
-                f"step '{step.name}' minimises '{step.loss}', which mixes the examples of its "
+                f"step '{step.name}' minimises '{loss}', which mixes the examples of its "
                 f"batch: '{found.node}' ({found.op}) {found.reason}; {found.advice}")
 
 
@@ -209,6 +210,31 @@ def _check_batch_state_feeds_losses(ir: GraphIR, tg: TrainingGraph) -> None:
                 "each replica would keep its own copy, moved by its own slice, so later steps' "
                 "losses read state one device never has; train on one device (or use "
                 "--strategy model-average, which trains replicas apart by design)")
+
+
+def check_one_gradient_per_variable(tg: TrainingGraph, strategy: str) -> None:
+    """A variable two optimizers train (an actor-critic's shared trunk, an autoencoder's
+    encoder under a second loss, tf_slim's create_train_op twice over one trunk) gets two
+    gradients per step; a strategy that reduces one gradient per variable would leave the
+    other a replica's own. Refuse, naming the variable and both updates with their steps."""
+    for var in sorted(tg.variables.values(), key=lambda v: v.name):
+        if len(var.applications) < 2:
+            continue
+        named = [f"'{a.update}'{_in_steps(tg, a.update)}" for a in var.applications[:2]]
+        raise ContractError(
+            f"variable '{var.name}' gets gradients from two optimizer updates, {named[0]} and "
+            f"{named[1]}; --strategy {strategy} aggregates one gradient per variable across "
+            "replicas, so the other would be each replica's own (trained apart): use "
+            "--strategy allreduce or replicated, which reduce each, or train the variable "
+            "with one optimizer")
+
+
+def _in_steps(tg: TrainingGraph, update: str) -> str:
+    """' (step S)' or ' (steps S, T)': the steps that run ``update``."""
+    names = [s.name for s in tg.steps if update in s.closure]
+    if not names:
+        return ""
+    return f" (step{'s' if len(names) > 1 else ''} {', '.join(repr(n) for n in names)})"
 
 
 def _check_gradients_kept_between_runs(ir: GraphIR, tg: TrainingGraph) -> None:
@@ -454,62 +480,87 @@ def _check_losses_are_means(ir: GraphIR, tg: TrainingGraph, replicas: int) -> No
                 f"'{step.loss}' (the one the graph lists in 'losses'), so how to combine the "
                 "replicas' gradients cannot be shown right (averaging is for a mean over the "
                 "batch, summing for a sum): take the tape's gradient of the listed loss itself")
-        node, port = parse_tensor(step.loss)
-        copy = prefix + node
-        if copy not in ir:
-            continue
-        copies = [n for n in ir.ancestors(copy) if n.startswith(prefix)]
-        values = replica_values.classify(ir, prefix, copies=copies)
-        if values.of(copy, port) == replica_values.SUM:
-            if seeds_scaled(ir, tg, step, replicas) or half_precision.holds(
-                    ir, tg, step, replicas):  # passes/summed_losses.py, half_precision.py:
-                _check_batch_extremes(ir, tg, step)  # the replicas' gradients sum
-                continue
-            constant = _constant_denominator(ir, copy)
-            what = ("a sum over the batch" if constant is None else
-                    f"a sum over the batch divided by a constant ({constant}, as "
-                    "tf.nn.compute_average_loss divides by global_batch_size)")
-            raise ContractError(
-                f"step '{step.name}' minimises '{step.loss}', {what}, and its gradients do not "
-                "all start from one seed of ones shown to be this loss's (one tf.gradients "
-                "call, or one tf.GradientTape's gradient of this loss; not grad_ys given, "
-                "several losses at once, a tape's target not shown to be this loss), which "
-                "graphxform scales to sum the replicas' gradients; averaged, this step would "
-                "train with 1/N of its gradient: use tf.reduce_mean over the batch, or "
-                "tf.gradients of the loss")
-        summed = _summed_term(ir, values, (copy, port))
-        if summed is not None:
-            raise ContractError(
-                f"step '{step.name}' minimises '{step.loss}', which adds "
-                f"'{summed[len(prefix):]}', a sum over the batch, to terms that are not (a "
-                "mean over it, as a Keras add_loss of a reduce_sum adds to the model's loss, "
-                "or a penalty the batch does not change, such as weight decay): a replica's "
-                "copy is then neither its slice's share of the batch's loss nor its slice's "
-                "mean, and neither averaging nor summing the replicas' gradients gives one "
-                "device's: take that term's tf.reduce_mean over the batch instead")
-        ratio = _ratio_of_sums(ir, values, copy) or next(
-            iter(batch_denominators(ir, (copy, port), lambda: values)), None)
-        if ratio is not None:
-            ratio = parse_tensor(ratio)[0]
-            raise ContractError(
-                f"step '{step.name}' minimises '{step.loss}', which divides by "
-                f"'{ratio[len(prefix):]}', a sum over the batch (of weights or a mask: "
-                "tf.compat.v1.losses with weights divides by their nonzero count): each "
-                "replica would divide by its own slice's, so the averaged gradients are not "
-                "one device's (global-denominators divides by the replicas' mean total "
-                "instead where it can: a total that reads no variable, in a synchronous "
-                "strategy); divide by the batch size instead")
-        _check_batch_extremes(ir, tg, step)
-        learnt = next(iter(batch_denominators(ir, (copy, port), lambda: values,
-                                              reading_variables=True)), None)
-        if learnt is not None:
-            raise ContractError(
-                f"step '{step.name}' minimises '{step.loss}', which divides by "
-                f"'{parse_tensor(learnt)[0][len(prefix):]}', a statistic of the batch computed "
-                "from the model's variables: each replica would divide by its own slice's, so "
-                "the averaged gradients are not one device's, and no all-reduce of it can "
-                "stand in (it reads the variables being trained); divide by a constant or by "
-                "a total of the data alone")
+        for loss in step_losses(ir, step):
+            _check_loss_is_a_mean(ir, tg, step, loss, replicas)
+
+
+def _check_loss_is_a_mean(ir: GraphIR, tg: TrainingGraph, step, loss: str,
+                          replicas: int) -> None:
+    """One loss ``step`` minimises (see _check_losses_are_means)."""
+    from graphxform import replica_values
+    from graphxform.passes import half_precision
+    from graphxform.passes.summed_losses import seeds_scaled
+    prefix = replica_prefix(0)
+    node, port = parse_tensor(loss)
+    copy = prefix + node
+    if copy not in ir:
+        return
+    copies = [n for n in ir.ancestors(copy) if n.startswith(prefix)]
+    values = replica_values.classify(ir, prefix, copies=copies)
+    if values.of(copy, port) == replica_values.SUM:
+        if seeds_scaled(ir, tg, step, replicas) or half_precision.holds(
+                ir, tg, step, replicas):  # passes/summed_losses.py, half_precision.py:
+            _check_batch_extremes(ir, tg, step)  # the replicas' gradients sum
+            return
+        constant = _constant_denominator(ir, copy)
+        what = ("a sum over the batch" if constant is None else
+                f"a sum over the batch divided by a constant ({constant}, as "
+                "tf.nn.compute_average_loss divides by global_batch_size)")
+        raise ContractError(
+            f"step '{step.name}' minimises '{loss}', {what}, and its gradients do not "
+            "all start from one seed of ones shown to be this loss's (one tf.gradients "
+            "call, or one tf.GradientTape's gradient of this loss; not grad_ys given, "
+            "several losses at once, a tape's target not shown to be this loss), which "
+            "graphxform scales to sum the replicas' gradients; averaged, this step would "
+            "train with 1/N of its gradient: use tf.reduce_mean over the batch, or "
+            "tf.gradients of the loss")
+    summed = _summed_term(ir, values, (copy, port))
+    if summed is not None:
+        raise ContractError(
+            f"step '{step.name}' minimises '{loss}', which adds "
+            f"'{summed[len(prefix):]}', a sum over the batch, to terms that are not (a "
+            "mean over it, as a Keras add_loss of a reduce_sum adds to the model's loss, "
+            "or a penalty the batch does not change, such as weight decay): a replica's "
+            "copy is then neither its slice's share of the batch's loss nor its slice's "
+            "mean, and neither averaging nor summing the replicas' gradients gives one "
+            "device's: take that term's tf.reduce_mean over the batch instead")
+    ratio = _ratio_of_sums(ir, values, copy) or next(
+        iter(batch_denominators(ir, (copy, port), lambda: values)), None)
+    if ratio is not None:
+        ratio = parse_tensor(ratio)[0]
+        raise ContractError(
+            f"step '{step.name}' minimises '{loss}', which divides by "
+            f"'{ratio[len(prefix):]}', a sum over the batch (of weights or a mask: "
+            "tf.compat.v1.losses with weights divides by their nonzero count): each "
+            "replica would divide by its own slice's, so the averaged gradients are not "
+            "one device's (global-denominators divides by the replicas' mean total "
+            "instead where it can: a total that reads no variable, in a synchronous "
+            "strategy); divide by the batch size instead")
+    _check_batch_extremes(ir, tg, step)
+    learnt = next(iter(batch_denominators(ir, (copy, port), lambda: values,
+                                          reading_variables=True)), None)
+    if learnt is not None:
+        raise ContractError(
+            f"step '{step.name}' minimises '{loss}', which divides by "
+            f"'{parse_tensor(learnt)[0][len(prefix):]}', a statistic of the batch computed "
+            "from the model's variables: each replica would divide by its own slice's, so "
+            "the averaged gradients are not one device's, and no all-reduce of it can "
+            "stand in (it reads the variables being trained); divide by a constant or by "
+            "a total of the data alone")
+
+
+def step_losses(ir: GraphIR, step) -> list[str]:
+    """Every loss ``step`` minimises: its loss, then those of its other tf.gradients calls (a
+    train op grouping an actor's and a critic's optimizer minimises two), each checked as the
+    loss is."""
+    from graphxform.training import scope_loss
+    if not step.loss:
+        return []
+    scopes = sorted({gradient_scope(n) for n in step.closure} - {None})
+    first = replica_prefix(0)  # in a transformed graph, replica 0's call
+    others = [scope_loss(ir, first + scope if first + scope + "grad_ys_0" in ir else scope)
+              for scope in scopes if scope + "grad_ys_0" in step.closure]
+    return list(dict.fromkeys([step.loss] + [loss for loss in others if loss]))
 
 
 def _check_batch_extremes(ir: GraphIR, tg: TrainingGraph, step) -> None:

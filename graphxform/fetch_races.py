@@ -267,8 +267,8 @@ def _run_orders(ir: GraphIR, tg, step, extra: dict, created: dict) -> list[Order
     if not updates:
         return []
     writes = sorted({u for us in updates.values() for u in us})
-    born = [parse_tensor(t)[0] for v in tg.variables.values() if v.gradient
-            for t in v.gradient.tensors if t]
+    born = [parse_tensor(t)[0] for v in tg.variables.values() for g in v.gradients
+            for t in g.tensors if t]
     stepped = ir.descendants([b for b in born if b in ir]) if born else set()
     optimizer = [w for w in writes if w in stepped and w not in extra]
     loss = [parse_tensor(step.loss)[0]] if step.loss else []

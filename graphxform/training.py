@@ -78,6 +78,14 @@ class Gradient:
 
 
 @dataclasses.dataclass
+class Application:
+    """One optimizer's update of a variable: ``update`` (its Apply op, or its first op in
+    the variable's update scope) applies ``gradient``."""
+    update: str
+    gradient: Gradient
+
+
+@dataclasses.dataclass
 class Variable:
     name: str
     kind: str  # "resource" or "ref"
@@ -94,6 +102,9 @@ class Variable:
     # variable's update scope), not any other writer: WGAN's weight clipping and PopArt's
     # rescaling assign the variable too, in the same step or another
     applied_by: str | None = None
+    # every (update, gradient) an optimizer applies to it, the first being (applied_by,
+    # gradient): one per optimizer, two for an actor-critic's shared trunk
+    applications: list = dataclasses.field(default_factory=list)
     slots: dict = dataclasses.field(default_factory=dict)  # slot name -> variable name
     slot_of: str | None = None
     device: str = ""
@@ -121,8 +132,23 @@ class Variable:
         return count * dtypes.as_dtype(self.dtype).size
 
     def applied_in(self, closure) -> bool:
-        """Whether a step whose closure is ``closure`` applies this variable's gradient."""
-        return self.gradient is not None and self.applied_by in closure
+        """Whether a step whose closure is ``closure`` applies a gradient to this variable."""
+        return bool(self.gradients_applied_in(closure))
+
+    @property
+    def gradients(self) -> list:
+        """Every gradient an optimizer applies to it, one per optimizer (see applications)."""
+        return [a.gradient for a in self.applications] or (
+            [self.gradient] if self.gradient is not None else [])
+
+    def gradients_applied_in(self, closure) -> list:
+        """The gradients a step whose closure is ``closure`` applies to this variable: those
+        whose optimizer's update it runs (both, for a step that groups an actor's and a
+        critic's optimizer over one trunk)."""
+        if self.applications:
+            return [a.gradient for a in self.applications if a.update in closure]
+        return [self.gradient] if self.gradient is not None and self.applied_by in closure \
+            else []
 
 
 @dataclasses.dataclass
@@ -390,8 +416,8 @@ def gradient_scope(name: str) -> str | None:
 def _step(ir: GraphIR, name: str, closure: set, variables: dict) -> "Step":
     """The Step of train op ``name``; tower code's (graphxform/towers.py) lists its towers'
     losses instead of one loss."""
-    towers = sorted({t for v in variables.values() if v.gradient and v.gradient.towers
-                     and v.applied_in(closure) for t in v.gradient.towers})
+    towers = sorted({t for v in variables.values() for g in v.gradients_applied_in(closure)
+                     for t in g.towers})
     if towers:
         losses = tuple(dict.fromkeys(loss for t in towers for loss in [
             scope_loss(ir, gradient_scope(parse_tensor(t)[0]))] if loss))
@@ -431,8 +457,8 @@ def _step_loss(ir: GraphIR, step: str, closure: set, variables: dict) -> str | N
     ``<scope>grad_ys_0`` (a Fill of ones), read by the gradient of the op that made ys;
     Identity-like ops pass the gradient through unnamed, so the walk climbs from that op
     through Identity/AddN consumers to the tensor the user named."""
-    scopes = sorted({gradient_scope(n) for v in variables.values() if v.applied_in(closure)
-                     for t in v.gradient.tensors for n in [parse_tensor(t)[0]]} - {None})
+    scopes = sorted({gradient_scope(parse_tensor(t)[0]) for v in variables.values()
+                     for g in v.gradients_applied_in(closure) for t in g.tensors} - {None})
     if not scopes and step in ir and ir.op(parse_tensor(step)[0]) == "Identity":
         return tensor_name(*ir.input(parse_tensor(step)[0], 0))
     for scope in scopes:
@@ -484,9 +510,8 @@ def _ones(ir: GraphIR, node: str) -> bool:
 def tape_gradients(variables: dict, closure: set) -> list[str]:
     """The variables (updated in ``closure``) whose gradients a GradientTape made."""
     return sorted(v.name for v in variables.values()
-                  if v.applied_in(closure)
-                  and any(TAPE_SCOPE.search(gradient_scope(parse_tensor(t)[0]) or "")
-                          for t in v.gradient.tensors))
+                  if any(TAPE_SCOPE.search(gradient_scope(parse_tensor(t)[0]) or "")
+                         for g in v.gradients_applied_in(closure) for t in g.tensors))
 
 
 def _common_consumer(ir: GraphIR, ops: list[str]) -> str | None:
@@ -686,39 +711,64 @@ def _link_optimizer(ir, variables, writers) -> Optimizer | None:
             continue
         var.trainable = True
         var.role = "trainable"
-        var.applied_by = (applies or scoped)[0][0]
-        scope = _update_scope(var.applied_by, name)
-        starts = []
-        for op_name, _ in applies:
-            ports = opdefs.input_ports(ir, op_name)
-            var_args = opdefs.resource_or_ref_inputs(ir, op_name)
-            for slot_arg in var_args[1:]:
-                _link_slot(variables, var, ir.input(op_name, ports[slot_arg][0])[0], slot_arg)
-            starts += [(op_name, p) for arg in GRADIENT_ARGS for p in ports.get(arg, [])]
+        # one update scope per optimizer that applies a gradient to the variable (an
+        # actor-critic's shared trunk: the actor's and the critic's optimizers)
+        scopes = {}
+        for op_name, _ in applies or scoped:
+            scopes.setdefault(_update_scope(op_name, name), op_name)
+        for scope, first in scopes.items():
+            gradient = _link_update(ir, var, scope, [c for c, _ in applies if c.startswith(scope)],
+                                    variables, writers, children)
+            if gradient is not None:
+                var.applications.append(Application(first, gradient))
             if optimizer is None:
-                hyper = {arg: tensor_name(*ir.input(op_name, ps[0])) for arg, ps in ports.items()
-                         if arg not in var_args and arg not in GRADIENT_ARGS}
-                kind = re.sub(r"^(Resource)?(Sparse)?Apply", "", ir.op(op_name))
-                optimizer = Optimizer(kind, op_name.split("/", 1)[0] + "/", hyper)
-        for other in children.get(name, ()):  # slots written by scatter/assign ops in the scope
-            if (other not in var.slots.values()
-                    and any(c.startswith(scope) for c, _ in writers[other])):
-                _link_slot(variables, var, other, other[len(name) + 1:])
-        # a sparse update with no Apply op (tf_keras' legacy optimizers) names its slots
-        # '<optimizer>/<var>/<slot>'; an Apply op names its slots itself
-        if not applies and scope.endswith(f"/update_{bare}/"):
-            for other in _written_under(scope, writers):
-                if other != name and other not in var.slots.values() and f"/{bare}/" in other:
-                    _link_slot(variables, var, other, other.rsplit(f"/{bare}/", 1)[1])
-        apply_ops = {c for c, _ in applies}
-        for owner in [name, *var.slots.values()]:
-            for op_name, _ in writers[owner]:
-                if op_name.startswith(scope) and op_name not in apply_ops:
-                    starts += [(op_name, p) for p in range(1, len(ir.inputs(op_name)))]
-        var.gradient = _trace_gradient(ir, starts)
-        if fallback is None:
-            fallback = Optimizer(_optimizer_kind(var), scope.split("/", 1)[0] + "/", {})
+                optimizer = next((_optimizer_of(ir, c) for c, _ in applies
+                                  if c.startswith(scope)), None)
+            if fallback is None:
+                fallback = Optimizer(_optimizer_kind(var), scope.split("/", 1)[0] + "/", {})
+        first = var.applications[0] if var.applications else None
+        var.applied_by = first.update if first else next(iter(scopes.values()))
+        var.gradient = first.gradient if first else None
     return optimizer or fallback
+
+
+def _link_update(ir, var, scope, applies, variables, writers, children) -> Gradient | None:
+    """Link the slots that the update ops of ``scope`` (one optimizer's update of ``var``;
+    ``applies`` its Apply ops) write, and return the gradient they apply."""
+    name, bare = var.name, REPLICA_SCOPE.sub("", var.name)
+    starts = []
+    for op_name in applies:
+        ports = opdefs.input_ports(ir, op_name)
+        var_args = opdefs.resource_or_ref_inputs(ir, op_name)
+        for slot_arg in var_args[1:]:
+            _link_slot(variables, var, ir.input(op_name, ports[slot_arg][0])[0], slot_arg)
+        starts += [(op_name, p) for arg in GRADIENT_ARGS for p in ports.get(arg, [])]
+    for other in children.get(name, ()):  # slots written by scatter/assign ops in the scope
+        if (other not in var.slots.values()
+                and any(c.startswith(scope) for c, _ in writers[other])):
+            _link_slot(variables, var, other, other[len(name) + 1:])
+    # a sparse update with no Apply op (tf_keras' legacy optimizers) names its slots
+    # '<optimizer>/<var>/<slot>'; an Apply op names its slots itself
+    if not applies and scope.endswith(f"/update_{bare}/"):
+        for other in _written_under(scope, writers):
+            if other != name and other not in var.slots.values() and f"/{bare}/" in other:
+                _link_slot(variables, var, other, other.rsplit(f"/{bare}/", 1)[1])
+    apply_ops = set(applies)
+    for owner in [name, *var.slots.values()]:
+        for op_name, _ in writers[owner]:
+            if op_name.startswith(scope) and op_name not in apply_ops:
+                starts += [(op_name, p) for p in range(1, len(ir.inputs(op_name)))]
+    return _trace_gradient(ir, starts)
+
+
+def _optimizer_of(ir, apply: str) -> Optimizer:
+    """The optimizer an Apply op runs: its kind, scope and hyperparameter tensors."""
+    ports = opdefs.input_ports(ir, apply)
+    var_args = opdefs.resource_or_ref_inputs(ir, apply)
+    hyper = {arg: tensor_name(*ir.input(apply, ps[0])) for arg, ps in ports.items()
+             if arg not in var_args and arg not in GRADIENT_ARGS}
+    kind = re.sub(r"^(Resource)?(Sparse)?Apply", "", ir.op(apply))
+    return Optimizer(kind, apply.split("/", 1)[0] + "/", hyper)
 
 
 def _written_under(scope: str, writers: dict) -> list[str]:
@@ -741,6 +791,8 @@ def _link_own_optimizer(ir, var, writes) -> None:
         var.role, var.gradient = "trainable", gradient
         var.applied_by = next((op for op in ops if len(ops) == 1
                                or _trace_gradient(ir, starts([op])) is not None), None)
+        if var.applied_by:
+            var.applications.append(Application(var.applied_by, gradient))
 
 
 def _children_by_name(variables) -> dict:

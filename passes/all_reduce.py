@@ -61,6 +61,9 @@ class DenseGrad:
     dtype: int
     nbytes: int
     sparse: object = None  # the training.Gradient when a sparse gradient is densified
+    # what the nodes made for it are named after: ``var``, or ``var_k`` for the variable's
+    # k-th gradient (the second optimizer's of an actor-critic's trunk)
+    label: str = ""
 
 
 @dataclasses.dataclass
@@ -123,7 +126,7 @@ def _require_densifiable(ir, tg) -> None:
     dual-averaging updates touch only the rows a sparse gradient holds; given zeros for the
     others, they keep moving or shrinking them, which one device never does."""
     for var in tg.trainable:
-        if var.gradient.kind != "sparse":
+        if all(g.kind != "sparse" for g in var.gradients):
             continue
         for update in var.updates:
             op = ir.op(replica_prefix(0) + update) if replica_prefix(0) + update in ir else ""
@@ -139,58 +142,61 @@ def _require_densifiable(ir, tg) -> None:
 
 def gradients_by_step(tg, sparse_as_dense: bool = False, ir=None) -> list[tuple[list, list]]:
     """Each step's (dense DenseGrads, sparse (variable, Gradient) pairs), every born gradient
-    once (in the first step whose updates apply it); sparse ones as dense with
-    ``sparse_as_dense``. Given the (replicated) ``ir``, a step whose gradients are computed
-    after some of its own updates ran (``with tf.control_dependencies([train_q]):
-    opt_pi.minimize(...)``, as actor-critic code chains its critic's and actor's steps) comes
-    as one entry per stage (``gradient_stages``), so that no bucket or chain of collectives
-    makes a later stage's gradients wait on each other's updates (a cycle)."""
+    once (in the first step whose updates apply it), each of a variable's gradients (one per
+    optimizer that trains it: an actor-critic's trunk gets the actor's and the critic's);
+    sparse ones as dense with ``sparse_as_dense``. Given the (replicated) ``ir``, a step whose
+    gradients are computed after some of its own updates ran (``with
+    tf.control_dependencies([train_q]): opt_pi.minimize(...)``, as actor-critic code chains
+    its critic's and actor's steps) comes as one entry per stage (``gradient_stages``), so
+    that no bucket or chain of collectives makes a later stage's gradients wait on each
+    other's updates (a cycle)."""
     seen, out = set(), []
     for step in tg.steps or [None]:
         found = []
         for var in tg.trainable:
-            grad = var.gradient
-            if (step is not None and not (set(var.updates) & step.closure)) \
-                    or tuple(grad.tensors) in seen:
-                continue
-            seen.add(tuple(grad.tensors))
-            found.append(var)
+            grads = var.gradients if step is None else var.gradients_applied_in(step.closure)
+            for grad in grads:
+                if tuple(grad.tensors) not in seen:
+                    seen.add(tuple(grad.tensors))
+                    found.append((var, grad))
         for stage in (gradient_stages(ir, found) if ir is not None else [found]):
             dense, sparse = [], []
-            for var in stage:
-                grad = var.gradient
+            for var, grad in stage:
+                k = var.gradients.index(grad)
                 if grad.kind == "dense" or sparse_as_dense:
                     dense.append(DenseGrad(var.name, grad.tensor if grad.kind == "dense" else
                                            None, var.shape, var.dtype, var.nbytes or 1,
-                                           None if grad.kind == "dense" else grad))
+                                           None if grad.kind == "dense" else grad,
+                                           f"{var.name}_{k}" if k else var.name))
                 else:
                     sparse.append((var, grad))
             out.append((dense, sparse))
     return out
 
 
-def gradient_stages(ir, variables: list) -> list[list]:
-    """``variables`` (in order) in stages: stage k holds those whose gradients run after no
-    update of a variable in stage k or later, i.e. every gradient of a stage may be reduced
-    before any update of that stage runs. One stage unless a step chains its optimizers."""
+def gradient_stages(ir, gradients: list) -> list[list]:
+    """``gradients`` ((variable, Gradient) pairs, in order) in stages: stage k holds those
+    computed after no update of a variable in stage k or later, i.e. every gradient of a stage
+    may be reduced before any update of that stage runs. One stage unless a step chains its
+    optimizers."""
     prefix = replica_prefix(0)
 
     def named(node):
         return prefix + node if prefix + node in ir else node
 
-    stages, remaining = [], list(variables)
+    stages, remaining = [], list(gradients)
     while remaining:
-        updates = [named(u) for var in remaining for u in var.updates if named(u) in ir]
+        updates = [named(u) for var, _ in remaining for u in var.updates if named(u) in ir]
         after = ir.descendants(updates) if updates else set()
-        ready = [var for var in remaining
-                 if not any(named(parse_tensor(t)[0]) in after for t in var.gradient.tensors)]
+        ready = [(var, grad) for var, grad in remaining
+                 if not any(named(parse_tensor(t)[0]) in after for t in grad.tensors)]
         if not ready:
             raise ContractError(
-                f"variable '{remaining[0].name}': its gradient is computed after its own "
+                f"variable '{remaining[0][0].name}': its gradient is computed after its own "
                 "update runs, so no reduction of it across replicas can come before that "
                 "update; compute the gradient before applying it")
         stages.append(ready)
-        remaining = [var for var in remaining if var not in ready]
+        remaining = [pair for pair in remaining if pair not in ready]
     return stages
 
 
@@ -235,10 +241,10 @@ class Collectives:
         prefix = replica_prefix(i)
         if g.sparse is None:
             return prefix + g.tensor
-        rows = self.build.const(scope + f"rows_{g.var.replace('/', '_')}", g.shape[0], np.int32,
+        rows = self.build.const(scope + f"rows_{g.label.replace('/', '_')}", g.shape[0], np.int32,
                                 device=self.devices[i])
         values, indices = prefix + g.sparse.values, prefix + g.sparse.indices
-        return self.build.op(scope + f"densify_{g.var.replace('/', '_')}", "UnsortedSegmentSum",
+        return self.build.op(scope + f"densify_{g.label.replace('/', '_')}", "UnsortedSegmentSum",
                              [values, indices, rows], device=self.devices[i], T=g.dtype,
                              Tindices=opdefs.output_dtype(ir, *parse_tensor(indices)))
 
@@ -345,7 +351,7 @@ class Collectives:
             return
         rows = np.arange(g.shape[0])
         indices_dtype = opdefs.output_dtype(self.ir, *parse_tensor(prefix + g.sparse.indices))
-        all_rows = self.build.const(scope + f"rows_index_{g.var.replace('/', '_')}", rows,
+        all_rows = self.build.const(scope + f"rows_index_{g.label.replace('/', '_')}", rows,
                                     numpy_dtype(indices_dtype), device=self.devices[i])
         self.rewires.append((i, prefix + g.sparse.values, reduced))
         self.rewires.append((i, prefix + g.sparse.indices, f"{all_rows}:0"))

@@ -102,12 +102,11 @@ def _applied(tg, step) -> list[tuple] | None:
     towers' average (graphxform/towers.py), which this pass leaves alone."""
     found = []
     for var in tg.variables.values():
-        if var.gradient is None or not var.applied_in(step.closure):
-            continue
-        if var.gradient.towers:
-            return None
-        found.append(parse_tensor(var.gradient.tensor if var.gradient.kind == "dense"
-                                  else var.gradient.values))
+        for gradient in var.gradients_applied_in(step.closure):
+            if gradient.towers:
+                return None
+            found.append(parse_tensor(gradient.tensor if gradient.kind == "dense"
+                                      else gradient.values))
     return found
 
 

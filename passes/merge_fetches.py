@@ -269,9 +269,9 @@ def _gradient_losses(ir, first: str, tg) -> dict:
         if not loss:
             continue
         for var in tg.trainable:
-            if var.gradient.kind != "dense" or not var.applied_in(step.closure):
-                continue
-            for gradient in _copies_of(ir, first, [var.gradient.tensor]):
+            dense = [g.tensor for g in var.gradients_applied_in(step.closure)
+                     if g.kind == "dense"]
+            for gradient in _copies_of(ir, first, dense):
                 found[gradient] = next(iter(loss))
     return found
 

@@ -285,7 +285,7 @@ class _Reducer:
                 if (i, g.tensor) in self._done or sum(n for _, n, _ in parts) != _size(g):
                     continue
                 self._done.add((i, g.tensor))
-                scope = f"{SCOPE}grads/{replica_prefix(i)}{g.var}/"
+                scope = f"{SCOPE}grads/{replica_prefix(i)}{g.label}/"
                 pieces = [piece for _, _, piece in sorted(parts)]
                 flat = pieces[0] if len(pieces) == 1 else self._concat(
                     scope + "joined", i, pieces, g.dtype)

@@ -99,7 +99,7 @@ def seed_of(ir, tg, step) -> tuple[str, tuple] | None:
     tf.gradients' seed is ``<scope>grad_ys_0``, a Fill only its call reads; a tape's is found
     by ``_tape_seed``."""
     scopes = {gradient_scope(parse_tensor(t)[0]) for v in tg.variables.values()
-              if v.applied_in(step.closure) for t in v.gradient.tensors}
+              for g in v.gradients_applied_in(step.closure) for t in g.tensors}
     if len(scopes) != 1 or None in scopes:
         return None
     scope = scopes.pop()

@@ -1,0 +1,120 @@
+"""One variable trained by two optimizers, as actor-critic code writes it: a shared trunk, an
+actor head and a critic head, ``actor_opt.minimize(actor_loss)`` and
+``critic_opt.minimize(critic_loss)`` each over the trunk and its own head (two train ops, or
+both grouped in one). The trunk gets two gradients per step: a strategy that reduces one
+gradient per variable refuses in one line naming both updates; one that reduces each trains
+like one device."""
+
+import pytest
+from conftest import export_classifier as _export
+
+
+def dense(x, units, name, activation=None):
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+    with tf1.variable_scope(name):
+        w = tf1.get_variable("kernel", [x.shape[-1], units])
+        b = tf1.get_variable("bias", [units], initializer=tf1.zeros_initializer())
+        out = tf.matmul(x, w) + b
+        return activation(out) if activation else out
+
+
+def actor_critic(grouped=False):
+    """Two train ops (``grouped``: one, tf.group of both optimizers' steps)."""
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+
+    def build(x, y):
+        h = dense(x, 16, "trunk", tf.nn.relu)
+        logits = dense(h, 2, "actor")
+        value = tf.squeeze(dense(h, 1, "critic"), 1)
+        actor_loss = tf1.losses.sparse_softmax_cross_entropy(y, logits)
+        critic_loss = tf.reduce_mean(tf.square(tf.cast(y, tf.float32) - value))
+        owned = lambda *scopes: [v for v in tf1.trainable_variables()  # noqa: E731
+                                 if v.op.name.split("/")[0] in scopes]
+        step = tf1.train.get_or_create_global_step()
+        actor = tf1.train.MomentumOptimizer(0.1, 0.9).minimize(
+            actor_loss, var_list=owned("trunk", "actor"), global_step=step, name="actor_train")
+        critic = tf1.train.AdamOptimizer(0.01).minimize(
+            critic_loss, var_list=owned("trunk", "critic"), name="critic_train")
+        if grouped:
+            return tf.group(actor, critic, name="train")
+        tf1.add_to_collection("train_op", actor)
+        return critic
+    return build
+
+
+def test_the_analysis_records_both_optimizers_updates(tmp_path):
+    from graphxform import metagraph, training
+    tg = training.analyze(metagraph.load(_export(tmp_path / "m.meta", actor_critic())))
+    assert [s.name for s in tg.steps] == ["actor_train", "critic_train"]
+    kernel = tg.variables["trunk/kernel"]
+    updates = sorted(a.update for a in kernel.applications)
+    assert updates == ["actor_train/update_trunk/kernel/ResourceApplyMomentum",
+                       "critic_train/update_trunk/kernel/ResourceApplyAdam"]
+    assert len({a.gradient.tensor for a in kernel.applications}) == 2
+    assert (kernel.applied_by, kernel.gradient) == (kernel.applications[0].update,
+                                                     kernel.applications[0].gradient)
+    assert [a.update for a in tg.variables["actor/kernel"].applications] == [
+        "actor_train/update_actor/kernel/ResourceApplyMomentum"]
+
+
+@pytest.mark.parametrize("strategy", ["allreduce", "replicated"])
+@pytest.mark.parametrize("grouped", [False, True], ids=["two_train_ops", "one_train_op"])
+def test_a_trunk_two_optimizers_train_trains_like_one_device(run_cli, tmp_path, strategy,
+                                                             grouped):
+    """Both gradients of the trunk are reduced, each in the step that applies it (refused
+    before: only one was, and the contract caught the other)."""
+    model = _export(tmp_path / "m.meta", actor_critic(grouped))
+    code, out, err = run_cli("verify", "--strategy", strategy, "--replicas", 2, model,
+                             "--feeds", model + ".npz", "--batch-size", 16, "--steps", 3)
+    assert code == 0 and "PASS" in out, out + err
+
+
+@pytest.mark.parametrize("strategy", ["ps", "partitioned-ps", "hybrid"])
+def test_a_trunk_two_optimizers_train_is_refused_naming_both(run_cli, tmp_path, strategy):
+    """The parameter-server strategies aggregate one gradient per variable: refused in one
+    line naming both updates (before: 'computes from its own slice' or 'written 3 times',
+    naming one update and not why)."""
+    model = _export(tmp_path / "m.meta", actor_critic())
+    cluster = tmp_path / "cluster.json"
+    cluster.write_text('{"ps": ["127.0.0.1:28001"], "worker": ["127.0.0.1:28002", '
+                       '"127.0.0.1:28003"]}')
+    out = tmp_path / "out.meta"
+    code, _, err = run_cli("apply", "--strategy", strategy, "--cluster", cluster, model,
+                           "-o", out)
+    assert code == 1 and len(err.strip().splitlines()) == 1, err
+    assert "variable 'trunk/bias' gets gradients from two optimizer updates" in err
+    assert "'actor_train/update_trunk/bias/ResourceApplyMomentum' (step 'actor_train')" in err
+    assert "'critic_train/update_trunk/bias/ResourceApplyAdam' (step 'critic_train')" in err
+    assert f"--strategy {strategy} aggregates one gradient per variable" in err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared_trunk", "disjoint"])
+def test_a_summed_second_loss_of_one_train_op_is_refused(run_cli, tmp_path, shared):
+    """One train op grouping two optimizers minimises two losses: the second (a sum over the
+    batch, here the critic's) is checked as the first is. Before, only the first was, and
+    the averaged gradient of the sum trained at 1/N (apply exited 0, verify failed)."""
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+
+    def build(x, y):
+        h = dense(x, 16, "trunk", tf.nn.relu)
+        logits = dense(h, 2, "actor")
+        value = tf.squeeze(dense(h if shared else tf.stop_gradient(h), 1, "critic"), 1)
+        actor_loss = tf1.losses.sparse_softmax_cross_entropy(y, logits)
+        critic_loss = tf.reduce_sum(tf.square(tf.cast(y, tf.float32) - value), name="critic_sum")
+        owned = [v for v in tf1.trainable_variables() if v.op.name.startswith("critic")]
+        actor = tf1.train.MomentumOptimizer(0.1, 0.9).minimize(
+            actor_loss, var_list=[v for v in tf1.trainable_variables() if v not in owned])
+        critic = tf1.train.GradientDescentOptimizer(0.01).minimize(
+            critic_loss, var_list=owned + ([v for v in tf1.trainable_variables()
+                                            if v.op.name.startswith("trunk")] if shared else []))
+        return tf.group(actor, critic, name="train")
+    model = _export(tmp_path / "m.meta", build)
+    out = tmp_path / "out.meta"
+    code, _, err = run_cli("apply", "--strategy", "allreduce", "--replicas", 2, model, "-o", out)
+    assert code == 1 and len(err.strip().splitlines()) == 1, err
+    assert "step 'train' minimises 'critic_sum:0', a sum over the batch" in err
+    assert not out.exists()
