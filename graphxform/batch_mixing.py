@@ -1055,6 +1055,10 @@ def _gather(n: _Node):
         if params == axis:
             return n.mixed("picks or reorders the examples of the batch by index (a gather "
                            "along the batch axis)")
+        if type(indices) is int:
+            return n.mixed("looks every example's index up in every example (a gather along "
+                           "another axis by per-example indices makes [batch, batch, ...]; "
+                           "batch_dims=1 pairs each example with its own)")
         if indices is None and ri is not None:
             return params if params < axis else params + ri - 1
     return UNKNOWN

@@ -7,7 +7,9 @@ or ``tf.gather_nd(output, tf.stack([tf.range(batch), length - 1], 1))``. A repli
 numbers its own examples, so each picks the same rows one device picks. The flat gather was
 refused as mixing the batch ('GatherV2 picks or reorders the examples'), and a gather_nd whose
 first index is not the example's own number (a partner's, the first example's) passed apply
-and trained another model (verify: 6e-02): it is refused now, naming the GatherNd."""
+and trained another model (verify: 6e-02): it is refused now, naming the GatherNd. So is
+``tf.gather(output, length - 1, axis=1)``, which looks every example's length up in every
+example ([batch, batch, width]; verify: 4e-02); ``batch_dims=1`` pairs each with its own."""
 
 import numpy as np
 import pytest
@@ -112,6 +114,10 @@ def last_output(path, form):
             last = tf.gather_nd(output, tf.stack([tf.zeros_like(lengths), lengths - 1], 1))
         elif form == "gather_by_half_stride":  # strides of 5 through rows of 10: a neighbour's
             last = tf.gather(flat, tf.range(0, batch) * 5 + (lengths - 1))
+        elif form == "gather_along_time_by_every_length":  # [B, B, 8]: each at all lengths
+            last = tf.reduce_mean(tf.gather(output, lengths - 1, axis=1), axis=1)
+        elif form == "gather_batch_dims":
+            last = tf.gather(output, lengths - 1, batch_dims=1)
         else:  # "gather_offsets_counting_examples": the offset numbers examples too
             last = tf.gather(flat, tf.range(0, batch) * T + tf.minimum(tf.range(0, batch), 3))
         logits = tf.matmul(last, tf1.get_variable("w", [8, 2]))
@@ -144,7 +150,7 @@ def test_bert_masked_lm_loss_trains_like_one_device(run_cli, tmp_path, static, s
     _verify(run_cli, tmp_path, masked_lm(tmp_path / "m.meta", static), strategy)
 
 
-@pytest.mark.parametrize("form", ["gather", "gather_nd"])
+@pytest.mark.parametrize("form", ["gather", "gather_nd", "gather_batch_dims"])
 def test_the_last_output_of_each_sequence_trains_like_one_device(run_cli, tmp_path, form):
     _verify(run_cli, tmp_path, last_output(tmp_path / "m.meta", form), "allreduce")
 
@@ -152,7 +158,8 @@ def test_the_last_output_of_each_sequence_trains_like_one_device(run_cli, tmp_pa
 @pytest.mark.parametrize("form, op", [("gather_nd_of_partner", "GatherNd"),
                                       ("gather_nd_of_first", "GatherNd"),
                                       ("gather_by_half_stride", "GatherV2"),
-                                      ("gather_offsets_counting_examples", "GatherV2")])
+                                      ("gather_offsets_counting_examples", "GatherV2"),
+                                      ("gather_along_time_by_every_length", "GatherV2")])
 def test_picking_another_examples_rows_is_refused(run_cli, tmp_path, form, op):
     code, _, err = run_cli("apply", "--strategy", "allreduce", "--replicas", 2,
                            last_output(tmp_path / "m.meta", form), "-o", tmp_path / "o.meta")
