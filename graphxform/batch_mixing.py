@@ -4,8 +4,9 @@ Each replica computes the loss on its own slice of the global batch, and the ave
 are one device's only when the loss is a mean (or sum) of per-example terms: every example's
 term computed from that example alone. A loss that pairs examples (in-batch negatives, a
 batch-hard triplet loss), ranks them (hard-example mining, a sort), reorders or picks them
-(mixup's shuffled partner, ``x[0]``), splits or groups them by position (``tf.split`` of the
-batch, a reshape into groups), repeats each as often as the batch has examples (``tf.tile`` for
+(mixup's shuffled partner, ``x[0]``, a gather_nd of a partner's rows; BERT's gather of
+``positions + tf.range(batch) * seq_length`` picks each example's own), splits or groups
+them by position (``tf.split`` of the batch, a reshape into groups), repeats each as often as the batch has examples (``tf.tile`` for
 pairwise distances), runs a recurrence over them (a while loop, legacy or
 control flow v2, that reads one example per iteration and carries a value to the next), or
 normalises them by a statistic of the batch computes something else on a slice, and nothing in
@@ -1066,12 +1067,127 @@ def _gather(n: _Node):
         if params == axis == 0 and _picked_by_mask(n):
             n.flow.selected.add(n.name)
             return 0  # tf.boolean_mask: the rows a per-example mask keeps, in order
+        if params == axis == 0 and type(indices) is int and _within_examples(n):
+            return indices  # each example's own rows, example after example
         if params == axis:
             return n.mixed("picks or reorders the examples of the batch by index (a gather "
                            "along the batch axis)")
+        if type(indices) is int:
+            return n.mixed("looks every example's index up in every example (a gather along "
+                           "another axis by per-example indices makes [batch, batch, ...]; "
+                           "batch_dims=1 pairs each example with its own)")
         if indices is None and ri is not None:
             return params if params < axis else params + ri - 1
     return UNKNOWN
+
+
+_ROW_KEEPING = ("Identity", "Cast", "Reshape", "ExpandDims")
+
+
+def _through(ir, src: str, port: int) -> tuple:
+    """Back from ``src:port`` through ops that keep each row's values (casts, reshapes)."""
+    while ir.op(src) in _ROW_KEEPING and port == 0:
+        src, port = ir.input(src, 0)
+    return src, port
+
+
+def _within_examples(n: _Node) -> bool:
+    """Whether a gather along the batch axis picks, for each example, rows of that example
+    alone: the params are a reshape merging each example's ``rows`` leading rows into axis 0
+    ([batch, rows, ...] to [batch * rows, ...]) and the indices are
+    ``tf.range(batch) * rows + offsets`` with per-example offsets (google-research/bert's
+    gather_indexes, the last output of a padded RNN: ``range(batch) * max_length + length -
+    1``). A replica's range numbers its own examples, so it picks the same rows of the same
+    examples as one device. (Offsets outside [0, rows) would reach into a neighbour, one device
+    and a replica alike, except at a slice's edge, where the index is out of range.)"""
+    ir, flow = n.flow.ir, n.flow
+    reshape, port = n.inputs[0]
+    while ir.op(reshape) == "Identity" and port == 0:
+        reshape, port = ir.input(reshape, 0)
+    if ir.op(reshape) != "Reshape" or port != 0:
+        return False
+    examples = ir.input(reshape, 0)
+    before, after = flow.dims(*examples), flow.dims(reshape, 0)
+    if _port(flow.states.get(examples[0]), examples[1]) != 0 or not before or not after:
+        return False
+    merged = len(before) - len(after)  # the axes after the batch's that join it
+    if merged < 1 or after[1:] != before[merged + 1:]:
+        return False
+    total = _sum_operands(ir, *_through(ir, *n.inputs[1]))
+    if total is None:
+        return False
+    for k, (src, port) in enumerate(total):
+        offsets = total[1 - k]
+        if _port(flow.states.get(offsets[0]), offsets[1]) == 0 and \
+                _example_numbers(flow, examples, before[1:merged + 1], *_through(ir, src, port)) \
+                and not _numbers_examples(flow, *offsets):
+            return True
+    return False
+
+
+def _sum_operands(ir, src: str, port: int):
+    """The two operands of an Add, or None."""
+    if ir.op(src) not in ("Add", "AddV2") or port != 0:
+        return None
+    return list(ir.inputs(src))
+
+
+def _example_numbers(flow: _Flow, examples: tuple, rows: list, src: str, port: int) -> bool:
+    """Whether ``src:port`` is ``tf.range(batch) * rows``: each example's number times the
+    count of rows it has in ``examples`` (``rows``: their dims; a constant equal to their
+    product, or ``tf.shape(examples)[1]`` for one axis)."""
+    ir = flow.ir
+    if ir.op(src) != "Mul" or port != 0:
+        return False
+    for k in (0, 1):
+        first = _through(ir, *ir.input(src, k))
+        stride = ir.input(src, 1 - k)
+        if _counts_examples(flow, *first) and _is_count(flow, examples, rows, *stride):
+            return True
+    return False
+
+
+def _counts_examples(flow: _Flow, src: str, port: int) -> bool:
+    """``tf.range(0, tf.shape(x)[0], 1)``: each example's position in the batch."""
+    ir = flow.ir
+    if ir.op(src) != "Range" or port != 0 or len(ir.inputs(src)) != 3:
+        return False
+    start, limit, delta = ir.inputs(src)
+    return flow.ints(*_through(ir, *start)) == [0] and \
+        flow.ints(*_through(ir, *delta)) == [1] and \
+        _is_batch_size(flow, *_through(ir, *limit))
+
+
+def _is_count(flow: _Flow, examples: tuple, rows: list, src: str, port: int) -> bool:
+    ir = flow.ir
+    src, port = _through(ir, src, port)
+    values = flow.ints(src, port)
+    if values is not None:
+        product = 1
+        for dim in rows:
+            product *= dim
+        return len(values) == 1 and -1 not in rows and values[0] == product
+    if len(rows) != 1 or ir.op(src) != "StridedSlice" or port != 0:
+        return False
+    shape = _through(ir, *ir.input(src, 0))
+    shrink = ir.attrs(src).get("shrink_axis_mask")
+    return ir.op(shape[0]) == "Shape" and ir.input(shape[0], 0) == examples and \
+        shrink is not None and shrink.i == 1 and \
+        [flow.ints(*ir.input(src, k)) for k in (1, 2, 3)] == [[1], [2], [1]]
+
+
+def _numbers_examples(flow: _Flow, src: str, port: int) -> bool:
+    """Whether a batch position (a Range over the batch's size) reaches ``src:port``."""
+    ir, seen, stack = flow.ir, set(), [src]
+    while stack:
+        name = stack.pop()
+        if name in seen or _port(flow.states.get(name), 0) is None or name in flow.sources:
+            continue
+        seen.add(name)
+        if ir.op(name) == "Range":
+            return True
+        stack.extend(s for s, _ in ir.inputs(name))
+    return False
 
 
 def _picked_by_mask(n: _Node) -> bool:
@@ -1203,6 +1319,50 @@ def _by_position(what: str, tensor_at: int, indices_at: int):
             return n.mixed(f"{what} the examples of the batch at fixed positions")
         return UNKNOWN
     return rule
+
+
+def _gather_nd(n: _Node):
+    """tf.gather_nd(x, indices) with the batch on x's axis 0: an index's first entry picks
+    the example. Indices stacked from ``tf.range(batch)`` and per-example positions (the last
+    output of each padded sequence, ``stack([range(batch), length - 1], 1)``) pick each
+    example's own rows; other per-example indices pick other examples (a partner's, the
+    first's), which a replica's slice numbers otherwise."""
+    params, indices = n.states[0], n.states[1]
+    batch_dims = n.attr("batch_dims")
+    if params != 0 or (batch_dims is not None and batch_dims.i):
+        return UNKNOWN
+    if indices is None:
+        return n.mixed("picks the examples of the batch at fixed positions")
+    if type(indices) is not int:
+        return UNKNOWN
+    if _first_entry_numbers_examples(n.flow, *n.inputs[1]):
+        return indices
+    return n.mixed("picks examples of the batch by computed index (tf.gather_nd whose indices "
+                   "do not start with each example's own number, tf.range(tf.shape(x)[0]))")
+
+
+def _first_entry_numbers_examples(flow: _Flow, src: str, port: int) -> bool:
+    """Whether the last axis of the indices ``src:port`` starts with each example's number:
+    ``tf.stack([tf.range(batch), ...], axis=-1)`` (or a concat of it), the range maybe
+    expanded or tiled along the axes after the batch's."""
+    ir = flow.ir
+    src, port = _through(ir, src, port)
+    op, rank = ir.op(src), flow.rank(src, port)
+    if op == "Pack" and rank is not None:
+        axis = ir.attrs(src).get("axis")
+        axis = axis.i if axis is not None else 0
+        if axis not in (-1, rank - 1):
+            return False
+    elif op == "ConcatV2":
+        axis = flow.ints(*ir.inputs(src)[-1])
+        if not axis or rank is None or axis[0] not in (-1, rank - 1):
+            return False
+    else:
+        return False
+    first, port = _through(ir, *ir.input(src, 0))
+    while ir.op(first) in ("Tile", "BroadcastTo") and port == 0:
+        first, port = _through(ir, *ir.input(first, 0))
+    return _counts_examples(flow, first, port)
 
 
 def _scatter_nd(n: _Node):
@@ -1445,7 +1605,7 @@ _RULES = {
     "UniqueWithCounts": _unique_with_counts, "UniqueWithCountsV2": _unique_with_counts,
     **dict.fromkeys(("SegmentMax", "SegmentMin", "SegmentProd", "UnsortedSegmentMax",
                      "UnsortedSegmentMin", "UnsortedSegmentProd"), _segment_extreme),
-    "GatherNd": _by_position("picks", 0, 1), "ResourceGatherNd": _by_position("picks", 0, 1),
+    "GatherNd": _gather_nd, "ResourceGatherNd": _by_position("picks", 0, 1),
     **dict.fromkeys(("TensorScatterUpdate", "TensorScatterAdd", "TensorScatterSub",
                      "TensorScatterMax", "TensorScatterMin"), _by_position("overwrites", 0, 1)),
     "Pad": _pad, "PadV2": _pad, "MirrorPad": _pad, "CTCLoss": _ctc_loss, "CTCLossV2": _ctc_loss,
