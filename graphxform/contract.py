@@ -78,10 +78,12 @@ def _check_selected_mean(ir: GraphIR, step, loss: str, sources: set, exact: bool
     that pass refuses what it then finds is not a mask of the examples."""
     from graphxform.selections import (averaged_selection, loss_means, selected_rows,
                                        selection_counted)
-    for mean, counted in loss_means(ir, loss):
+    terms = loss_means(ir, loss)
+    for mean, counted in terms + _means_off_the_terms(ir, loss, {m for m, _ in terms}):
         selection = selected_rows(ir, counted, sources)
-        if selection is None or exact and (averaged_selection(ir, mean) if ir.op(mean) == "Mean" else
-                                 selection_counted(ir, ir.inputs(mean)[1][0])) is not None:
+        if selection is None or exact and (mean, counted) in terms and (
+                averaged_selection(ir, mean) if ir.op(mean) == "Mean" else
+                selection_counted(ir, ir.inputs(mean)[1][0])) is not None:
             continue
         raise ContractError(
             f"step '{step.name}' minimises '{loss}', which averages ('{mean}') over "
@@ -92,6 +94,21 @@ def _check_selected_mean(ir: GraphIR, step, loss: str, sources: set, exact: bool
             "selection (its other dimensions known), its sum over tf.size(sel), "
             "tf.shape(sel)[0] or the mask's sum (tf.reduce_sum(tf.cast(m, tf.float32))), or "
             "train on one device")
+
+
+def _means_off_the_terms(ir: GraphIR, loss: str, terms: set) -> list:
+    """The Means over axis 0 (or axes not known) the loss reads other than as a sum or
+    multiple of them (``terms``), as (Mean, its input): a mean over a selection's rows
+    sliced or summed over its columns, which no pass makes the whole batch's."""
+    from graphxform.nodes import const_value
+    found = []
+    for node in ir.ancestors(parse_tensor(loss)[0]):
+        if ir.op(node) != "Mean" or node in terms or gradient_scope(node):
+            continue
+        axes = const_value(ir, ir.input(node, 1)[0])
+        if axes is None or 0 in axes.reshape(-1).tolist() or (axes < 0).any():
+            found.append((node, ir.input(node, 0)[0]))
+    return found
 
 
 def _check_batch_axis(tg: TrainingGraph) -> None:

@@ -153,8 +153,9 @@ def what_is_counted(ir, node: str, prefix: str = "") -> str:
             if op == "DynamicPartition" else
             f"the rows '{name}' ({op}) keeps with a mask (tf.boolean_mask)")
     return (f"a count of {what}, which each replica would count in its own slice and which "
-            "graphxform does not make the whole batch's (it does the rows tf.where finds in a "
-            "mask of the examples, and the mask's sum)")
+            "graphxform does not make the whole batch's (it does the count of a selection "
+            "itself, tf.size(sel) cast to float or tf.shape(sel)[0], and the rows tf.where "
+            "finds, in a mask of the examples, and the mask's sum)")
 
 
 # ops whose output has their input's shape: the Size of one is the Size of the selection
