@@ -28,8 +28,11 @@ A denominator qualifies when it depends on the batch's values (not only on its s
 of examples is the same on every equal slice) and on no variable (then the gradient would flow
 through it): graphxform.contract.batch_denominators finds them, and the contract refuses
 what is left. The rows tf.where finds in a mask of the examples (tf.shape(tf.where(m))[0])
-are counted by a total like the mask's sum; a count the slices' do not add up to (the
-distinct values tf.unique finds in the batch) is refused, named."""
+are counted by a total like the mask's sum, and so are the elements tf.boolean_mask selects
+with such a mask (tf.size(sel), tf.shape(sel)[0]); a tf.reduce_mean over every axis of a
+selection is first rewritten into its Sum over tf.size(sel), forward and gradient, so that
+count is the one made the whole batch's. A count the slices' do not add up to (the distinct
+values tf.unique finds in the batch) is refused, named."""
 
 from __future__ import annotations
 
