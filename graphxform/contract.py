@@ -69,23 +69,47 @@ def _check_selected_means(ir: GraphIR, tg: TrainingGraph) -> None:
         return
     for step in tg.steps:
         for loss in ([step.loss] if step.loss else []) + list(step.towers):
-            _check_selected_mean(ir, step, loss, sources)
+            _check_selected_mean(ir, step, loss, sources, exact=loss == step.loss)
 
 
-def _check_selected_mean(ir: GraphIR, step, loss: str, sources: set) -> None:
-    from graphxform.selections import loss_means, selected_rows
-    for mean, counted in loss_means(ir, loss):
+def _check_selected_mean(ir: GraphIR, step, loss: str, sources: set, exact: bool) -> None:
+    """Refuse an average over a selection unless global-denominators makes its count the whole
+    batch's (``exact``: it does so for a step's loss, not for towers' losses): a division by
+    the count of the selection itself, or a Mean over all its axes (graphxform/selections.py);
+    that pass refuses what it then finds is not a mask of the examples."""
+    from graphxform.selections import (averaged_selection, loss_means, selected_rows,
+                                       selection_counted)
+    terms = loss_means(ir, loss)
+    for mean, counted in terms + _means_off_the_terms(ir, loss, {m for m, _ in terms}):
         selection = selected_rows(ir, counted, sources)
-        if selection is not None:
-            raise ContractError(
-                f"step '{step.name}' minimises '{loss}', which averages ('{mean}') over "
-                f"the elements that '{selection}' ({ir.op(selection)}) picks with a mask of "
-                "the batch (tf.boolean_mask, or a gather of tf.where's indices): each replica "
-                "would divide by its own slice's count of selected elements, so the "
-                "averaged gradients are not one device's; divide their sum by the mask's "
-                "sum instead (tf.reduce_sum(tf.boolean_mask(l, m)) / "
-                "tf.reduce_sum(tf.cast(m, tf.float32)), which allreduce makes the whole "
-                "batch's), or train on one device")
+        if selection is None or exact and (mean, counted) in terms and (
+                averaged_selection(ir, mean) if ir.op(mean) == "Mean" else
+                selection_counted(ir, ir.inputs(mean)[1][0])) is not None:
+            continue
+        raise ContractError(
+            f"step '{step.name}' minimises '{loss}', which averages ('{mean}') over "
+            f"the elements that '{selection}' ({ir.op(selection)}) picks with a mask of "
+            "the batch (tf.boolean_mask, or a gather of tf.where's indices) in a way whose "
+            "count graphxform cannot make the whole batch's (each replica would divide by its "
+            "own slice's count); the exact forms are tf.reduce_mean over every axis of the "
+            "selection (its other dimensions known), its sum over tf.size(sel), "
+            "tf.shape(sel)[0] or the mask's sum (tf.reduce_sum(tf.cast(m, tf.float32))), or "
+            "train on one device")
+
+
+def _means_off_the_terms(ir: GraphIR, loss: str, terms: set) -> list:
+    """The Means over axis 0 (or axes not known) the loss reads other than as a sum or
+    multiple of them (``terms``), as (Mean, its input): a mean over a selection's rows
+    sliced or summed over its columns, which no pass makes the whole batch's."""
+    from graphxform.nodes import const_value
+    found = []
+    for node in ir.ancestors(parse_tensor(loss)[0]):
+        if ir.op(node) != "Mean" or node in terms or gradient_scope(node):
+            continue
+        axes = const_value(ir, ir.input(node, 1)[0])
+        if axes is None or 0 in axes.reshape(-1).tolist() or (axes < 0).any():
+            found.append((node, ir.input(node, 0)[0]))
+    return found
 
 
 def _check_batch_axis(tg: TrainingGraph) -> None:

@@ -3,10 +3,12 @@ gather of tf.where's indices, as sequence taggers drop their padding before the 
 
 One device divides by how many elements the whole batch's mask selects; a replica, by how many
 its slice's selects, and the average of the replicas' means is not the batch's (nor is the
-average of their gradients) unless every slice selects as many. No pass rewrites such a Mean,
-whose gradient divides by the count too, so the contract refuses it, naming the selection; the
-sum over the selection divided by the mask's sum is global-denominators' case, and trains like
-one device."""
+average of their gradients) unless every slice selects as many. That count is a sum over the
+batch (each example's true entries, times the elements per selected row), like the mask's sum:
+global-denominators makes it the whole batch's where it is the count of the selection itself
+(``tf.size(sel)``, ``tf.shape(sel)[0]``: ``selection_counted``), and rewrites a Mean over every
+axis of a selection into its Sum over that count (``averaged_selection``). The contract refuses
+the other averages over a selection, naming it."""
 
 from __future__ import annotations
 
@@ -151,5 +153,79 @@ def what_is_counted(ir, node: str, prefix: str = "") -> str:
             if op == "DynamicPartition" else
             f"the rows '{name}' ({op}) keeps with a mask (tf.boolean_mask)")
     return (f"a count of {what}, which each replica would count in its own slice and which "
-            "graphxform does not make the whole batch's (it does the rows tf.where finds in a "
-            "mask of the examples, and the mask's sum)")
+            "graphxform does not make the whole batch's (it does the count of a selection "
+            "itself, tf.size(sel) cast to float or tf.shape(sel)[0], and the rows tf.where "
+            "finds, in a mask of the examples, and the mask's sum)")
+
+
+# ops whose output has their input's shape: the Size of one is the Size of the selection
+_SHAPE_KEPT = frozenset({*LINEAR_UNARY_OPS, *ELEMENTWISE_UNARY_OPS, "Cast"})
+
+
+def selection_of(ir, node: str):
+    """The gather whose output ``node`` is, through ops that keep its shape (and cross
+    entropies of selected logits, one loss per row), where the gather picks rows (axis 0) by
+    tf.where's indices of a mask (tf.boolean_mask, tf.gather(x, tf.where(m)[:, 0]),
+    tf.gather_nd(x, tf.where(m))); None for anything else."""
+    from graphxform.nodes import const_value
+    while (ir.op(node) in _SHAPE_KEPT or ir.op(node) in CROSS_ENTROPY_OPS) and ir.inputs(node):
+        node = ir.inputs(node)[0][0]
+    op, inputs = ir.op(node), ir.inputs(node)
+    if op not in _GATHERS or len(inputs) < 2 or op == "ResourceGather":
+        return None
+    if op == "GatherV2":
+        axis = const_value(ir, inputs[2][0]) if len(inputs) > 2 else None
+        if axis is None or axis.reshape(-1).tolist() != [0] or \
+                ir.attrs(node).get("batch_dims") is not None and ir.attrs(node)["batch_dims"].i:
+            return None
+    return node if mask_of(ir, inputs[1][0], through=_INDEX_OPS) is not None else None
+
+
+def selection_mask(ir, gather: str):
+    """The (node, port) of the mask whose true entries ``gather`` (selection_of's) picks."""
+    return mask_of(ir, ir.inputs(gather)[1][0], through=_INDEX_OPS)
+
+
+def _counts_whole(ir, node: str, port: int) -> bool:
+    """Whether the Size of ``node:port`` is a sum over its rows: every other dimension is
+    recorded as known, so each selected row has as many elements on every replica."""
+    from graphxform import opdefs
+    dims = opdefs.recorded_dims(ir, node, port)
+    return dims is not None and len(dims) >= 1 and all(d >= 0 for d in dims[1:])
+
+
+def selection_counted(ir, tensor: str):
+    """The gather (selection_of's) whose selected elements ``tensor`` (a node) counts, through
+    casts: ``tf.size(sel)``, the product of ``tf.shape(sel)`` (when sel's other dimensions are
+    known), or its rows ``tf.shape(sel)[0]``; None for anything else. Like the mask's sum,
+    that is a sum over the batch where the mask holds values of the batch's examples."""
+    from graphxform import opdefs
+    while ir.op(tensor) in ("Cast", "Identity") and ir.inputs(tensor):
+        tensor = ir.inputs(tensor)[0][0]
+    rows = ir.op(tensor) == "StridedSlice"
+    if rows and opdefs.recorded_dims(ir, tensor, 0) not in ([], [1]):
+        return None  # not the rows alone
+    if ir.op(tensor) in ("StridedSlice", "Prod") and ir.inputs(tensor):
+        tensor = _rows_or_size(ir, tensor)
+    if tensor is None or ir.op(tensor) not in ("Size", "Shape") or not ir.inputs(tensor):
+        return None
+    counted, port = ir.inputs(tensor)[0]
+    if not rows and not _counts_whole(ir, counted, port):
+        return None
+    return selection_of(ir, counted)
+
+
+def averaged_selection(ir, mean: str):
+    """The gather whose selection the Mean node ``mean`` averages over every axis of (so its
+    count is ``tf.size(sel)``, a sum over the batch: its other dimensions are known), or
+    None."""
+    from graphxform import opdefs
+    from graphxform.nodes import const_value
+    inputs = ir.inputs(mean)
+    if ir.op(mean) != "Mean" or len(inputs) != 2 or not _counts_whole(ir, *inputs[0]):
+        return None
+    rank = len(opdefs.recorded_dims(ir, *inputs[0]))
+    axes = const_value(ir, inputs[1][0])
+    if axes is None or {int(a) % rank for a in axes.reshape(-1)} != set(range(rank)):
+        return None
+    return selection_of(ir, inputs[0][0])

@@ -28,8 +28,11 @@ A denominator qualifies when it depends on the batch's values (not only on its s
 of examples is the same on every equal slice) and on no variable (then the gradient would flow
 through it): graphxform.contract.batch_denominators finds them, and the contract refuses
 what is left. The rows tf.where finds in a mask of the examples (tf.shape(tf.where(m))[0])
-are counted by a total like the mask's sum; a count the slices' do not add up to (the
-distinct values tf.unique finds in the batch) is refused, named."""
+are counted by a total like the mask's sum, and so are the elements tf.boolean_mask selects
+with such a mask (tf.size(sel), tf.shape(sel)[0]); a tf.reduce_mean over every axis of a
+selection is first rewritten into its Sum over tf.size(sel), forward and gradient, so that
+count is the one made the whole batch's. A count the slices' do not add up to (the distinct
+values tf.unique finds in the batch) is refused, named."""
 
 from __future__ import annotations
 
@@ -71,13 +74,16 @@ class GlobalDenominators(Pass):
                   (parse_tensor(step.loss) for step in tg.steps if step.loss)
                   if first + node in ir]
         classes = functools.cache(lambda: _classes(ir, first, losses))
+        build = Builder(ir, self.name)
+        summed = _sum_selected_means(ir, build, ctx.devices, losses, classes)
+        if summed:
+            classes = functools.cache(lambda: _classes(ir, first, losses))  # new nodes
         found = []  # (denominator, loss) in replica 0
         for loss in losses:  # a denominator may divide several terms (and losses): once
             found += [(d, loss) for d in dict.fromkeys(batch_denominators(ir, loss, classes))
                       if d not in {seen for seen, _ in found}]
         if not found:
-            return PassResult(modified=False)
-        build = Builder(ir, self.name)
+            return PassResult(modified=bool(summed))
         keys = itertools.count(INSTANCE_KEYS)
         values = classes()
         recomputed, reduced = [], 0
@@ -103,8 +109,119 @@ class GlobalDenominators(Pass):
             recomputed.append(tensor[len(first):])
         return PassResult(modified=True, summary={
             "denominators": [d[len(first):] for d, _ in found],
+            "means over a selection summed": summed,
             "recomputed from the batch's totals": recomputed,
             "collectives_per_replica": 0 if self.shared else reduced})
+
+
+def _sum_selected_means(ir, build, devices: list, losses: list, classes) -> list:
+    """Rewrite each Mean over every axis of a selection a mask of the examples makes
+    (tf.reduce_mean(tf.boolean_mask(l, m)): selections.averaged_selection) that a loss is a
+    sum or multiple of into Sum(sel) / Cast(Size(sel)), in every replica, keeping its name,
+    and point its gradient's division by the count (tf.gradients' or a tape's ``Mean_grad``)
+    at that Cast: the division by a count of the selection that the loop in ``run`` makes the
+    whole batch's, as for tf.reduce_sum(sel) / tf.size(sel). Returns the Means (names of the
+    input graph); refuses one whose mask or gradient is not shown to be what that needs."""
+    from graphxform.contract import ContractError
+    from graphxform.selections import averaged_selection, loss_means
+    from graphxform.replica_spread import SPLIT_SCOPE
+    from graphxform.selections import selection_mask
+    first = replica_prefix(0)
+    splits = {n for n in ir.nodes_of({"Split"}) if n.startswith(SPLIT_SCOPE)}
+    means = list(dict.fromkeys(  # a mask of the weights selects as many on every replica
+        mean for loss in losses for mean, _ in loss_means(ir, tensor_name(*loss))
+        if averaged_selection(ir, mean) is not None and not splits.isdisjoint(
+            ir.value_sources(selection_mask(ir, averaged_selection(ir, mean))[0]))))
+    for k, mean in enumerate(means):
+        gather = averaged_selection(ir, mean)
+        if not _selected_by_a_batch_mask(ir, classes(), gather):
+            raise ContractError(
+                f"the loss averages ('{mean[len(first):]}') over the elements that "
+                f"'{gather[len(first):]}' ({ir.op(gather)}) picks with a mask not shown to hold "
+                "each example's own values: the replicas' counts of them are not shown to add "
+                "up to the whole batch's; compute the mask from each example alone, or train "
+                "on one device")
+        name = mean[len(first):]
+        for i, device in enumerate(devices):
+            prefix = replica_prefix(i)
+            _sum_selected_mean(ir, build, prefix + name, f"{prefix}{SCOPE}mean_{k}/", device)
+    return [m[len(first):] for m in means]
+
+
+# the ops between a Mean gradient's Shape of the Mean's input and its count of the elements
+_COUNT_OPS = frozenset({"Const", "Cast", "Prod", "GatherV2", "Gather", "FloorMod", "FloorDiv",
+                        "Add", "AddV2", "Maximum", "Range", "Identity"})
+
+
+def _sum_selected_mean(ir, build, mean: str, scope: str, device: str) -> None:
+    """One replica's copy ``mean`` as its Sum over the selection's Size (_sum_selected_means)."""
+    from graphxform.contract import ContractError
+    from graphxform.training import gradient_scope
+    data, axes = ir.inputs(mean)
+    selected = tensor_name(*data)
+    attrs = ir.attrs(mean)
+    dtype, shapes = attrs["T"].type, attrs.get("_output_shapes")
+    total = build.op(f"{scope}sum", "Sum", [selected, tensor_name(*axes)], device=device,
+                     T=dtype, Tidx=attrs["Tidx"].type, keep_dims=attrs["keep_dims"].b)
+    size = build.op(f"{scope}size", "Size", [selected], device=device,
+                    T=opdefs.output_dtype(ir, *data), out_type=3)
+    count = build.op(f"{scope}count", "Cast", [size + ":0"], device=device, SrcT=3, DstT=dtype)
+    divisions = _mean_gradient_divisions(ir, mean, data)
+    within = {gradient_scope(d) for d in divisions}
+    differentiated = {gradient_scope(n) for n, _ in ir.consumers(data[0], data[1])} - {None}
+    if not differentiated <= within:
+        raise ContractError(
+            f"the loss averages ('{mean}') over a selection of the batch, and the division "
+            f"by its count in the gradient {sorted(differentiated - within)[0]!r} computes "
+            "was not found, so it cannot be made the whole batch's; write the loss as "
+            "tf.reduce_sum(sel) / tf.cast(tf.size(sel), tf.float32)")
+    controls = ir.control_inputs(mean)
+    build.replace(mean, "RealDiv", [total + ":0", count + ":0"], device=device, T=dtype)
+    for src in controls:
+        ir.add_control_input(mean, src)
+    if shapes is not None:
+        for node in (mean, total):
+            ir.proto(node).attr["_output_shapes"].CopyFrom(shapes)
+    for division in divisions:
+        ir.set_input(division, 1, count + ":0")
+
+
+def _mean_gradient_divisions(ir, mean: str, data: tuple) -> list:
+    """The divisions of gradients of ``mean`` by its count of elements: RealDivs in a
+    gradients scope of a Tile of the incoming gradient to the input's shape (the Sum's
+    gradient) by a count computed from the Shape of the Mean's input ``data`` (or of its
+    output) and constants alone."""
+    from graphxform.training import gradient_scope
+    shapes = {n for n, _ in ir.consumers(data[0], data[1])
+              if ir.op(n) in ("Shape", "Size") and gradient_scope(n)}
+    shapes |= {n for n, _ in ir.consumers(mean) if ir.op(n) == "Shape" and gradient_scope(n)}
+    found = []
+    for shape in shapes:
+        for reader in {d for d, _ in ir.consumers(shape)}:
+            if ir.op(reader) != "Tile":
+                continue
+            for division, port in ir.consumers(reader):
+                if port == 0 and ir.op(division) == "RealDiv" and \
+                        _counted_from(ir, ir.input(division, 1)[0], shapes):
+                    found.append(division)
+    return sorted(set(found))
+
+
+def _counted_from(ir, node: str, shapes: set) -> bool:
+    """Whether ``node`` computes from ``shapes`` (and constants) alone, by _COUNT_OPS."""
+    seen, stack, reads = set(), [node], False
+    while stack:
+        current = stack.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        if current in shapes:
+            reads = True
+            continue
+        if ir.op(current) not in _COUNT_OPS:
+            return False
+        stack.extend(src for src, _ in ir.inputs(current))
+    return reads
 
 
 def _classes(ir, first: str, losses: list):
@@ -250,7 +367,7 @@ def _rows_of_a_batch_mask(ir, values, node: str) -> bool:
     from graphxform.replica_values import BATCHED
     from graphxform.selections import mask_of
     mask = mask_of(ir, node, through=())
-    return mask is not None and values.of(*mask) in BATCHED
+    return mask is not None and _of_the_examples(ir, values, mask)
 
 
 def _total_kind(ir, values, tensor: tuple):
@@ -258,7 +375,7 @@ def _total_kind(ir, values, tensor: tuple):
     tell (what a loop read), a Sum or Mean recorded as a scalar, or the count of rows tf.where
     finds in a mask of the batch's examples (a sum of each example's count); else None."""
     from graphxform.replica_values import COUNT, MEAN, SUM
-    from graphxform.selections import where_counted
+    from graphxform.selections import selection_counted, where_counted
     kind = values.of(*tensor)
     if kind in (SUM, MEAN, COUNT):
         return kind
@@ -268,7 +385,38 @@ def _total_kind(ir, values, tensor: tuple):
     where = where_counted(ir, tensor[0]) if tensor[1] == 0 else None
     if where is not None and _rows_of_a_batch_mask(ir, values, where):
         return SUM  # each example's count of true entries, summed
+    selection = selection_counted(ir, tensor[0]) if tensor[1] == 0 else None
+    if selection is not None and _selected_by_a_batch_mask(ir, values, selection):
+        return SUM  # the same, times the elements per selected row
     return None
+
+
+def _selected_by_a_batch_mask(ir, values, gather: str) -> bool:
+    """Whether ``gather`` (selections.selection_of's) picks with a mask of the batch's
+    examples, so the count of what it selects is a sum over the batch."""
+    from graphxform.selections import selection_mask
+    return _of_the_examples(ir, values, selection_mask(ir, gather))
+
+
+# ops that keep a mask's entries, so its count of true ones (boolean_mask flattens a
+# [batch, time] mask by a shape it computes, which the classes cannot follow)
+_ENTRIES_KEPT = frozenset({"Reshape", "Identity", "Squeeze", "ExpandDims"})
+
+
+def _of_the_examples(ir, values, mask: tuple) -> bool:
+    """Whether ``mask`` holds, through reshapes, the values of the replica's examples (its
+    rows are the slice's), so the replicas' counts of its true entries add up to the
+    batch's. The batch's longest length (tf.sequence_mask(lengths)'s width, a Max over the
+    examples) counts as the whole batch's: global-extremes makes it so, after this pass."""
+    from graphxform.replica_values import BATCHED, EXTREMES, IDENTICAL, classify
+    while values.of(*mask) not in BATCHED and ir.op(mask[0]) in _ENTRIES_KEPT:
+        mask = ir.inputs(mask[0])[0]
+    if values.of(*mask) in BATCHED:
+        return True
+    read = [n for n in ir.ancestors(mask[0]) if n.startswith(replica_prefix(0))]
+    extremes = {(n, 0): IDENTICAL for n in read if values.of(n) in EXTREMES}
+    return bool(extremes) and classify(ir, replica_prefix(0), forced=extremes,
+                                       copies=read).of(*mask) in BATCHED
 
 
 _SCALING_OPS = frozenset({"Identity", "Neg", "Cast", "Mul", "StopGradient", "CheckNumerics",

@@ -131,6 +131,11 @@ def _tape_seed(ir, scope: str, step) -> tuple[str, tuple] | None:
     def inputs(n):
         return [src[len(prefix):] for src, _ in ir.inputs(prefix + n) if src.startswith(prefix)]
 
+    def fed(n):  # its inputs, and what those a pass made read (global-denominators' Sum of
+        # a selection, where a Mean's gradient reads the selection's shape)
+        return [f for src in inputs(n) for f in [src] + (
+            inputs(src) if ir.node(prefix + src).get("origin") is None else [])]
+
     seeds = [n for n in inside if gradient_scope(n) is None
              and ir.op(prefix + n) in ("Const", "Fill") and seed_value(ir, prefix + n)
              and consumers(n) and all(gradient_scope(d) == scope for d in consumers(n))]
@@ -152,7 +157,7 @@ def _tape_seed(ir, scope: str, step) -> tuple[str, tuple] | None:
     forward = {n[len(prefix):] for n in ir.nodes() if n.startswith(prefix + named)}
     differentiated = {n for n in forward if gradient_scope(n) is None
                       and named in _forward_scopes(n) and ir.op(prefix + n) != "Const"
-                      and (n in read or any(src in read for src in inputs(n)))}
+                      and (n in read or any(src in read for src in fed(n)))}
     feeds_loss = {n[len(prefix):] for n in ir.ancestors(prefix + loss)} | {loss}
     if loss not in differentiated or not differentiated <= feeds_loss:
         return None
