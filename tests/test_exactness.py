@@ -174,3 +174,45 @@ def test_batch_renormalization_is_batch_norm(run_cli, tmp_path):
     code, out, err = run_cli("verify", "--replicas", 2, "--sync-batch-norm", model, "--feeds",
                              model + ".npz", "--batch-size", 16, "--steps", 2)
     assert code == 0 and "PASS" in out, out + err  # 2.4e-06: a bias before the norm, ~0
+
+
+def generator_classifier(path, draw):
+    """A classifier whose inputs get noise from a tf.random.Generator (the TF 'Random number
+    generation' guide's Generator.from_seed, its draws in graph mode: RngReadAndSkip advancing
+    the generator's state variable by the draw's count, then a stateless op)."""
+    from conftest import export_classifier
+    tf1 = tf.compat.v1
+
+    def build(x, y):
+        gen = tf.random.Generator.from_seed(1234)
+        noisy = x + draw(gen, x)
+        logits = tf.matmul(noisy, tf1.get_variable("w", [8, 2]))
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=y, logits=logits), name="loss")
+        return tf1.train.MomentumOptimizer(0.1, 0.9).minimize(loss)
+    return export_classifier(path, build)
+
+
+def test_a_generator_draw_of_the_batch_matches_one_device(run_cli, tmp_path):
+    """Each replica's generator skipped its slice's count, not the whole batch's: from the
+    second step on every replica drew other numbers than one device (verify FAILed, 0.5)."""
+    model = generator_classifier(tmp_path / "m.meta",
+                                 lambda gen, x: 0.5 * gen.normal(tf.shape(x)))
+    code, out, err = run_cli("verify", "--replicas", 2, "--consistent-random", model, "--feeds",
+                             model + ".npz", "--batch-size", 16, "--steps", 3)
+    assert code == 0 and "PASS" in out, out + err
+    assert "cannot match" not in out and "random_generator/StateVar" in out
+    code, out, _ = run_cli("verify", "--replicas", 2, model, "--feeds", model + ".npz",
+                           "--batch-size", 16, "--steps", 3)
+    assert code == 1 and "--consistent-random (--strategy allreduce) gives" in out
+
+
+def test_a_generator_draw_the_pass_cannot_count_is_refused(run_cli, tmp_path):
+    """Generator.binomial draws from the state itself (StatefulRandomBinomial): refused."""
+    model = generator_classifier(tmp_path / "m.meta", lambda gen, x: tf.cast(gen.binomial(
+        tf.shape(x), counts=2.0, probs=0.5), tf.float32))
+    code, out, err = run_cli("apply", "--replicas", 2, "--consistent-random", model,
+                             "-o", tmp_path / "out.meta")
+    assert code == 1 and "Traceback" not in err
+    assert "'binomial' (StatefulRandomBinomial)" in err
+    assert len(err.strip().splitlines()) == 1
