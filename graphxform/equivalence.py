@@ -402,11 +402,14 @@ def _ahead_of_defaults(ir: GraphIR, tg) -> set | None:
 
 def _drawn_per_example(ir: GraphIR, name: str, from_inputs: set, fixed: set) -> bool:
     """Whether what a random op draws depends on the batch: an input computed from the
-    placeholders, or a constant shape whose leading entry is the graph's fixed batch."""
+    placeholders, or a constant shape whose leading entry is the graph's fixed batch (also
+    through ``[c[0]]``, tf.shape of a fixed batch folded into a Const c)."""
+    from graphxform.passes.consistent_random import leading_const
     for src, _ in ir.inputs(name):
         if src in from_inputs:
             return True
-        value = const_value(ir, src)
+        const = leading_const(ir, src)
+        value = const_value(ir, const) if const else None
         if value is not None and value.ndim == 1 and value.size and int(value[0]) in fixed:
             return True
     return False

@@ -30,7 +30,7 @@ from graphxform.contract import replica_local
 from graphxform.errors import GraphxformError
 from graphxform.functions import legacy_loop_frames, out_of_reach, random_in_function
 from graphxform.training import RANDOM_OPS
-from graphxform.nodes import Builder, replica_prefix
+from graphxform.nodes import Builder, const_value, replica_prefix
 from graphxform.pipeline import Pass, PassResult
 
 SCOPE = "consistent_random/"
@@ -176,7 +176,8 @@ def _refuse_uncounted_skips(ir, prefix: str, batched: list, local: set) -> None:
 
 def _leads_with_batch_size(ir, shape: str) -> bool:
     """Whether the shape vector ``shape`` starts with a tensor's own first dimension:
-    tf.shape(x), or a Pack or concat whose first part is tf.shape(x)[0] (or [:1])."""
+    tf.shape(x), or a Pack or concat whose first part is tf.shape(x)[0] (or [:1]); or with
+    the batch's size split-inputs wrote into a fixed batch's shape (``_rebatched``)."""
     op = ir.op(shape)
     while op in ("Identity", "Cast"):
         shape = ir.inputs(shape)[0][0]
@@ -187,19 +188,46 @@ def _leads_with_batch_size(ir, shape: str) -> bool:
         first = ir.inputs(shape)[0][0]
         while ir.op(first) in ("Identity", "Cast"):
             first = ir.inputs(first)[0][0]
-        return ir.op(first) == "StridedSlice" and ir.op(ir.inputs(first)[0][0]) in (
-            "Shape", "ShapeN")
-    return False
+        if ir.op(first) == "StridedSlice" and ir.op(ir.inputs(first)[0][0]) in (
+                "Shape", "ShapeN"):
+            return True
+    return _rebatched(ir, shape)
+
+
+def leading_const(ir, shape: str) -> str | None:
+    """The Const whose entry 0 is entry 0 of the shape vector ``shape``: the Const itself, or
+    one a Pack or concat takes its first part from as ``c[0]`` (or ``c[:1]``). TF folds
+    tf.shape of a tensor of static shape into a Const: tf.image.random_flip_left_right on a
+    fixed batch draws ``[tf.shape(image)[0]]``, a Pack of such a slice."""
+    while ir.op(shape) in ("Identity", "Cast"):
+        shape = ir.inputs(shape)[0][0]
+    if ir.op(shape) == "Const":
+        return shape
+    if ir.op(shape) not in ("Pack", "ConcatV2") or not ir.inputs(shape):
+        return None
+    first = ir.inputs(shape)[0][0]
+    while ir.op(first) in ("Identity", "Cast"):
+        first = ir.inputs(first)[0][0]
+    if ir.op(first) != "StridedSlice" or len(ir.inputs(first)) < 2:
+        return None
+    source, begin = ir.inputs(first)[0][0], const_value(ir, ir.inputs(first)[1][0])
+    if ir.op(source) != "Const" or begin is None or begin.reshape(-1)[:1].tolist() != [0]:
+        return None
+    return source
+
+
+def _rebatched(ir, shape: str) -> bool:
+    """Whether ``shape`` leads with a fixed batch's size that split-inputs made the slice's
+    (a Const it marked as the batch's shape)."""
+    const = leading_const(ir, shape)
+    mark = ir.attrs(const).get(replica_values.REBATCHED_ATTR) if const else None
+    return mark is not None and mark.s == replica_values.BATCH_SHAPE.encode()
 
 
 def _batch_shaped(ir, shape: str, local: set) -> bool:
     """Whether a draw of ``shape`` is the replica's slice's: a shape read from the slice, or
-    a constant split-inputs rewrote from the global batch's size (a fixed batch)."""
-    if shape in local:
-        return True
-    mark = ir.attrs(shape).get(replica_values.REBATCHED_ATTR) if ir.op(shape) == "Const" \
-        else None
-    return mark is not None and mark.s == replica_values.BATCH_SHAPE.encode()
+    one led by a constant split-inputs rewrote from the global batch's size (a fixed batch)."""
+    return shape in local or _rebatched(ir, shape)
 
 
 def _unseeded(attrs) -> bool:
