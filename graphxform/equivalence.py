@@ -353,11 +353,15 @@ def _random_ops(ir: GraphIR, tg, from_inputs: set) -> tuple[list, list, list]:
     then draws the first numbers of the sequence for its slice. Out of reach of
     --consistent-random (and not among the seeded): a draw inside a legacy while loop over the
     batch (map_fn, dynamic_rnn), afresh at every iteration, and one from values of each
-    example (tf.random.categorical's logits). A candidate sampler (nce_loss) draws
+    example (tf.random.categorical's logits); a tf.random.Generator's RngReadAndSkip by its
+    draw's count goes with its draw (passes/consistent_random.py). A candidate sampler (nce_loss) draws
     ``num_sampled`` ids whatever the batch, the same in every replica as on one device."""
-    from graphxform.passes.consistent_random import SHAPED_RANDOM_OPS
+    from graphxform.passes.consistent_random import SHAPED_RANDOM_OPS, counted_skip
     fixed = {i.fixed_batch for i in tg.inputs if i.fixed_batch}
     seeded, out_of_reach, unseeded = [], [], []
+    # a tf.random.Generator's skip by its draw's count: the whole-batch draw skips the whole's
+    counted = [counted_skip(ir, n) for n in tg.train_closure if ir.op(n) in SHAPED_RANDOM_OPS]
+    skips = {found[0] for found in counted if found}
     ahead = _ahead_of_defaults(ir, tg)
     looped = set().union(*[members for members in functions.legacy_loop_frames(ir)
                            if not members.isdisjoint(from_inputs)])
@@ -375,7 +379,7 @@ def _random_ops(ir: GraphIR, tg, from_inputs: set) -> tuple[list, list, list]:
         elif name in looped:
             out_of_reach.append(name)
         elif _drawn_per_example(ir, name, from_inputs, fixed):
-            (seeded if op in SHAPED_RANDOM_OPS else out_of_reach).append(name)
+            (seeded if op in SHAPED_RANDOM_OPS or name in skips else out_of_reach).append(name)
     return seeded, out_of_reach, unseeded
 
 
@@ -398,11 +402,14 @@ def _ahead_of_defaults(ir: GraphIR, tg) -> set | None:
 
 def _drawn_per_example(ir: GraphIR, name: str, from_inputs: set, fixed: set) -> bool:
     """Whether what a random op draws depends on the batch: an input computed from the
-    placeholders, or a constant shape whose leading entry is the graph's fixed batch."""
+    placeholders, or a constant shape whose leading entry is the graph's fixed batch (also
+    through ``[c[0]]``, tf.shape of a fixed batch folded into a Const c)."""
+    from graphxform.passes.consistent_random import leading_const
     for src, _ in ir.inputs(name):
         if src in from_inputs:
             return True
-        value = const_value(ir, src)
+        const = leading_const(ir, src)
+        value = const_value(ir, const) if const else None
         if value is not None and value.ndim == 1 and value.size and int(value[0]) in fixed:
             return True
     return False

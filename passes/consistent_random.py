@@ -11,7 +11,13 @@ A random op whose shape does not depend on the batch (a sampler, noise on weight
 draws the same values on every replica, as its copies share its seeds. One with seed = seed2
 = 0 draws differently on every run, even on one device: it is listed, not rewritten. One
 inside a function body (dropout under ``tf.cond`` with control flow v2) is out of reach: the
-option is refused (graphxform/functions.py)."""
+option is refused (graphxform/functions.py).
+
+A ``tf.random.Generator`` draw in graph mode (``gen.normal(tf.shape(x))``) is a stateless op
+whose key and counter an ``RngReadAndSkip`` reads from the generator's state variable, which it
+then advances by the draw's element count. The whole-batch draw advances it by the whole
+batch's count too, so every replica's copy of the state moves as one device's does; a skip
+counted from the batch that feeds no such draw is refused."""
 
 from __future__ import annotations
 
@@ -24,7 +30,7 @@ from graphxform.contract import replica_local
 from graphxform.errors import GraphxformError
 from graphxform.functions import legacy_loop_frames, out_of_reach, random_in_function
 from graphxform.training import RANDOM_OPS
-from graphxform.nodes import Builder, replica_prefix
+from graphxform.nodes import Builder, const_value, replica_prefix
 from graphxform.pipeline import Pass, PassResult
 
 SCOPE = "consistent_random/"
@@ -35,6 +41,11 @@ SHAPED_RANDOM_OPS = {"RandomUniform", "RandomStandardNormal", "TruncatedNormal",
                      "StatelessTruncatedNormalV2", "StatelessRandomUniformIntV2",
                      "StatelessRandomUniformFullIntV2"}
 INT32, INT64 = 3, 9
+GENERATOR_SKIP = "RngReadAndSkip"
+# tf.random.Generator's ops that draw from its state themselves (Generator.binomial)
+GENERATOR_DRAWS = {"StatefulRandomBinomial", "StatefulUniform", "StatefulUniformInt",
+                   "StatefulUniformFullInt", "StatefulStandardNormal",
+                   "StatefulStandardNormalV2", "StatefulTruncatedNormal"}
 
 
 @dataclasses.dataclass
@@ -56,6 +67,7 @@ class ConsistentRandom(Pass):
         batched = [n for n in random_ops if n not in unseeded
                    and _batch_shaped(ir, ir.input(prefix + n, 0)[0], local)]
         _refuse_rows_not_examples(ir, prefix, batched)
+        _refuse_uncounted_skips(ir, prefix, batched, local)
         build = Builder(ir, self.name)
         replicas = len(ctx.devices)
         for name in batched:
@@ -111,9 +123,61 @@ def _refuse_rows_not_examples(ir, prefix: str, batched: list) -> None:
                 "drop the option")
 
 
+def generator_skip(ir, draw: str) -> str | None:
+    """The RngReadAndSkip whose output a stateless ``draw`` takes its key and counter from
+    (through StridedSlice and Bitcast, as tf.random.Generator builds them), or None."""
+    found = set()
+    for port in (1, 2):  # key, counter
+        if len(ir.inputs(draw)) <= port:
+            return None
+        src = ir.input(draw, port)[0]
+        while ir.op(src) in ("StridedSlice", "Bitcast", "Identity"):
+            src = ir.input(src, 0)[0]
+        found.add(src)
+    skip = found.pop() if len(found) == 1 else None
+    return skip if skip is not None and ir.op(skip) == GENERATOR_SKIP else None
+
+
+def counted_skip(ir, draw: str) -> tuple[str, str] | None:
+    """(the skip, its count's Prod) where ``draw``'s generator skips by exactly the draw's
+    element count, ``Cast(Prod(shape))`` of the draw's own shape tensor: a whole-batch draw
+    then skips R times as far. None otherwise."""
+    skip = generator_skip(ir, draw)
+    if skip is None or len(ir.inputs(skip)) < 3:
+        return None
+    count = ir.input(skip, 2)[0]
+    while ir.op(count) in ("Cast", "Identity"):
+        count = ir.input(count, 0)[0]
+    if ir.op(count) != "Prod" or ir.input(count, 0) != ir.input(draw, 0):
+        return None
+    return skip, count
+
+
+def _refuse_uncounted_skips(ir, prefix: str, batched: list, local: set) -> None:
+    """A generator skip counted from the replica's slice must be one a rewritten draw makes
+    the whole batch's (``counted_skip``); any other (a draw the pass does not rewrite, a count
+    it cannot scale, a Generator op drawing from its state itself, as binomial does) would
+    advance each replica's generator by its slice's count alone."""
+    counted = set()
+    for name in batched:
+        found = counted_skip(ir, prefix + name)
+        if found:
+            counted.add(found[0])
+    for skip in sorted(ir.nodes_of((GENERATOR_SKIP, *GENERATOR_DRAWS))):
+        if not skip.startswith(prefix) or skip in counted:
+            continue
+        if any(src in local for src, _ in ir.inputs(skip)[1:]):
+            raise GraphxformError(
+                f"--consistent-random: '{skip[len(prefix):]}' ({ir.op(skip)}) draws from a "
+                "tf.random.Generator a count of numbers computed from the batch, which the "
+                "pass cannot make the whole batch's, so each replica's generator would move "
+                "by its slice's count alone; drop the option")
+
+
 def _leads_with_batch_size(ir, shape: str) -> bool:
     """Whether the shape vector ``shape`` starts with a tensor's own first dimension:
-    tf.shape(x), or a Pack or concat whose first part is tf.shape(x)[0] (or [:1])."""
+    tf.shape(x), or a Pack or concat whose first part is tf.shape(x)[0] (or [:1]); or with
+    the batch's size split-inputs wrote into a fixed batch's shape (``_rebatched``)."""
     op = ir.op(shape)
     while op in ("Identity", "Cast"):
         shape = ir.inputs(shape)[0][0]
@@ -124,19 +188,46 @@ def _leads_with_batch_size(ir, shape: str) -> bool:
         first = ir.inputs(shape)[0][0]
         while ir.op(first) in ("Identity", "Cast"):
             first = ir.inputs(first)[0][0]
-        return ir.op(first) == "StridedSlice" and ir.op(ir.inputs(first)[0][0]) in (
-            "Shape", "ShapeN")
-    return False
+        if ir.op(first) == "StridedSlice" and ir.op(ir.inputs(first)[0][0]) in (
+                "Shape", "ShapeN"):
+            return True
+    return _rebatched(ir, shape)
+
+
+def leading_const(ir, shape: str) -> str | None:
+    """The Const whose entry 0 is entry 0 of the shape vector ``shape``: the Const itself, or
+    one a Pack or concat takes its first part from as ``c[0]`` (or ``c[:1]``). TF folds
+    tf.shape of a tensor of static shape into a Const: tf.image.random_flip_left_right on a
+    fixed batch draws ``[tf.shape(image)[0]]``, a Pack of such a slice."""
+    while ir.op(shape) in ("Identity", "Cast"):
+        shape = ir.inputs(shape)[0][0]
+    if ir.op(shape) == "Const":
+        return shape
+    if ir.op(shape) not in ("Pack", "ConcatV2") or not ir.inputs(shape):
+        return None
+    first = ir.inputs(shape)[0][0]
+    while ir.op(first) in ("Identity", "Cast"):
+        first = ir.inputs(first)[0][0]
+    if ir.op(first) != "StridedSlice" or len(ir.inputs(first)) < 2:
+        return None
+    source, begin = ir.inputs(first)[0][0], const_value(ir, ir.inputs(first)[1][0])
+    if ir.op(source) != "Const" or begin is None or begin.reshape(-1)[:1].tolist() != [0]:
+        return None
+    return source
+
+
+def _rebatched(ir, shape: str) -> bool:
+    """Whether ``shape`` leads with a fixed batch's size that split-inputs made the slice's
+    (a Const it marked as the batch's shape)."""
+    const = leading_const(ir, shape)
+    mark = ir.attrs(const).get(replica_values.REBATCHED_ATTR) if const else None
+    return mark is not None and mark.s == replica_values.BATCH_SHAPE.encode()
 
 
 def _batch_shaped(ir, shape: str, local: set) -> bool:
     """Whether a draw of ``shape`` is the replica's slice's: a shape read from the slice, or
-    a constant split-inputs rewrote from the global batch's size (a fixed batch)."""
-    if shape in local:
-        return True
-    mark = ir.attrs(shape).get(replica_values.REBATCHED_ATTR) if ir.op(shape) == "Const" \
-        else None
-    return mark is not None and mark.s == replica_values.BATCH_SHAPE.encode()
+    one led by a constant split-inputs rewrote from the global batch's size (a fixed batch)."""
+    return shape in local or _rebatched(ir, shape)
 
 
 def _unseeded(attrs) -> bool:
@@ -175,6 +266,15 @@ def _draw_whole_batch(ir, build, node, index, replicas, device) -> None:
     draw = scope + "draw"
     ir.add_node(draw, ir.op(node), [global_shape + ":0", *others], device=device,
                 attr=dict(ir.attrs(node)), created_by=build.created_by)
+    skip = counted_skip(ir, node)
+    if skip is not None:  # a tf.random.Generator's: skip the whole batch's count
+        generator, prod = skip
+        count = op("skip_count", "Prod", [global_shape, "{}:{}".format(*ir.input(prod, 1))],
+                   T=index_type, Tidx=ir.attrs(prod)["Tidx"].type,
+                   keep_dims=ir.attrs(prod)["keep_dims"].b)
+        delta_type = opdefs.output_dtype(ir, *ir.input(generator, 2)) or 23  # uint64
+        ir.set_input(generator, 2, op("skip_delta", "Cast", [count], SrcT=index_type,
+                                      DstT=delta_type) + ":0")
     begin = op("slice_begin", "Mul", [first, op("offset", "Mul", [rows, const(
         "replica", index)], T=index_type)], T=index_type)
     piece = op("slice", "Slice", [draw, begin, shape], T=value_type, Index=index_type)
