@@ -561,7 +561,12 @@ def _elementwise(n: _Node):
 
 
 def _per_example(n: _Node):
-    """Convolutions, pools, batch norm, per-example losses: axis 0 of the data input."""
+    """Convolutions, pools, batch norm, per-example losses: axis 0 of the data input. A cross
+    entropy of logits summed over the batch (one example whose rows an input's unknown axis 0
+    holds: ``reduce_sum(matmul(x, w), 0)``) is non-linear in that sum: a replica's is not its
+    share of one device's."""
+    if n.op in CROSS_ENTROPY_OPS and (n.states[0] == AGGREGATE or isinstance(n.states[0], Curved)):
+        return n.states[0] if isinstance(n.states[0], Curved) else Curved(n.name, n.op)
     if n.states[0] != 0 or any(s not in (None, SIZE, 0) for s in n.states[1:]):
         return UNKNOWN
     if n.op.startswith("FusedBatchNorm"):

@@ -60,8 +60,9 @@ class SplitInputs(Pass):
         _uncolocate(ir, split, replicas)
         rebatched, states = [], []
         if fixed:
-            rebatched = rebatch_constants(ir, build, splits, fixed[0], replicas)
-            states = split_filled_batches(ir, build, rebatched, fixed[0], replicas)
+            lengths = batch_lengths(ir, splits, fixed)
+            rebatched = rebatch_constants(ir, build, splits, lengths, replicas)
+            states = split_filled_batches(ir, build, rebatched, lengths, replicas)
             splits += [f"{SCOPE}{name}/split" for name in states]
         if fixed or sparse:
             _forget_recorded_shapes(ir, splits + rebatched + list(sparse.values()))
@@ -196,9 +197,36 @@ def uneven_batch(error_text: str) -> str | None:
             "drop_remainder=True)")
 
 
-def rebatch_constants(ir, build, splits: list[str], batch: int, replicas: int) -> list[str]:
-    """In every replica, the constants TF folded from a fixed global batch say the slice's
-    size. A gradient's constant that is the static shape (or size) of an input of its forward
+def batch_lengths(ir, splits: list[str], fixed: list[int]) -> set[int]:
+    """The global lengths TF folded along the batch axis: each fixed batch an input or a read
+    has, and the length of each concat along axis 0 of tensors of such lengths computed from
+    the batch (two batches of one iterator, or two views of one batch, ``tf.concat([x1, x2],
+    0)``: a tf.compat.v1 loss over them counts 32 rows where each replica holds 16). Each
+    replica holds 1/N of every one of them."""
+    lengths = set(fixed)
+    from_batch = ir.data_descendants(splits)
+    concats = [n for n in ir.nodes_of({"ConcatV2"}) if n in from_batch
+               and n.startswith(replica_prefix(0))]
+    grown = True
+    while grown:
+        grown = False
+        for name in concats:
+            *parts, axis = ir.inputs(name)
+            dims = opdefs.recorded_dims(ir, name, 0)
+            if (not dims or dims[0] in lengths or const_value(ir, axis[0]) != 0
+                    or not all(src in from_batch and (_recorded_shape(ir, src, port) or
+                                                      [None])[0] in lengths
+                               for src, port in parts)):
+                continue
+            lengths.add(dims[0])
+            grown = True
+    return lengths
+
+
+def rebatch_constants(ir, build, splits: list[str], lengths: set[int],
+                      replicas: int) -> list[str]:
+    """In every replica, the constants TF folded from a fixed global batch (any of
+    ``lengths``, see batch_lengths) say the slice's size. A gradient's constant that is the static shape (or size) of an input of its forward
     op computed from the batch becomes a live Shape (Size) of the replica's tensor. Of the
     rest: integer shapes whose leading entry is the batch (``Shape``, ``shape_as_tensor``, a
     Mean gradient's Tile multiples, a Reshape of the batch to it, a random draw of one value
@@ -221,7 +249,7 @@ def rebatch_constants(ir, build, splits: list[str], batch: int, replicas: int) -
             continue
         if _live_shape(ir, name, value, from_batch, of_batch=False) is not None:
             continue  # the shape of a weight as wide as the batch is long
-        new = _rebatched(ir, name, value, batch, replicas, from_batch)
+        new = _rebatched(ir, name, value, lengths, replicas, from_batch)
         if new is not None:
             attrs = ir.node(name)["attr"]
             attrs["value"].tensor.CopyFrom(tensor_proto(new[0]))
@@ -230,7 +258,8 @@ def rebatch_constants(ir, build, splits: list[str], batch: int, replicas: int) -
     return changed
 
 
-def split_filled_batches(ir, build, rebatched: list, batch: int, replicas: int) -> list:
+def split_filled_batches(ir, build, rebatched: list, lengths: set[int],
+                         replicas: int) -> list:
     """A batch filled with one value outside any gradient (an RNN's zero state:
     ``cell.zero_state(batch_size)``, ``tf.zeros([batch_size, units])``) becomes an input
     like a placeholder: one node under its original name fills the global batch, and each
@@ -248,8 +277,9 @@ def split_filled_batches(ir, build, rebatched: list, batch: int, replicas: int) 
         if ir.control_inputs(name) or any(ir.control_inputs(src) for src, _ in ir.inputs(name)):
             continue  # inside a loop's or cond's frame (its constants wait on the frame)
         shape, value = _filled(ir, name)
-        if shape is None or not shape or shape[0] * replicas != batch:
+        if shape is None or not shape or shape[0] * replicas not in lengths:
             continue
+        batch = shape[0] * replicas
         dtype = opdefs.output_dtype(ir, name, 0)
         scope = f"{SCOPE}{original}/"
         build.op(original, "Fill", [build.const(scope + "dims", [batch, *shape[1:]], np.int32),
@@ -362,26 +392,27 @@ def _static_shape(ir, node: str, port: int, keys) -> list | None:
     return None if shape.unknown_rank or any(d < 0 for d in dims) else dims
 
 
-def _rebatched(ir, name: str, value, batch: int, replicas: int, from_batch: set):
+def _rebatched(ir, name: str, value, lengths: set, replicas: int, from_batch: set):
     """(``value`` as the slice would have it, its class in graphxform.replica_values), or None
-    when it is not folded from the batch."""
+    when it is not folded from the batch (one of ``lengths``)."""
     if value is None or value.dtype.kind not in "iufb":
         return None
-    if (value.ndim >= 1 and value.shape[0] == batch > 1 and (value == value.flat[0]).all()
-            and not _initial_value(ir, name)):
-        return (np.full((batch // replicas,) + value.shape[1:], value.flat[0], value.dtype),
-                replica_values.BATCH_FILL)
+    if (value.ndim >= 1 and value.shape[0] in lengths and value.shape[0] > 1
+            and (value == value.flat[0]).all() and not _initial_value(ir, name)):
+        return (np.full((value.shape[0] // replicas,) + value.shape[1:], value.flat[0],
+                        value.dtype), replica_values.BATCH_FILL)
     leaf = name.rsplit("/", 1)[-1]
+    multiple = bool(value.ndim == 0 and value and any(value % n == 0 for n in lengths))
     if value.dtype.kind in "iu":
-        if value.ndim == 1 and value.size and value[0] == batch and (
+        if value.ndim == 1 and value.size and value[0] in lengths and (
                 FOLDED_SHAPE.match(leaf) or _reshapes_the_batch(ir, name, from_batch)
                 or _fills_a_batch(ir, name) or _draws_for_the_batch(ir, name, from_batch)):
-            return (np.concatenate([[batch // replicas], value[1:]]).astype(value.dtype),
+            return (np.concatenate([[value[0] // replicas], value[1:]]).astype(value.dtype),
                     replica_values.BATCH_SHAPE)
-        if value.ndim == 0 and value % batch == 0 and value and FOLDED_SIZE.match(leaf):
+        if multiple and FOLDED_SIZE.match(leaf):
             return np.asarray(value // replicas, dtype=value.dtype), replica_values.COUNT
         return None
-    if value.ndim == 0 and value and value % batch == 0 and _mean_over_batch(ir, name):
+    if multiple and _mean_over_batch(ir, name):
         return np.asarray(value / replicas, dtype=value.dtype), replica_values.COUNT
     return None
 

@@ -901,3 +901,20 @@ def test_towers_on_a_fixed_batch_are_refused(run_cli, tmp_path, batch, message):
                            tmp_path / "out.meta")
     assert code == 1 and len(err.strip().splitlines()) == 1, err
     assert message in err, err
+
+
+def test_a_cross_entropy_of_logits_summed_over_the_batch_is_refused(run_cli, tmp_path):
+    """One example a step whose rows are axis 0 of the input (an image's rows, an iterator's
+    unbatched element): its logits sum over them, then a cross entropy against one label. It
+    was accepted and trained 40x off (the cross entropy of a sum was unknown, not mixing)."""
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+
+    def build(x, y):
+        logits = tf.reduce_sum(tf.matmul(x, tf1.get_variable("w", [8, 2])), 0, keepdims=True)
+        return _step(tf1.losses.sparse_softmax_cross_entropy(tf.ones([1], tf.int64), logits))
+    model = _export(tmp_path / "m.meta", build)
+    code, _, err = run_cli("apply", "--replicas", 2, model, "-o", tmp_path / "out.meta")
+    assert code == 1 and len(err.strip().splitlines()) == 1, err
+    assert "'sparse_softmax_cross_entropy_loss/xentropy/xentropy' " \
+           "(SparseSoftmaxCrossEntropyWithLogits) applies a non-linear function" in err

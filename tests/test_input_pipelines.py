@@ -162,6 +162,29 @@ def test_a_last_batch_that_does_not_divide_is_a_one_line_error(run_cli, tmp_path
     assert len(err.strip().splitlines()) == 1
 
 
+def two_batches_graph(path, second_batch=16):
+    """Two batches a step, each fixed by drop_remainder (a labelled and an unlabelled batch,
+    as semi-supervised recipes read them), concatenated into one batch of the model: the
+    tf.compat.v1 loss counts 16 + second_batch rows, a constant TF folded."""
+    def build(tf, tf1):
+        def batches(size, seed):
+            dataset = tf.data.Dataset.from_tensor_slices(_examples(seed=seed))
+            return dataset.shuffle(64, seed=3).repeat().batch(size, drop_remainder=True)
+        x1, y1 = tf1.data.make_one_shot_iterator(batches(16, 0)).get_next()
+        x2, y2 = tf1.data.make_one_shot_iterator(batches(second_batch, 1)).get_next()
+        _model_and_step(tf1, tf.concat([x1, x2], 0), tf.concat([y1, y2], 0))
+    return _export(build, path)
+
+
+@pytest.mark.parametrize("second_batch", [16, 8])
+def test_two_fixed_batches_concatenated_train_like_one_device(run_cli, tmp_path, second_batch):
+    # each replica holds 8 + second_batch / 2 rows, but the loss's count, folded from the
+    # concat's static shape (32 or 24), was not rebatched: the loss and its gradients were
+    # half one device's (verify FAIL by 0.46, apply exit 0)
+    model = two_batches_graph(tmp_path / "m.meta", second_batch)
+    _passes(run_cli, "--replicas", 2, "--steps", 3, model)
+
+
 def test_ps_keeps_the_pipeline_single_too(run_cli, tmp_path):
     cluster = tmp_path / "cluster.json"  # verify starts its own servers on free ports
     cluster.write_text('{"ps": ["127.0.0.1:2222"], "worker": ["127.0.0.1:2224", '
