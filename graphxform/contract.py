@@ -504,13 +504,16 @@ def _check_losses_are_means(ir: GraphIR, tg: TrainingGraph, replicas: int) -> No
                 f"'{step.loss}' (the one the graph lists in 'losses'), so how to combine the "
                 "replicas' gradients cannot be shown right (averaging is for a mean over the "
                 "batch, summing for a sum): take the tape's gradient of the listed loss itself")
+        applied = applied_losses(ir, tg, step)
         for loss in step_losses(ir, step):
-            _check_loss_is_a_mean(ir, tg, step, loss, replicas)
+            _check_loss_is_a_mean(ir, tg, step, loss, replicas, loss in applied)
 
 
 def _check_loss_is_a_mean(ir: GraphIR, tg: TrainingGraph, step, loss: str,
-                          replicas: int) -> None:
-    """One loss ``step`` minimises (see _check_losses_are_means)."""
+                          replicas: int, applied: bool = True) -> None:
+    """One loss ``step`` minimises (see _check_losses_are_means); ``applied``: the updates
+    apply its gradients, so ys of one value per example is a sum over the batch (not a
+    gradient penalty's derivative of the examples' values by their own inputs)."""
     from graphxform import replica_values
     from graphxform.passes import half_precision
     from graphxform.passes.summed_losses import seeds_scaled
@@ -521,23 +524,25 @@ def _check_loss_is_a_mean(ir: GraphIR, tg: TrainingGraph, step, loss: str,
         return
     copies = [n for n in ir.ancestors(copy) if n.startswith(prefix)]
     values = replica_values.classify(ir, prefix, copies=copies)
-    if values.of(copy, port) == replica_values.SUM:
+    kind = values.of(copy, port)
+    if (replica_values.differentiated(kind) if applied else kind) == replica_values.SUM:
         if seeds_scaled(ir, tg, step, replicas) or half_precision.holds(
                 ir, tg, step, replicas):  # passes/summed_losses.py, half_precision.py:
             _check_batch_extremes(ir, tg, step)  # the replicas' gradients sum
             return
         constant = _constant_denominator(ir, copy)
-        what = ("a sum over the batch" if constant is None else
-                f"a sum over the batch divided by a constant ({constant}, as "
+        what = ("one value per example, whose sum over the batch tf.gradients differentiates"
+                if kind != replica_values.SUM else "a sum over the batch" if constant is None
+                else f"a sum over the batch divided by a constant ({constant}, as "
                 "tf.nn.compute_average_loss divides by global_batch_size)")
         raise ContractError(
             f"step '{step.name}' minimises '{loss}', {what}, and its gradients do not "
-            "all start from one seed of ones shown to be this loss's (one tf.gradients "
-            "call, or one tf.GradientTape's gradient of this loss; not grad_ys given, "
-            "several losses at once, a tape's target not shown to be this loss), which "
-            "graphxform scales to sum the replicas' gradients; averaged, this step would "
-            "train with 1/N of its gradient: use tf.reduce_mean over the batch, or "
-            "tf.gradients of the loss")
+            "all start from one seed shown to be this loss's (one tf.gradients call, or one "
+            "tf.GradientTape's gradient of this loss; not several losses at once, grad_ys "
+            "other than a constant or a batch tensor of each example's own rows, a tape's "
+            "target not shown to be this loss), which graphxform scales to sum the "
+            "replicas' gradients; averaged, this step would train with 1/N of its "
+            "gradient: use tf.reduce_mean over the batch, or tf.gradients of the loss")
     summed = _summed_term(ir, values, (copy, port))
     if summed is not None:
         raise ContractError(
@@ -585,6 +590,17 @@ def step_losses(ir: GraphIR, step) -> list[str]:
     others = [scope_loss(ir, first + scope if first + scope + "grad_ys_0" in ir else scope)
               for scope in scopes if scope + "grad_ys_0" in step.closure]
     return list(dict.fromkeys([step.loss] + [loss for loss in others if loss]))
+
+
+def applied_losses(ir: GraphIR, tg: TrainingGraph, step) -> set:
+    """The losses of the tf.gradients calls whose gradients ``step``'s updates apply (of
+    step_losses, those it trains the variables by)."""
+    from graphxform.training import scope_loss
+    scopes = {gradient_scope(parse_tensor(t)[0]) for v in tg.variables.values()
+              for g in v.gradients_applied_in(step.closure) for t in g.tensors} - {None}
+    first = replica_prefix(0)
+    return {step.loss} | {scope_loss(ir, first + scope if first + scope + "grad_ys_0" in ir
+                                     else scope) for scope in scopes}
 
 
 def _check_batch_extremes(ir: GraphIR, tg: TrainingGraph, step) -> None:

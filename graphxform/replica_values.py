@@ -52,8 +52,8 @@ Every replica runs the same step from equal variables on its own even slice of t
   here. Served: replica 0's value, and named as not merged.
 
 One rule comes from the training step rather than from an op: the gradient ``tf.gradients``
-bore for a variable has its loss's class (a gradient is linear in its loss), so losses are
-classified first. (merge-fetches then serves a loss that is not shown to be a mean, as under
+bore for a variable has its loss's class (a gradient is linear in its loss; a loss of one value
+per example is summed: ``differentiated``), so losses are classified first. (merge-fetches then serves a loss that is not shown to be a mean, as under
 batch norm, as the mean anyway: that is what the averaged gradients train.) User overrides (the
 strategies' ``fetch_mean`` and ``fetch_concat``) take precedence over everything.
 
@@ -115,6 +115,14 @@ _STATEFUL_PURE = frozenset(VARIABLE_OPS | {
 _PAST_UNKNOWN = _CROSS_REPLICA | {"Rank", "Assign", "AssignAdd", "AssignSub", "IdentityN"}
 _FLOAT_TYPES = frozenset({1, 2, 8, 14, 18, 19})  # float double complex64 bfloat16 complex128 half
 _ALL = "all"  # reduction axes covering every dimension (rank unknown)
+
+
+def differentiated(kind: str) -> str:
+    """The class of what tf.gradients (and so ``minimize``) differentiates for ys of class
+    ``kind``: the sum of ys's elements, so ys of one value per example (an unreduced cross
+    entropy, DDPG's actions seeded with the critic's action gradients) is a sum over the
+    batch, whose replicas' gradients must be summed, not averaged."""
+    return SUM if kind in BATCHED else kind
 
 
 @dataclasses.dataclass
@@ -412,7 +420,7 @@ class _Sweep:
         for port in ports:
             key = (name, port)
             if key in self.gradients:
-                kind = self.class_of(*self.gradients[key])
+                kind = differentiated(self.class_of(*self.gradients[key]))
                 out[port] = kind if kind in (MEAN, SUM, IDENTICAL) else UNKNOWN
             if key in self.forced:
                 out[port] = self.forced[key]

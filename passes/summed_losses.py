@@ -20,10 +20,18 @@ masked loss over the batch's total of the mask (``reduce_sum(l * m / reduce_sum(
 is a sum over the batch (the replicas' copies add up to one device's loss) only once every
 replica divides by the whole batch's total.
 
+tf.gradients differentiates the sum of its ys's elements, so ys of one value per example
+(``minimize`` of an unreduced cross entropy; DDPG's actor, ``tf.gradients(actions, params,
+-action_gradients)`` with the critic's gradients fed per example) is a sum over the batch too.
+grad_ys the user gives (``grad_ys_0`` is then an Identity of it) is scaled by N (a Mul before
+that Identity) where each example's rows weigh that example's own ys (a batch tensor of the
+examples) or it is the same on every replica (a constant): the objective, the sum of ys times
+grad_ys, is then a sum over the batch.
+
 A step qualifies when its loss is shown a sum (graphxform.replica_values) and every gradient
 its updates apply comes from one tf.gradients call (or one tape's gradient) with one seed that
 is shown to start the loss's gradient; anything else (several losses differentiated at once,
-grad_ys given) is left as it is, and the contract refuses it as before."""
+grad_ys mixing the batch) is left as it is, and the contract refuses it as before."""
 
 from __future__ import annotations
 
@@ -32,7 +40,7 @@ import dataclasses
 import numpy as np
 
 from graphxform import replica_values
-from graphxform.ir import parse_tensor
+from graphxform.ir import parse_tensor, tensor_name
 from graphxform.nodes import Builder, const_value, numpy_dtype, replica_prefix, tensor_proto
 from graphxform.pipeline import Pass, PassResult
 from graphxform.training import TAPE_SCOPE, gradient_scope
@@ -55,8 +63,10 @@ class SummedLosses(Pass):
             if found is None:
                 continue  # the contract refuses it
             seed = found[0]
-            if any(seed_value(ir, replica_prefix(i) + seed) != 1 for i in range(replicas)):
-                continue  # grad_ys given by the user: the contract refuses it
+            if any(seed_scale(ir, replica_prefix(i) + seed) != 1 for i in range(replicas)):
+                continue  # not a seed of ones: the contract refuses it
+            if not given_seed_sums(ir, step, seed):
+                continue  # grad_ys mixing the batch: the contract refuses it
             for i in range(replicas):
                 scale_seed(ir, build, replica_prefix(i), seed, replicas)
             scaled.append(step.name)
@@ -64,7 +74,8 @@ class SummedLosses(Pass):
 
 
 def summed_loss(ir, step) -> bool:
-    """Whether replica 0's copy of ``step``'s loss is a sum over the batch."""
+    """Whether what replica 0's copy of ``step`` differentiates is a sum over the batch: its
+    loss is one, or holds one value per example (replica_values.differentiated)."""
     if not step.loss:
         return False
     node, port = parse_tensor(step.loss)
@@ -73,23 +84,43 @@ def summed_loss(ir, step) -> bool:
         return False
     copies = [n for n in ir.ancestors(copy) if n.startswith(replica_prefix(0))]
     values = replica_values.classify(ir, replica_prefix(0), copies=copies)
-    return values.of(copy, port) == replica_values.SUM
+    return replica_values.differentiated(values.of(copy, port)) == replica_values.SUM
 
 
-_SUMS = {"Sum", "L2Loss", "AddN", "AddV2", "Add", "Sub"}
 _SCALINGS = {"Identity", "Snapshot", "Neg", "Mul", "RealDiv", "Div", "DivNoNan", "Cast"}
 
 
 def _may_be_sum(ir, node: str, depth: int = 0) -> bool:
-    """Whether ``node`` could be a sum over the batch: a Sum, L2Loss, addition or difference,
-    reached through scalings. A cheap filter before the classification, which costs a walk over the
-    whole forward pass (a mean loss, the common case, is passed over at once); the contract
-    classifies every loss again, so a sum this filter missed is refused, never trained."""
+    """Whether ``node`` could be a sum over the batch or hold one value per example: anything
+    but a constant or a tf.reduce_mean over the batch axis, reached through scalings. A cheap
+    filter before the classification, which costs a walk over the whole forward pass (a mean
+    loss, the common case, is passed over at once); the contract classifies every loss again,
+    so a sum this filter missed is refused, never trained."""
     op = ir.op(node)
-    if op in _SUMS or depth > 16:
+    if op == "Const":
+        return False
+    if op == "Mean":
+        axes = const_value(ir, ir.input(node, 1)[0])
+        return axes is None or 0 not in axes.reshape(-1)
+    if op in _SCALINGS and depth <= 16:
+        return any(_may_be_sum(ir, src, depth + 1) for src, _ in ir.inputs(node)[:2])
+    return True
+
+
+def given_seed_sums(ir, step, seed: str) -> bool:
+    """Whether the seed of ``step``'s gradients (named as in the input graph) is one the
+    objective stays a sum over the batch with once scaled: ones (tf.gradients' own), or the
+    grad_ys the user gave (an Identity of it, read in replica 0) where that is a batch tensor
+    of the examples' own rows or the same on every replica (replica_values)."""
+    copy = replica_prefix(0) + seed
+    if copy not in ir or ir.op(copy) != "Identity":
         return True
-    inputs = ir.inputs(node)
-    return op in _SCALINGS and any(_may_be_sum(ir, src, depth + 1) for src, _ in inputs[:2])
+    given = ir.input(copy, 0)
+    if ir.node(given[0]).get("created_by") == SummedLosses.name:  # scaled already
+        given = ir.input(given[0], 0)
+    copies = [n for n in ir.ancestors(copy) if n.startswith(replica_prefix(0))]
+    values = replica_values.classify(ir, replica_prefix(0), copies=copies)
+    return values.of(*given) in replica_values.BATCHED | {replica_values.IDENTICAL}
 
 
 def seed_of(ir, tg, step) -> tuple[str, tuple] | None:
@@ -177,9 +208,18 @@ def _forward_scopes(op: str) -> tuple[str, str]:
 def scale_seed(ir, build, prefix: str, seed: str, value) -> None:
     """Make replica ``prefix``'s copy of ``seed`` (of ones) start its gradient from ``value``
     (N here; 1/N for passes/half_precision.py): a Fill fills with it; a Const of ones (a
-    tape's, which only the readers of the loss's gradient read) holds it."""
+    tape's, which only the readers of the loss's gradient read) holds it; grad_ys the user
+    gave (the Identity tf.gradients names the seed) is multiplied by it before that Identity."""
     copy = prefix + seed
-    if ir.op(copy) == "Fill":
+    if ir.op(copy) == "Identity":
+        device = ir.node(copy).get("device", "")
+        dtype = ir.attrs(copy)["T"].type
+        factor = build.const(ir.unique_name(copy + "/replicas"),
+                             np.asarray(value, dtype=numpy_dtype(dtype)), device=device)
+        scaled = build.op(ir.unique_name(copy + "/scaled"), "Mul",
+                          [tensor_name(*ir.input(copy, 0)), factor + ":0"], device=device, T=dtype)
+        ir.set_input(copy, 0, scaled + ":0")
+    elif ir.op(copy) == "Fill":
         dtype = numpy_dtype(ir.attrs(copy)["T"].type)
         filled = build.const(ir.unique_name(copy + "/replicas"), np.asarray(value, dtype=dtype),
                              device=ir.node(copy).get("device", ""))
@@ -196,7 +236,20 @@ def seeds_scaled(ir, tg, step, replicas: int) -> bool:
     (this pass ran on it): what the contract checks before it accepts a summed loss."""
     found = seed_of(ir, tg, step)
     return found is not None and all(
-        seed_value(ir, replica_prefix(i) + found[0]) == replicas for i in range(replicas))
+        seed_scale(ir, replica_prefix(i) + found[0]) == replicas
+        for i in range(replicas)) and given_seed_sums(ir, step, found[0])
+
+
+def seed_scale(ir, node: str):
+    """How many times the user's seed ``node`` starts its gradient from: for tf.gradients'
+    own (ones) or a tape's, its one value; for grad_ys the user gave (an Identity of it), the
+    factor this pass multiplied it by, or 1. None where neither can be read."""
+    if node not in ir or ir.op(node) != "Identity":
+        return seed_value(ir, node)
+    given = ir.input(node, 0)[0]
+    if ir.node(given).get("created_by") == SummedLosses.name and ir.op(given) == "Mul":
+        return seed_value(ir, ir.input(given, 1)[0])
+    return 1
 
 
 def seed_value(ir, node: str):

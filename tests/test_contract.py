@@ -226,23 +226,35 @@ def test_a_loss_summed_over_the_batch_sums_the_replicas_gradients(loss_of):
         assert const_value(ir, ir.inputs(fill)[1][0]) == 2
 
 
-def test_a_summed_loss_whose_seed_is_given_is_refused():
-    """grad_ys given by the user is not a seed graphxform may rescale."""
-    def build(l):
+@pytest.mark.parametrize("given, refused", [(lambda x: tf.constant(1.0), False),
+                                             (lambda x: 1.0 / tf.reduce_max(x), True)],
+                         ids=["constant", "batch_max"])
+def test_a_summed_loss_whose_seed_is_given(given, refused):
+    """grad_ys given by the user (a constant loss scale) is scaled by N like tf.gradients' own
+    ones (it was refused); one that reads the batch's max differs per replica: refused."""
+    def build(x, l):
         loss = tf.reduce_sum(l)
         w = v1.trainable_variables()
-        grads = tf.gradients(loss, w, grad_ys=tf.constant(1.0))
+        grads = tf.gradients(loss, w, grad_ys=given(x))
         return v1.train.GradientDescentOptimizer(0.1).apply_gradients(zip(grads, w))
     g = tf.Graph()
     with g.as_default():
         x = v1.placeholder(tf.float32, [None, 3], name="x")
         v1.get_variable("w", [3, 1])
-        v1.add_to_collection("train_op", build(tf.reduce_sum(tf.square(tf.matmul(
+        v1.add_to_collection("train_op", build(x, tf.reduce_sum(tf.square(tf.matmul(
             x, v1.trainable_variables()[0])), axis=1)))
         meta = v1.train.export_meta_graph(graph=g)
-    with pytest.raises(ContractError, match="'Sum_1:0', a sum over the batch, and its gradients "
-                                            "do not all start from one seed of ones"):
-        strategies.transform(metagraph.from_metagraph(meta), "allreduce", devices=DEVICES)
+    ir = metagraph.from_metagraph(meta)
+    if refused:
+        with pytest.raises(ContractError, match="'Sum_1:0', a sum over the batch, and its "
+                                                "gradients do not all start from one seed"):
+            strategies.transform(ir, "allreduce", devices=DEVICES)
+        return
+    strategies.transform(ir, "allreduce", devices=DEVICES)
+    from graphxform.nodes import const_value
+    for i in range(2):
+        scaled = ir.inputs(f"replica_{i}/gradients/grad_ys_0")[0][0]
+        assert ir.op(scaled) == "Mul" and const_value(ir, ir.inputs(scaled)[1][0]) == 2
 
 
 def _mean_plus_sum_graph(keras: bool):
