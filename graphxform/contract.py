@@ -482,10 +482,7 @@ def _check_losses_are_means(ir: GraphIR, tg: TrainingGraph, replicas: int) -> No
     gradients were scaled by N (passes/summed_losses.py): else refuse.
     (A loss whose kind the rules cannot show is taken to be a mean, as losses almost always
     are; graphxform.replica_values has the rules.)"""
-    from graphxform import replica_values
-    from graphxform.passes import half_precision
-    from graphxform.passes.summed_losses import seed_of, seeds_scaled
-    prefix = replica_prefix(0)
+    from graphxform.passes.summed_losses import seed_of
     for step in tg.steps:
         if not step.loss:
             taped = tape_gradients(tg.variables, step.closure)

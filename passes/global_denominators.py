@@ -364,7 +364,6 @@ def _require_total(ir, values, tensor: str, loss: tuple) -> None:
 def _rows_of_a_batch_mask(ir, values, node: str) -> bool:
     """Whether ``node`` is tf.where of a mask of the batch's examples: its rows' count is a
     total (_total_kind), and not what a refusal of a denominator reading it names."""
-    from graphxform.replica_values import BATCHED
     from graphxform.selections import mask_of
     mask = mask_of(ir, node, through=())
     return mask is not None and _of_the_examples(ir, values, mask)
