@@ -695,7 +695,33 @@ def _rows_of_the_batch(ir: GraphIR, node: str, port: int) -> bool:
     size, as it records one value per example (a total over the batch is a scalar): a divisor
     the rules could not class (read from a loop, or shaped by the batch's longest length)."""
     dims = opdefs.recorded_dims(ir, node, port)
-    return bool(dims) and dims[0] < 0
+    return bool(dims) and dims[0] < 0 and not reduces_the_batch_axis(ir, node)
+
+
+# what a divisor computes from a total by constants alone (an epsilon added, a cast)
+_BY_CONSTANTS = frozenset({"Add", "AddV2", "Maximum", "Cast", "Identity", "Mul"})
+
+
+def reduces_the_batch_axis(ir: GraphIR, node: str) -> bool:
+    """Whether ``node`` is (through constants added or multiplied, casts) a Sum or Mean over
+    constant axes that include 0, the batch's, of a tensor of rank 2 or more: a total over
+    the batch per timestep (seq2seq's sum of the mask over the batch, as wide as the batch's
+    longest length), not one value per example, though its leading size is unknown."""
+    from graphxform.nodes import const_value
+    for _ in range(8):
+        op, inputs = ir.op(node), ir.inputs(node)
+        if op in ("Sum", "Mean") and len(inputs) == 2:
+            axes = const_value(ir, inputs[1][0])
+            dims = opdefs.recorded_dims(ir, *inputs[0])
+            return axes is not None and 0 in axes.reshape(-1).tolist() and \
+                dims is not None and len(dims) >= 2
+        if op not in _BY_CONSTANTS or not inputs:
+            return False
+        varying = [src for src, _ in inputs if const_value(ir, src) is None]
+        if len(varying) != 1:
+            return False
+        node = varying[0]
+    return False
 
 
 def _constant_denominator(ir: GraphIR, node: str):

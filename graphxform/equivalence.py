@@ -462,8 +462,9 @@ def compare(original: GraphIR, transformed: GraphIR, feeds_path: str | None = No
     series += [compare_series(name, [b.fetches[name] for b in before],
                               [a.fetches[name] for a in after]) for name in fetches]
     plan = ClusterPlan.from_ir(transformed)
-    apart = (transformed.has_scope("model_average/") or _exchanges_nothing(transformed)
-             or (plan is not None and plan.is_async))
+    asynchronous = plan is not None and plan.is_async
+    apart = (transformed.has_scope("model_average/") or _exchanges_nothing(transformed, plan)
+             or asynchronous)
     reasons = mismatch_reasons(original, tg,
                                synced_batch_norm=transformed.has_scope("sync_batch_norm/"),
                                consistent_random=transformed.has_scope("consistent_random/"),
@@ -475,13 +476,15 @@ def compare(original: GraphIR, transformed: GraphIR, feeds_path: str | None = No
                        "plain SGD on a mean of per-example terms is synchronous data "
                        "parallelism (each replica divides by its own slice's totals and takes "
                        "its own slice's longest sequence)")
-    elif _exchanges_nothing(transformed):
+    elif _exchanges_nothing(transformed, plan):
         reasons.append("the replicas never exchange gradients (--strategy independent): each "
                        "trains on its own slice of the batch, a ceiling for scaling, not a "
                        "drop-in replacement")
-    if plan is not None and plan.is_async:
-        reasons.append("--async: each worker applies its own gradient when it is ready, so "
-                       "updates interleave in no fixed order")
+    if asynchronous:
+        reasons.append("--async: the workers apply their gradients to the shared variables in "
+                       "no fixed order, without waiting for each other, each gradient computed "
+                       "from the variables as that worker read them (perhaps before another's "
+                       "update), not one step's average over the whole batch")
     races = [race.describe() for race in fetch_races.races(
         original, tg, [f for f in fetches if f not in alone])]
     reasons += races
@@ -625,9 +628,13 @@ def _reversed_rows(feed: dict, inputs) -> dict:
     return out
 
 
-def _exchanges_nothing(transformed: GraphIR) -> bool:
-    """Replicated, yet no op combines the replicas' gradients."""
+def _exchanges_nothing(transformed: GraphIR, plan=None) -> bool:
+    """Replicated, yet no op combines the replicas' gradients (--strategy independent). Not
+    async ps, which has none either: its workers exchange gradients through the shared
+    variables, each applying its own."""
     from graphxform.replica_spread import CROSS_REPLICA_OPS
+    if plan is not None and plan.is_async:
+        return False
     return (transformed.has_scope("split_inputs/") and not transformed.nodes_of(CROSS_REPLICA_OPS)
             and not transformed.has_scope("replicated/"))
 

@@ -322,7 +322,9 @@ class _Sweep:
         if op in _MARKED_OPS:
             attrs = self.ir.attrs(name)  # not data["attr"]: that makes a copy its own NodeDef
             if REBATCHED_ATTR in attrs and name not in self.overridden:
-                classes[name] = (attrs[REBATCHED_ATTR].s.decode(),)
+                mark = (attrs[REBATCHED_ATTR].s.decode(),)  # the shared tuples, which the
+                # shortcuts above tell by identity (global-denominators' count is ``same``)
+                classes[name] = next((c for c in (_I, _S, _U) if c == mark), mark)
                 return
             if op == "Const" and not name.startswith(self.prefix):
                 classes[name] = self._made_constant(name)

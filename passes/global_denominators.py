@@ -373,14 +373,16 @@ def _total_kind(ir, values, tensor: tuple):
     """SUM, MEAN or COUNT for a total of the batch: its class, or, where the rules cannot
     tell (what a loop read), a Sum or Mean recorded as a scalar, or the count of rows tf.where
     finds in a mask of the batch's examples (a sum of each example's count); else None."""
-    from graphxform.replica_values import COUNT, MEAN, SUM
+    from graphxform.contract import reduces_the_batch_axis
+    from graphxform.replica_values import COUNT, MEAN, SUM, UNKNOWN
     from graphxform.selections import selection_counted, where_counted
     kind = values.of(*tensor)
     if kind in (SUM, MEAN, COUNT):
         return kind
     op = ir.op(tensor[0])
-    if op in ("Sum", "Mean") and _scalar(ir, tensor[0]):
-        return SUM if op == "Sum" else MEAN
+    if op in ("Sum", "Mean") and (_scalar(ir, tensor[0]) or kind == UNKNOWN and
+                                  reduces_the_batch_axis(ir, tensor[0])):
+        return SUM if op == "Sum" else MEAN  # of the batch, per timestep where not a scalar
     where = where_counted(ir, tensor[0]) if tensor[1] == 0 else None
     if where is not None and _rows_of_a_batch_mask(ir, values, where):
         return SUM  # each example's count of true entries, summed

@@ -91,6 +91,11 @@ def test_async_verify_says_why_it_cannot_match(run_cli, cluster_file):
                            "--steps", 2, "--rtol", 1.0)
     assert "PASS" in out  # --rtol 1.0: the reason still stands, as a caution
     assert "may not match in general: --async" in out
+    # what async ps does, not independent's reason (it said the replicas never exchange
+    # gradients: they do, each worker applying its own to the shared variables)
+    assert "apply their gradients to the shared variables in no fixed order" in out
+    assert "as that worker read them" in out
+    assert "never exchange" not in out and "--strategy independent" not in out, out
 
 
 def test_async_keeps_the_apply_op_the_collection_names(run_cli, tmp_path, cluster_file):

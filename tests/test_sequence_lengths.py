@@ -246,3 +246,47 @@ def test_losses_over_a_selection_divide_by_the_whole_batchs_count(run_cli, tmp_p
                              "--steps", 4)
     assert code == 0, err
     assert "PASS" in out, out
+
+
+def time_summed_graph(path, width):
+    """contrib's sequence_loss averaged over the batch alone, then summed over time: each
+    timestep's masked sum over the batch over its own count of tokens (``width`` "fixed": the
+    mask as wide as the tokens; "longest": both cut to the batch's longest length)."""
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+    graph = tf.Graph()
+    with graph.as_default():
+        tokens = tf1.placeholder(tf.int32, [None, TIME], name="tokens")
+        targets = tf1.placeholder(tf.int32, [None, TIME], name="targets")
+        lengths = tf1.placeholder(tf.int32, [None], name="lengths")
+        embedded = tf.nn.embedding_lookup(tf1.get_variable("emb", [VOCAB, 6]), tokens)
+        logits = tf.reshape(tf.matmul(tf.reshape(embedded, [-1, 6]),
+                                      tf1.get_variable("out", [6, VOCAB])), [-1, TIME, VOCAB])
+        width = TIME if width == "fixed" else tf.reduce_max(lengths)
+        crossent = tf.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=targets[:, :width], logits=logits[:, :width])
+        weights = tf.sequence_mask(lengths, width, dtype=tf.float32)
+        loss = tf.reduce_sum(tf.reduce_sum(crossent * weights, axis=0) /
+                             (tf.reduce_sum(weights, axis=0) + 1e-12), name="loss")
+        return _export_sgd(graph, loss, path)
+
+
+@pytest.mark.parametrize("width", ["fixed", "longest"])
+@pytest.mark.parametrize("strategy", ["allreduce", "ps"])
+def test_a_sum_over_time_of_each_timesteps_mean_over_the_batch_trains_like_one_device(
+        run_cli, tmp_path, width, strategy):
+    """Each timestep divides by the whole batch's count of its tokens (global-denominators;
+    the slices' counts differ past the third timestep), so each replica's quotients average
+    to one device's, and so does their sum over time. Refused before: by check (losses), as
+    a Sum read as a sum over the slice ("fixed"), and ("longest") as rightly: the per-timestep
+    counts, as long as the longest length, were taken for one per example and left the
+    slice's (with the check off, verify failed by 7e-01)."""
+    cluster = tmp_path / "cluster.json"
+    cluster.write_text('{"ps": ["127.0.0.1:28421"], "worker": ["127.0.0.1:28422", '
+                       '"127.0.0.1:28423"]}')
+    where = ("--cluster", cluster) if strategy == "ps" else ("--replicas", 2)
+    code, out, err = run_cli("verify", "--strategy", strategy, *where,
+                             time_summed_graph(tmp_path / "m.meta", width), "--feeds",
+                             _feeds(tmp_path), "--batch-size", 16, "--steps", 4)
+    assert code == 0, err
+    assert "PASS" in out, out

@@ -129,3 +129,67 @@ def test_a_summed_second_loss_of_one_train_op_is_refused(run_cli, tmp_path, shar
     assert ("step 'train' minimises 'critic_sum:0', a sum over the batch" in err
             or shared and "in no order" in err), err
     assert not out.exists()
+
+
+# ---------------------------------------------------------------- what the inspector shows
+
+ACTOR = "actor_train/update_trunk/kernel/ResourceApplyMomentum"
+CRITIC = "critic_train/update_trunk/kernel/ResourceApplyAdam"
+
+
+def test_inspect_shows_both_gradients_of_the_trunk_each_with_its_update_and_step(
+        run_cli, tmp_path):
+    """inspect's table of where gradients are born, and its JSON, list the trunk's two
+    gradients (before: the first alone, against both steps)."""
+    import json
+    model = _export(tmp_path / "m.meta", actor_critic())
+    code, out, _ = run_cli("inspect", model)
+    assert code == 0
+    rows = [line.split() for line in out.split("where each gradient is born")[1].splitlines()
+            if line.startswith("trunk/kernel ")]
+    assert sorted((r[1], r[2].split("/")[0], r[3]) for r in rows) == [
+        ("actor_train", "gradients", ACTOR), ("critic_train", "gradients_1", CRITIC)]
+    code, out, _ = run_cli("inspect", "--json", model)
+    kernel = next(v for v in json.loads(out)["variables"] if v["name"] == "trunk/kernel")
+    assert sorted((g["update"], tuple(g["steps"])) for g in kernel["gradients"]) == [
+        (ACTOR, ("actor_train",)), (CRITIC, ("critic_train",))]
+    assert kernel["gradient"] in [{k: g[k] for k in kernel["gradient"]}
+                                  for g in kernel["gradients"]]
+
+
+def test_explain_shows_both_reductions_of_the_trunk(tmp_path):
+    """--explain: the trunk's gradients are reduced in two buckets, one per step; its bytes
+    per step count both, and each bucket's bytes count the trunk's gradient it holds (before:
+    one bucket, the variable's bytes once, and the other bucket short of the trunk)."""
+    from graphxform import metagraph, strategies, training
+    from graphxform.inspector import explain
+    model = _export(tmp_path / "m.meta", actor_critic())
+    original, ir = metagraph.load(model), metagraph.load(model)
+    strategies.transform(ir, "allreduce", devices=["/device:CPU:0", "/device:CPU:1"])
+    found = {d.variable: d for d in explain.explain(training.analyze(original), ir,
+                                                     "allreduce", 2)}
+    kernel, actor = found["trunk/kernel"], found["actor/kernel"]
+    assert len(set(kernel.combined_at.split(", "))) == 2, kernel
+    assert actor.combined_at in kernel.combined_at.split(", ")
+    assert kernel.bytes_per_step == 2 * kernel.nbytes
+    assert "actor_train's: dense gradient" in kernel.why and "critic_train's" in kernel.why
+    # the actor's bucket: actor/kernel, actor/bias and the trunk's actor gradients
+    assert "fused with 3 other(s)" in actor.why and "712 bytes" in actor.why, actor.why
+
+
+def test_cost_counts_both_gradients_of_the_trunk_each_in_its_step(run_cli, tmp_path):
+    """cost runs each train op once: the trunk's two gradients are reduced (and owed by the
+    minimum) once each, the critic's head in the critic's step (before: the actor's step
+    alone was measured, and the minimum was every variable once)."""
+    import json
+    model = _export(tmp_path / "m.meta", actor_critic())
+    code, out, err = run_cli("cost", "--replicas", 2, "--json", model)
+    assert code == 0, err
+    doc = json.loads(out)
+    variables = {v["name"]: v for v in doc["variables"]}
+    ring = 2 * (2 - 1) / 2
+    assert variables["trunk/kernel"]["minimum"] == 2 * 2 * ring * 512
+    assert variables["critic/kernel"]["minimum"] == 2 * ring * 64
+    assert all(v["ratio"] == 1.0 for v in doc["variables"]), doc["variables"]
+    assert all(t["ratio"] == 1.0 for t in doc["tasks"]), doc["tasks"]
+    assert "actor_train, critic_train run once each" in doc["per"]

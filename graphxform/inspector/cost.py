@@ -144,30 +144,43 @@ def measure(original: GraphIR, ir: GraphIR, batch_size: int = 32, strategy: str 
     batched = [i for i in tg.inputs if i.batched]
     shapes = static_shapes(ir, batched, batch_size)
     client = client_task(ir)
-    step = step_nodes(ir, tg)
+    runs = step_runs(ir, tg)
+    step = set().union(*(nodes for nodes, _ in runs))
     owners = VariableNames(tg, ir)
     sparse_rows, guessed = rows_touched(tg, original, batched, batch_size)
     if guessed:
         notes.append(f"{len(guessed)} sparse variable(s) take ids from a sparse input, whose "
                      "count per step the graph does not fix: counted at one id per example "
                      "(an estimate, not a bound): " + ", ".join(guessed[:3]))
-    transfers = edge_transfers(ir, step, shapes, client, owners, sparse_rows)
-    transfers += collective_transfers(ir, step, shapes, owners, sparse_rows, tg)
+    transfers = []
+    for nodes, _ in runs:  # each train op's run moves its own bytes, shared ancestors too
+        transfers += edge_transfers(ir, nodes, shapes, client, owners, sparse_rows)
+        transfers += collective_transfers(ir, nodes, shapes, owners, sparse_rows, tg)
     model = "allreduce" if any(t.kind != "edge" for t in transfers) else "ps"
     if model == "allreduce" and any(_is_accumulator(ir, n) for n in step):
-        model, minimum = "hybrid", hybrid_minimum(ir, step, tg, sparse_rows, client, owners)
+        model, minimum = "hybrid", _summed(runs, lambda counts: hybrid_minimum(
+            ir, step, tg, sparse_rows, client, owners, counts))
         notes.append("hybrid: the all-reduced variables' minimum is the ring's (per device), the "
                      "ps side's the parameter servers' (per task)")
     elif model == "allreduce":
-        minimum = allreduce_minimum(ir, step, tg, sparse_rows)
+        minimum = _summed(runs, lambda counts: allreduce_minimum(ir, step, tg, sparse_rows,
+                                                                 counts=counts))
     else:
-        minimum = ps_minimum(ir, tg, sparse_rows, client, owners)
+        minimum = _summed(runs, lambda counts: ps_minimum(ir, tg, sparse_rows, client, owners,
+                                                          counts=counts))
     if strategy == "independent":  # no exchange by design: anything moved is overhead
         model, minimum = "independent", {"endpoints": {}, "variables": {
             var.name: (0.0, False) for var in tg.trainable}}
         notes.append("independent: replicas never exchange gradients or variables, so the "
                      "minimum is nothing and anything moved is overhead")
     per = "training step"
+    if len(runs) > 1:
+        per += f" ({', '.join(s.name for s in tg.steps)} run once each)"
+        shared = [v.name for v in tg.trainable if len(v.gradients) > 1]
+        if shared:
+            notes.append(f"{len(shared)} variable(s) get a gradient from each of several train "
+                         "ops, each reduced in the step that applies it, and counted there: "
+                         + ", ".join(shared[:3]))
     if ir.has_scope(MODEL_AVERAGE):
         model, minimum = "model-average", model_average_minimum(ir, tg, client)
         interval = _model_average_interval(ir)
@@ -181,8 +194,9 @@ def measure(original: GraphIR, ir: GraphIR, batch_size: int = 32, strategy: str 
     endpoints, variables = _tally(transfers, minimum, tg)
     links, link_minimum = [], 0.0
     if model == "allreduce" and len(worker_tasks(ir, client)) > 1:
-        links = [link_transfers(ir, step, shapes, client)]
-        link_minimum = ring_minimum(tg, sparse_rows, len(worker_tasks(ir, client)))
+        links = [_added([link_transfers(ir, nodes, shapes, client) for nodes, _ in runs])]
+        link_minimum = ring_minimum(tg, sparse_rows, len(worker_tasks(ir, client)),
+                                    _total_counts(runs))
     handles = {t for t in shapes.unknown_crossing if _is_resource(ir, t)}
     unknown = shapes.unknown_crossing - handles
     if handles:
@@ -230,6 +244,47 @@ def task_of(device: str, client: str) -> str:
     if not match:
         return client
     return f"{match.group(1)}:{match.group(2) or 0}"
+
+
+def step_runs(ir: GraphIR, tg) -> list:
+    """Per train op the user runs: (the nodes running it runs, its ancestors and its loss's;
+    {variable: how many of its gradients it applies}). An actor-critic's trunk gets one
+    gradient from each of two train ops, each reduced in the step that applies it; a graph
+    of one train op (or named by --train-op alone) is one run over every trainable variable."""
+    if len(tg.steps) < 2:
+        return [(step_nodes(ir, tg), None)]
+    runs = []
+    for step in tg.steps:
+        roots = [n for n in (step.op, parse_tensor(step.loss)[0] if step.loss else None)
+                 if n and n in ir]
+        nodes = set().union(*(ir.ancestors(r) | {r} for r in roots))
+        runs.append((nodes, {v.name: len(v.gradients_applied_in(step.closure))
+                             for v in tg.trainable}))
+    return runs
+
+
+def _total_counts(runs) -> dict | None:
+    if any(counts is None for _, counts in runs):
+        return None
+    total = {}
+    for _, counts in runs:
+        for name, k in counts.items():
+            total[name] = total.get(name, 0) + k
+    return total
+
+
+def _summed(runs, minimum_of) -> dict:
+    """The textbook minimum of every run (``minimum_of(counts)``), added up."""
+    out = {"endpoints": {}, "variables": {}}
+    for _, counts in runs:
+        found = minimum_of(counts)
+        for name, (sent, received) in found["endpoints"].items():
+            had = out["endpoints"].get(name, (0.0, 0.0))
+            out["endpoints"][name] = (had[0] + sent, had[1] + received)
+        for name, (nbytes, bound) in found["variables"].items():
+            had = out["variables"].get(name, (0.0, False))
+            out["variables"][name] = (had[0] + nbytes, had[1] or bound)
+    return out
 
 
 def step_nodes(ir: GraphIR, tg) -> set:
@@ -619,6 +674,17 @@ def link_transfers(ir, step, shapes, client) -> LinkCost:
                     dict(sorted(tasks.items(), key=lambda kv: _endpoint_key(kv[0]))))
 
 
+def _added(links: list) -> LinkCost:
+    """The links of several runs (one per train op) as one step's."""
+    tasks = {}
+    for link in links:
+        for task, (sent, received) in link.tasks.items():
+            had = tasks.get(task, (0.0, 0.0))
+            tasks[task] = (had[0] + sent, had[1] + received)
+    variant = "hierarchical" if any(k.variant == "hierarchical" for k in links) else "flat"
+    return LinkCost(variant, dict(sorted(tasks.items(), key=lambda kv: _endpoint_key(kv[0]))))
+
+
 _REPLICA_PART = re.compile(r"(^|/)replica_\d+/")
 
 
@@ -627,10 +693,10 @@ def _ring_key(device: str):
     return (match.group(1), int(match.group(2)), int(match.group(3))) if match else ("", 0, 0)
 
 
-def ring_minimum(tg, sparse_rows, workers: int) -> float:
+def ring_minimum(tg, sparse_rows, workers: int, counts=None) -> float:
     """What each worker's link must carry each way in a ring over the W workers: 2(W-1)/W of
     the dense gradient bytes, (W-1)/W of the rows a sparse gradient gathers."""
-    needs = _needs(tg, sparse_rows, 1)
+    needs = _needs(tg, sparse_rows, 1, counts=counts)
     return sum((1 if name in sparse_rows else 2) * (workers - 1) / workers * need.grad
                for name, need in needs.items())
 
@@ -665,30 +731,35 @@ def rows_touched(tg, original, batched, batch_size) -> tuple[dict, list]:
     return found, guessed
 
 
-def _needs(tg, sparse_rows, parts: int, only=None) -> dict:
+def _needs(tg, sparse_rows, parts: int, only=None, counts=None) -> dict:
     """Variable -> bytes one of ``parts`` equal shares of the batch needs: a dense variable
     whole; a sparse one only the rows its ids touch (an upper bound). ``only``: these
-    variables' names alone."""
+    variables' names alone. ``counts``: how many gradients of each variable the step applies
+    (None: one of each); a variable it applies none of needs nothing, one it applies two of
+    (a shared trunk's, from two optimizers grouped) sends both."""
     needs = {}
     for var in tg.trainable:
         if only is not None and var.name not in only:
             continue
+        k = 1 if counts is None else counts.get(var.name, 0)
+        if not k:
+            continue
         if var.name not in sparse_rows:
-            needs[var.name] = _Need(var.nbytes, var.nbytes)
+            needs[var.name] = _Need(k * var.nbytes, var.nbytes)
             continue
         row_bytes = var.nbytes // var.shape[0] if var.shape and var.shape[0] > 0 else 0
         rows, index_bytes = sparse_rows[var.name]
-        needs[var.name] = _Need(rows / parts * (row_bytes + index_bytes), rows / parts * row_bytes,
-                                True)
+        needs[var.name] = _Need(k * rows / parts * (row_bytes + index_bytes),
+                                rows / parts * row_bytes, True)
     return needs
 
 
-def ps_minimum(ir, tg, sparse_rows, client, owners, only=None) -> dict:
+def ps_minimum(ir, tg, sparse_rows, client, owners, only=None, counts=None) -> dict:
     """Each worker sends each gradient once (its replicas summed) and receives each variable it
     reads once; each ps task receives W gradients and sends W copies of its variables."""
     workers = worker_tasks(ir, client)
     w = len(workers) or 1
-    needs = _needs(tg, sparse_rows, w, only)
+    needs = _needs(tg, sparse_rows, w, only, counts)
     minimum = {"endpoints": {}, "variables": {}}
     place = Placement(ir)
     for task in workers:
@@ -714,13 +785,13 @@ def _variable_bytes(ir, node) -> int:
     return count * dtypes.as_dtype(attr["dtype"].type).size
 
 
-def allreduce_minimum(ir, step, tg, sparse_rows, only=None) -> dict:
+def allreduce_minimum(ir, step, tg, sparse_rows, only=None, counts=None) -> dict:
     """Ring all-reduce: 2(N-1)/N x the dense gradient bytes per device; a sparse gradient is
     all-gathered: (N-1)/N of the rows the whole batch touches."""
     devices = sorted({ir.node(n)["device"] for n in step
                       if ir.op(n) in (COLLECTIVE_REDUCE, COLLECTIVE_GATHER)})
     n = len(devices) or 1
-    needs = _needs(tg, sparse_rows, 1, only)
+    needs = _needs(tg, sparse_rows, 1, only, counts)
     per_device = {name: (1 if name in sparse_rows else 2) * (n - 1) / n * need.grad
                   for name, need in needs.items()}
     total = sum(per_device.values())
@@ -729,13 +800,13 @@ def allreduce_minimum(ir, step, tg, sparse_rows, only=None) -> dict:
                           for name, b in per_device.items()}}
 
 
-def hybrid_minimum(ir, step, tg, sparse_rows, client, owners) -> dict:
+def hybrid_minimum(ir, step, tg, sparse_rows, client, owners, counts=None) -> dict:
     """The all-reduced variables (those with replica copies) at the ring's minimum, the others
     at the parameter servers'."""
     reduced = {v.name for v in tg.trainable if f"replica_0/{v.name}" in ir}
     shared = {v.name for v in tg.trainable} - reduced
-    minimum = allreduce_minimum(ir, step, tg, sparse_rows, only=reduced)
-    ps_side = ps_minimum(ir, tg, sparse_rows, client, owners, only=shared)
+    minimum = allreduce_minimum(ir, step, tg, sparse_rows, only=reduced, counts=counts)
+    ps_side = ps_minimum(ir, tg, sparse_rows, client, owners, only=shared, counts=counts)
     minimum["variables"].update(ps_side["variables"])
     for name, (sent, received) in ps_side["endpoints"].items():
         had_sent, had_received = minimum["endpoints"].get(name, (0.0, 0.0))
@@ -812,8 +883,8 @@ def _ratio(measured: float, minimum: float):
 
 
 def human_bytes(n: float) -> str:
-    if n < 10 * 1024:
-        return f"{n:,.0f} B" if n == int(n) else f"{n:,.1f} B"
+    if n < 10 * 1024:  # a bucket's share of its bytes is a float: 128.0000001 is 128 B
+        return f"{n:,.0f} B" if abs(n - round(n)) < 1e-6 else f"{n:,.1f} B"
     for unit in ("KiB", "MiB", "GiB"):
         n /= 1024
         if n < 10 * 1024 or unit == "GiB":

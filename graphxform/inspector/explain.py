@@ -46,11 +46,12 @@ def explain(original: TrainingGraph, ir: GraphIR, strategy: str, replicas: int,
     transformed ``ir``. ``summary``: the passes' summaries merged (kept-whole reasons)."""
     summary = summary or {}
     workers = _workers(ir, replicas)
-    combined = {var.name: _combining_point(ir, var, replicas) for var in original.trainable}
-    buckets = {}
-    for name, point in combined.items():
-        if point:
-            buckets.setdefault(point, []).append(name)
+    combined = {var.name: _combining_points(ir, var) for var in original.trainable}
+    buckets = {}  # point -> [(variable, its gradient's bytes)], a shared trunk's once per step
+    for name, points in combined.items():
+        for point in points:
+            if point:
+                buckets.setdefault(point, []).append((name, original.variables[name].nbytes))
     ps_tasks = len({_task(ir, n) for n in ir.nodes_of({"VarHandleOp", "VariableV2"})
                     if ir.node(n)["device"].startswith("/job:ps")})
     placement = _placement(original, ir, ps_tasks)
@@ -60,7 +61,8 @@ def explain(original: TrainingGraph, ir: GraphIR, strategy: str, replicas: int,
         copies = [replica_prefix(i) + var.name for i in range(replicas)
                   if replica_prefix(i) + var.name in ir]
         shape = "[" + ",".join(str(d) for d in var.shape) + "]"
-        point = combined.get(var.name)
+        points = combined.get(var.name) or [None]
+        point = ", ".join(dict.fromkeys(p for p in points if p)) or None
         if copies:
             decision = f"replicated x {len(copies)}"
         elif shards:
@@ -71,23 +73,32 @@ def explain(original: TrainingGraph, ir: GraphIR, strategy: str, replicas: int,
             decision = f"shared on {where}" if where != "no device" else "shared (one copy)"
         else:
             decision = "not in the output"
-        moved = _bytes_per_step(var, point, copies, shards, workers)
-        why = _why(var, point, copies, shards, buckets, original, placement, summary,
+        moved = _bytes_per_step(var, points, copies, shards, workers)
+        why = _why(var, points, copies, shards, buckets, original, placement, summary,
                    bucket_bytes, strategy)
         out.append(Decision(var.name, shape, var.nbytes, decision, point or "-", moved, why))
     return out
 
 
-def _combining_point(ir: GraphIR, var, replicas: int) -> str | None:
-    """Where the variable's gradient is combined across replicas: the folded scope of the
-    first combining op on the way back from its update (replica 0's copy when replicated)."""
-    for update in var.updates:
-        for name in (replica_prefix(0) + update, update):
-            if name in ir:
-                found = _search_back(ir, name)
+def _combining_points(ir: GraphIR, var) -> list:
+    """Where each gradient an optimizer applies to the variable is combined across replicas,
+    in the order of ``var.applications``: one point, or one per optimizer for an
+    actor-critic's shared trunk (each gradient reduced in the step that applies it)."""
+    if len(var.applications) < 2:
+        return [_combining_point(ir, var.name, var.updates)]
+    return [_combining_point(ir, var.name, [a.update]) for a in var.applications]
+
+
+def _combining_point(ir: GraphIR, name: str, updates) -> str | None:
+    """Where the gradient one of ``updates`` applies is combined: the folded scope of the
+    first combining op on the way back from it (replica 0's copy when replicated)."""
+    for update in updates:
+        for node in (replica_prefix(0) + update, update):
+            if node in ir:
+                found = _search_back(ir, node)
                 if found:
                     return found
-        for shard_update in _shard_updates(ir, var.name, update):
+        for shard_update in _shard_updates(ir, name, update):
             found = _search_back(ir, shard_update)
             if found:
                 return found
@@ -155,11 +166,11 @@ def _workers(ir: GraphIR, replicas: int) -> int:
     return max(len(tasks), 1)
 
 
-def _bytes_per_step(var, point, copies, shards, workers) -> int:
+def _bytes_per_step(var, points, copies, shards, workers) -> int:
     if not var.trainable or var.gradient is None or not var.updates:
         return 0
-    if copies:
-        return var.nbytes if point else 0
+    if copies:  # each gradient reduced: a shared trunk's two, one in each optimizer's step
+        return var.nbytes * sum(1 for p in points if p)
     return 2 * workers * var.nbytes  # each worker pushes its gradient and pulls the value
 
 
@@ -192,9 +203,10 @@ def _node_bytes(ir: GraphIR, node: str) -> int:
     return count * dtypes.as_dtype(attrs["dtype"].type).size
 
 
-def _why(var, point, copies, shards, buckets, original, placement, summary, bucket_bytes,
+def _why(var, points, copies, shards, buckets, original, placement, summary, bucket_bytes,
          strategy) -> str:
     kept = (summary.get("kept_whole") or {}).get(var.name)
+    point = next((p for p in points if p), None)
     if var.slot_of:
         return f"a slot of '{var.slot_of}': goes where its variable goes"
     if not var.trainable or var.gradient is None:
@@ -209,14 +221,14 @@ def _why(var, point, copies, shards, buckets, original, placement, summary, buck
     if copies:
         if not point:
             return "replicas never exchange this gradient (each trains alone)"
-        if var.gradient.kind == "sparse" and "sparse" in point:
-            return ("sparse gradient (IndexedSlices): every replica's rows gathered, "
-                    "not densified")
-        peers = buckets.get(point, [])
-        cap = f" (--bucket-bytes {bucket_bytes})" if bucket_bytes else ""
-        total = sum(original.variables[p].nbytes for p in peers)
-        return (f"dense gradient, fused with {len(peers) - 1} other(s) into {point}: "
-                f"{total} bytes{cap}, gradients in the order they are ready")
+        if len(points) < 2:
+            return _reduced(var.gradient, point, buckets, bucket_bytes)
+        each = "; ".join(
+            f"{' and '.join(_steps_applying(original, a.update)) or a.update}'s: "
+            + _reduced(a.gradient, p, buckets, bucket_bytes)
+            for a, p in zip(var.applications, points))
+        return (f"{len(points)} gradients, one per optimizer, each reduced in the step that "
+                f"applies it: {each}")
     if shards:
         return (f"{var.nbytes} bytes split along axis 0 into {len(shards)} row ranges, each "
                 "placed like a variable of its own (largest first onto the lightest ps task)")
@@ -229,6 +241,23 @@ def _why(var, point, copies, shards, buckets, original, placement, summary, buck
     elif strategy == "partitioned-ps":
         why = "kept whole (smaller than --partition-min-bytes, or one row); " + why
     return why
+
+
+def _reduced(gradient, point, buckets, bucket_bytes) -> str:
+    """How one gradient is combined at ``point`` (its bucket's bytes count every gradient
+    fused there, a shared trunk's once per step that reduces it there)."""
+    if not point:
+        return "replicas never exchange this gradient (each trains alone)"
+    if gradient.kind == "sparse" and "sparse" in point:
+        return "sparse gradient (IndexedSlices): every replica's rows gathered, not densified"
+    peers = buckets.get(point, [])
+    cap = f" (--bucket-bytes {bucket_bytes})" if bucket_bytes else ""
+    return (f"dense gradient, fused with {len(peers) - 1} other(s) into {point}: "
+            f"{sum(n for _, n in peers)} bytes{cap}, gradients in the order they are ready")
+
+
+def _steps_applying(original: TrainingGraph, update: str) -> list[str]:
+    return [s.name for s in original.steps if update in s.closure]
 
 
 def text(decisions: list[Decision]) -> str:

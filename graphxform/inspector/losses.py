@@ -46,6 +46,41 @@ def kind(ir: GraphIR, node: str, depth: int = 0) -> str:
     return UNKNOWN
 
 
+def sum_of_ratios_of_totals(ir: GraphIR, copy: str) -> bool:
+    """Whether a replica's loss ``copy``, a Sum, sums ratios of the batch's totals over the
+    axes they keep: seq2seq's sequence_loss averaged over the batch alone, then summed over
+    time (sum_t S_t / W_t, S_t and W_t sums over the batch). global-denominators divides each
+    replica's S_t by the replicas' mean of W_t (a value equal on every replica that is not
+    the batch's: ``same``), so each ratio, and their sum, averages across the replicas to one
+    device's: a mean, though its last op is a Sum."""
+    from graphxform import replica_values
+    from graphxform.contract import reduces_the_batch_axis
+    from graphxform.replica_values import DIVIDE_OPS, MEAN as MEAN_CLASS, SAME, SUM as SUM_CLASS
+    from graphxform.passes.global_denominators import SCOPE
+    node = _through(ir, copy)
+    if ir.op(node) != "Sum":
+        return False
+    quotient = _through(ir, ir.inputs(node)[0][0])
+    inputs = ir.inputs(quotient)
+    if ir.op(quotient) not in DIVIDE_OPS or len(inputs) != 2:
+        return False
+    divisor = _through(ir, inputs[1][0])
+    if SCOPE not in divisor:  # a divisor global-denominators made: no other is trusted here
+        return False
+    prefix = replica_prefix(0)
+    values = replica_values.classify(ir, prefix, copies=sorted(
+        n for n in ir.ancestors(node) | {node} if n.startswith(prefix)))
+    total = values.of(*inputs[0]) in (SUM_CLASS, MEAN_CLASS) or \
+        reduces_the_batch_axis(ir, inputs[0][0])  # shaped by the longest length: unclassed
+    return total and values.of(*inputs[1]) == SAME
+
+
+def _through(ir: GraphIR, node: str) -> str:
+    while ir.op(node) in _PASS_THROUGH and ir.inputs(node):
+        node = ir.inputs(node)[0][0]
+    return node
+
+
 def _constant(ir: GraphIR, node: str) -> bool:
     while ir.op(node) in ("Cast", "Identity") and ir.inputs(node):
         node = ir.inputs(node)[0][0]
@@ -94,7 +129,7 @@ def check(ir: GraphIR, view=None) -> CheckResult:
             result.error(f"loss '{node}' is the sum of the replicas' losses, but each replica's "
                          f"'{copy}' is a mean over its slice: the loss fetched would be "
                          f"{replicas or 'N'} times the single-device loss", [node, copy])
-        elif own == SUM and merged == MEAN:
+        elif own == SUM and merged == MEAN and not sum_of_ratios_of_totals(ir, copy):
             result.error(f"loss '{node}' averages the replicas' losses, but each replica's "
                          f"'{copy}' is a sum over its slice: the single-device loss is their "
                          "sum", [node, copy])

@@ -17,6 +17,23 @@ def _steps_of(tg: TrainingGraph, var) -> list[str]:
     return [s.name for s in tg.steps if set(var.updates) & s.closure]
 
 
+def _gradient(grad) -> dict:
+    return {"kind": grad.kind, **({"tensor": grad.tensor} if grad.kind == "dense" else
+                                  {"values": grad.values, "indices": grad.indices}),
+            "reduced_at": grad.tensor if grad.kind == "dense" else grad.values}
+
+
+def _applications(tg: TrainingGraph, var) -> list[dict]:
+    """Every gradient an optimizer applies to ``var``, with its update and the steps that run
+    it: two for an actor-critic's shared trunk (each reduced in its own step), else one."""
+    if not var.applications:
+        return [] if var.gradient is None else [
+            dict(_gradient(var.gradient), update=var.applied_by, steps=_steps_of(tg, var))]
+    return [dict(_gradient(a.gradient), update=a.update,
+                 steps=[s.name for s in tg.steps if a.update in s.closure])
+            for a in var.applications]
+
+
 def inspect_document(ir: GraphIR, tg: TrainingGraph) -> dict:
     variables = []
     for var in tg.variables.values():
@@ -26,10 +43,8 @@ def inspect_document(ir: GraphIR, tg: TrainingGraph) -> dict:
             "dtype": var.dtype_name, "bytes": var.nbytes, "device": var.device,
             "trainable": var.trainable, "role": var.role,
             "updates": [{"op": u, "type": ir.op(u)} for u in var.updates],
-            "gradient": None if grad is None else {
-                "kind": grad.kind, **({"tensor": grad.tensor} if grad.kind == "dense" else
-                                      {"values": grad.values, "indices": grad.indices}),
-                "reduced_at": grad.tensor if grad.kind == "dense" else grad.values},
+            "gradient": None if grad is None else _gradient(grad),  # the first of "gradients"
+            "gradients": _applications(tg, var),
             "steps": _steps_of(tg, var),
             "slots": dict(var.slots), "slot_of": var.slot_of,
             "initializer": var.initializer,
@@ -87,19 +102,20 @@ def inspect_text(doc: dict) -> str:
              "gradient", "slots"]]
     for v in doc["variables"]:
         updates = ",".join(sorted({u["type"] for u in v["updates"]})) or "-"
+        kinds = [g["kind"] for g in v["gradients"]]
         rows.append([v["name"], "[" + ",".join(map(str, v["shape"])) + "]", v["dtype"],
                      _human_bytes(v["bytes"]), v["device"] or "-", "yes" if v["trainable"] else
-                     "no", v["role"], updates, v["gradient"]["kind"] if v["gradient"] else "-",
+                     "no", v["role"], updates, ",".join(kinds) or "-",
                      ",".join(v["slots"].values()) or "-"])
     lines += _table(rows)
-    reduced = [v for v in doc["variables"] if v["gradient"]]
-    if reduced:
+    reduced = [v for v in doc["variables"] if v["gradients"]]
+    if reduced:  # one row per gradient: a trunk two optimizers train has two, in two steps
         lines.append("")
         lines.append("where each gradient is born (and reduced across replicas):")
-        lines += _table([["variable", "step", "gradient"]] + [
-            [v["name"], ",".join(v["steps"]) or "-", v["gradient"]["reduced_at"] +
-             (f" (indices {v['gradient']['indices']})" if v["gradient"]["kind"] == "sparse"
-              else "")] for v in reduced])
+        lines += _table([["variable", "step", "gradient", "applied by"]] + [
+            [v["name"], ",".join(g["steps"]) or "-", g["reduced_at"] +
+             (f" (indices {g['indices']})" if g["kind"] == "sparse" else ""),
+             g["update"] or "-"] for v in reduced for g in v["gradients"]])
     lines.append("")
     lines.append("inputs:")
     for i in doc["inputs"]:
