@@ -139,3 +139,44 @@ def test_a_running_average_of_the_loss_is_no_moving_statistic(tmp_path):
              if "ExponentialMovingAverage" in name}
     assert marks == {"Mean/ExponentialMovingAverage": None,
                      "moments/Squeeze/ExponentialMovingAverage": "structure"}, marks
+
+
+def _keras_in_a_legacy_cond(x, y):
+    """tf_keras BatchNormalization on a training flag that is a tensor, with control flow v1:
+    its updates run inside legacy conds."""
+    import os
+    os.environ["TF_USE_LEGACY_KERAS"] = "1"
+    import tensorflow as tf
+    import tf_keras
+    tf1 = tf.compat.v1
+    tf1.disable_control_flow_v2()
+    try:
+        hidden = tf_keras.layers.Dense(6)(x)
+        norm = tf_keras.layers.BatchNormalization()
+        hidden = norm(hidden, training=tf1.placeholder_with_default(True, [], name="training"))
+        logits = tf_keras.layers.Dense(2)(tf.nn.relu(hidden))
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y,
+                                                                             logits=logits))
+        with tf.control_dependencies(norm.updates):
+            return tf1.train.MomentumOptimizer(0.1, 0.9).minimize(loss)
+    finally:
+        tf1.enable_control_flow_v2()
+
+
+@pytest.mark.parametrize("build", [_helper("cond_legacy"), _keras_in_a_legacy_cond],
+                         ids=["helper", "tf_keras"])
+def test_ps_keeps_legacy_conds_importable(run_cli, tmp_path, build):
+    """ps updates the moving statistics from replica 0 alone and removes the other replicas'
+    updates, which here sit inside legacy conds: their cond contexts still named the removed
+    tensors, and the emitted graph failed in import_meta_graph (apply exited 0)."""
+    import json
+    import tensorflow as tf
+    model = export_classifier(tmp_path / "m.meta", build)
+    spec = tmp_path / "cluster.json"
+    spec.write_text(json.dumps({"ps": ["127.0.0.1:28601"],
+                                "worker": ["127.0.0.1:28602", "127.0.0.1:28603"]}))
+    code, out, err = run_cli("apply", "--strategy", "ps", "--cluster", spec, model,
+                             "-o", tmp_path / "out.meta")
+    assert code == 0, err
+    with tf.Graph().as_default():
+        tf.compat.v1.train.import_meta_graph(str(tmp_path / "out.meta"))
