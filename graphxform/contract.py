@@ -335,11 +335,12 @@ def check(ir: GraphIR, tg: TrainingGraph, replicas: int, asynchronous: bool = Fa
     if replicas > 1 and not asynchronous:
         _check_losses_are_means(ir, tg, replicas)
         _check_custom_gradients(ir, tg, replicas)
-    function_writes = (_function_writes(ir, tg, closure) if replicas > 1 and not asynchronous
-                       else [])
+    proven_statistics = _synced_moving_statistics(ir, tg)
+    function_writes = (_function_writes(ir, tg, closure, proven_statistics)
+                       if replicas > 1 and not asynchronous else [])
     checked, proven = 0, []  # proven: (variable, write) whose inputs must be equal everywhere
     from graphxform.passes.global_state import state_variables
-    state = {v.name for v in state_variables(tg)}
+    state = {v.name for v in state_variables(tg)} | proven_statistics
     for var in sorted(tg.variables.values(), key=lambda v: v.name):
         if not var.updates:
             continue
@@ -370,6 +371,17 @@ def check(ir: GraphIR, tg: TrainingGraph, replicas: int, asynchronous: bool = Fa
     _check_shared_writes(ir, shared, spread)
     _check_start(ir, tg, replicas)
     return {"variables": checked}
+
+
+def _synced_moving_statistics(ir: GraphIR, tg: TrainingGraph) -> set:
+    """The moving statistics found by structure (the TF1 helper's exponential moving averages
+    of tf.nn.moments: graphxform/moving_statistics.py) where sync-batch-norm made those moments
+    the global batch's: their writes then read one device's values, which is proven like any
+    state's. (Those found by name stay each replica's, as README says: not every layer's
+    statistics are within that pass's reach.)"""
+    from graphxform.moving_statistics import BY_STRUCTURE
+    found = {v.name for v in tg.variables.values() if v.moving_statistic == BY_STRUCTURE}
+    return found if found and ir.has_scope("sync_batch_norm/") else set()
 
 
 def _check_ordered(ir: GraphIR, ordered, replicas: int, closure: set) -> None:
@@ -774,11 +786,12 @@ def _check_custom_gradients(ir: GraphIR, tg: TrainingGraph, replicas: int) -> No
                 "in its incoming gradient, or train on one device")
 
 
-def _function_writes(ir: GraphIR, tg: TrainingGraph, closure: set) -> list[tuple]:
+def _function_writes(ir: GraphIR, tg: TrainingGraph, closure: set,
+                     statistics=frozenset()) -> list[tuple]:
     """(call, function, writing op type, written node, trains) for each call in ``closure``
     whose functions apply an optimizer update or write a variable the contract keeps equal (a
-    trainable one, or one the step keeps: saved, not batch norm's moving statistics), the
-    first such write of each call."""
+    trainable one, or one the step keeps: saved, not batch norm's moving statistics but
+    ``statistics``, those sync-batch-norm keeps equal), the first such write of each call."""
     from graphxform.passes.global_state import kept_equal
     found = {}
     for call, function, node, source in called_nodes(ir, closure):
@@ -787,7 +800,7 @@ def _function_writes(ir: GraphIR, tg: TrainingGraph, closure: set) -> list[tuple
         target = source(node.input[0])
         var = tg.variables.get(REPLICA_SCOPE.sub("", target, count=1)) if target else None
         trains = is_apply_op(node.op) or (var is not None and var.trainable)
-        if trains or (var is not None and kept_equal(var)):
+        if trains or (var is not None and (kept_equal(var) or var.name in statistics)):
             found[call] = (call, function, node.op, target or node.input[0], trains)
     return list(found.values())
 

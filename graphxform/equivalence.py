@@ -17,12 +17,11 @@ import contextlib
 import dataclasses
 import math
 import os
-import re
 import tempfile
 
 import numpy as np
 
-from graphxform import fetch_races, functions, input_pipeline, training
+from graphxform import fetch_races, functions, input_pipeline, moving_statistics, training
 from graphxform.plan import ClusterPlan
 from graphxform.errors import GraphxformError
 from graphxform.ir import GraphIR, parse_tensor
@@ -130,9 +129,8 @@ def compare_series(name: str, expected: list, got: list) -> Difference:
                       scale=scale)
 
 
-# batch norm's moving statistics as tf.compat.v1.layers, tf_keras and tf_slim name them, and
-# batch renormalization's (renorm=True: moving_stddev, renorm_mean, renorm_stddev)
-MOVING_STATISTIC = re.compile(r"moving_(mean|variance|stddev)|renorm_(mean|stddev)")
+# batch norm's moving statistics as tf.compat.v1.layers, tf_keras and tf_slim name them
+MOVING_STATISTIC = moving_statistics.NAMED
 
 
 def mismatch_reasons(ir: GraphIR, tg: training.TrainingGraph, synced_batch_norm=False,
@@ -149,7 +147,7 @@ def mismatch_reasons(ir: GraphIR, tg: training.TrainingGraph, synced_batch_norm=
     from_inputs = fed_from_inputs(ir, tg)
     batch_norm = _batch_norm_evidence(ir, tg, from_inputs)
     others = [name for name in batch_norm if name in tg.variables
-              and not MOVING_STATISTIC.search(name)]
+              and not tg.variables[name].moving_statistic]
     batch_norm = [name for name in batch_norm if name not in others]
     others = [] if state_kept_equal else others
     if others:
@@ -286,8 +284,9 @@ def _batch_norm_evidence(ir: GraphIR, tg, from_inputs: set) -> list[str]:
     """What computes statistics over the batch in the step: variables updated there from the
     inputs (batch norm's moving averages, but not an average of the weights), fused batch norm
     in training mode, and ``tf.nn.moments`` over axis 0."""
-    found = sorted(v.name for v in tg.variables.values() if v.role == "statistic"
-                   and not v.local and any(u in from_inputs for u in v.updates))
+    found = sorted(v.name for v in tg.variables.values() if not v.local and (
+        v.role == "statistic" and any(u in from_inputs for u in v.updates)
+        or v.moving_statistic == moving_statistics.BY_STRUCTURE))  # also moved in a v2 cond
     for name in sorted(tg.train_closure):
         op = ir.op(name)
         if op in FUSED_BATCH_NORM and _is_training(ir, name) and not _per_example(ir, name):

@@ -113,6 +113,19 @@ def called_nodes(ir, closure: set):
                 yield call, function_name, node, source
 
 
+def call_bodies(ir, call: str) -> list[tuple]:
+    """(FunctionDef, {argument name: the graph tensor (src, port) that feeds it}) for each
+    function ``call`` runs (not the calls inside them)."""
+    library = {f.signature.name: f for f in ir.meta.graph_def.library.function}
+    op = ir.op(call)
+    sources = ir.inputs(call)[1:] if op in _SELECTOR_FIRST else ir.inputs(call)
+    found = []
+    for name in _called(ir.attrs(call), op, library):
+        args = library[name].signature.input_arg
+        found.append((library[name], {arg.name: source for arg, source in zip(args, sources)}))
+    return found
+
+
 def carried_from_list(ir, loop: str, arg: int) -> dict[int, str]:
     """The loop variables of the while loop ``loop`` whose next value its body computes from
     an element it reads out of its ``arg``-th loop variable, a TensorList, other than a list

@@ -115,6 +115,9 @@ class Variable:
     # a part of a variable the user partitioned (get_variable(partitioner=...)): (the whole
     # variable's name, the slice spec) its checkpoint entry has, as TF's Saver writes it
     saved_as: tuple | None = None
+    # batch norm's moving mean or variance, found by name or by structure (graphxform/
+    # moving_statistics.py: "name" or "structure"); None: not one
+    moving_statistic: str | None = None
 
     @property
     def dtype_name(self) -> str:
@@ -303,6 +306,8 @@ def analyze(ir: GraphIR, train_op=None) -> TrainingGraph:
     if var_defs is None:  # bare GraphDef: trainable means updated by the optimizer
         for var in variables.values():
             var.trainable = var.gradient is not None
+    from graphxform import moving_statistics
+    moving_statistics.mark(ir, variables, closure)
     steps = [_step(ir, name, closures[name], variables) for name in step_names]
     losses = list(dict.fromkeys([s.loss for s in steps if s.loss] + _losses(ir)))
     sinks = [n for n in noops if not any(ir.successors(n))

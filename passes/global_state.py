@@ -57,9 +57,9 @@ _EQUAL = frozenset({replica_values.IDENTICAL, replica_values.SAME})
 
 def kept_equal(var) -> bool:
     """Whether the contract keeps ``var`` equal on every replica when the step moves it: it is
-    saved (not a metric's local total) and not batch norm's moving statistics."""
-    from graphxform.equivalence import MOVING_STATISTIC
-    return not var.local and not MOVING_STATISTIC.search(var.name)
+    saved (not a metric's local total) and not batch norm's moving statistics (by name or by
+    structure: graphxform/moving_statistics.py)."""
+    return not var.local and not var.moving_statistic
 
 
 def state_variables(tg) -> list:

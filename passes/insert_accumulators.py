@@ -285,14 +285,55 @@ def _collected(ir) -> set:
 
 
 def _drop_missing_from_collections(ir) -> None:
-    """Collections (`update_ops`) stop naming the updates that went."""
-    for col in ir.meta.collection_def.values():
-        if not col.HasField("node_list"):
+    """Collections (`update_ops`) stop naming the updates that went, and legacy conds' contexts
+    the tensors of the updates inside them (batch norm on a training flag that is a tensor,
+    with control flow v1): import_meta_graph looks up every tensor a context names."""
+    for key, col in ir.meta.collection_def.items():
+        if col.HasField("node_list"):
+            kept = [v for v in col.node_list.value if parse_tensor(v.lstrip("^"))[0] in ir]
+            if len(kept) != len(col.node_list.value):
+                del col.node_list.value[:]
+                col.node_list.value.extend(kept)
+        elif key in ("cond_context", "while_context") and col.HasField("bytes_list"):
+            _drop_missing_from_contexts(ir, key, col)
+
+
+def _drop_missing_from_contexts(ir, key, col) -> None:
+    from tensorflow.core.protobuf import control_flow_pb2
+    cls = (control_flow_pb2.WhileContextDef if key == "while_context"
+           else control_flow_pb2.CondContextDef)
+    exists = lambda name: parse_tensor(name.lstrip("^"))[0] in ir  # noqa: E731
+    pruned = []
+    for raw in col.bytes_list.value:
+        context = cls.FromString(raw)
+        _prune_values(context, exists)
+        pruned.append(context.SerializeToString())
+    del col.bytes_list.value[:]
+    col.bytes_list.value.extend(pruned)
+
+
+def _prune_values(message, exists) -> None:
+    """Drop from every ValuesDef in ``message`` (nested contexts' too) the tensors that are
+    gone."""
+    for field, value in message.ListFields():
+        if field.type != field.TYPE_MESSAGE or field.message_type.GetOptions().map_entry:
             continue
-        kept = [v for v in col.node_list.value if parse_tensor(v.lstrip("^"))[0] in ir]
-        if len(kept) != len(col.node_list.value):
-            del col.node_list.value[:]
-            col.node_list.value.extend(kept)
+        for item in (value if _repeated(field) else [value]):
+            if item.DESCRIPTOR.name != "ValuesDef":
+                _prune_values(item, exists)
+                continue
+            kept = [v for v in item.values if exists(v)]
+            del item.values[:]
+            item.values.extend(kept)
+            for name in [k for k, v in item.external_values.items()
+                         if not (exists(k) and exists(v))]:
+                del item.external_values[name]
+
+
+def _repeated(field) -> bool:
+    if hasattr(field, "is_repeated"):  # protobuf >= 5.28; `label` is gone in 7
+        return field.is_repeated
+    return field.label == field.LABEL_REPEATED
 
 
 def _tie_replica_reads(ir, tg) -> int:

@@ -151,7 +151,13 @@ def _const_ints(ir, node) -> list[int]:
 
 
 def _rewrite_mean(ir, build, node, device, replicas, key) -> str:
-    """The Mean ``node`` over the batch becomes the global mean; returns the global count."""
+    """The Mean ``node`` over the batch becomes the global mean; returns the global count.
+
+    The sums and the count travel stacked ([2, <sum's shape>], the count filled out to that
+    shape), so that the global sum, the count and the mean are unstacked from the collective's
+    result alone: no shape is taken from the replica's own tensors, and the contract sees them
+    equal on every replica (an exponential moving average of the synced moments, the TF1
+    batch-norm helper's, is then one device's)."""
     attrs = ir.attrs(node)
     dtype = attrs["T"].type
     ops = _Ops(build, SCOPE + node + "/", device)
@@ -163,21 +169,18 @@ def _rewrite_mean(ir, build, node, device, replicas, key) -> str:
         ops("size", "Size", [tensor], T=dtype, out_type=INT32),
         ops("out_size", "Size", [local_sum], T=dtype, out_type=INT32)], T=INT32)],
         SrcT=INT32, DstT=dtype)
-    flat = ops("flat", "Reshape", [local_sum, ops.const("flat_shape", [-1], np.int32)],
-               T=dtype, Tshape=INT32)
-    packed = ops("sums", "ConcatV2", [flat, ops("count_vector", "Reshape", [
-        count, ops.const("one_shape", [1], np.int32)], T=dtype, Tshape=INT32),
-        ops.const("axis0", 0, np.int32)], N=2, T=dtype, Tidx=INT32)
+    counts = ops("local_counts", "Fill", [ops("sum_shape", "Shape", [local_sum], T=dtype,
+                                              out_type=INT32), count], T=dtype,
+                 index_type=INT32)
+    packed = ops("sums", "Pack", [local_sum, counts], N=2, T=dtype, axis=0)
     total = _all_reduce_sum(ops, "all_sums", packed, replicas, key, dtype)
-    parts = ops("split_sums", "SplitV", [total, ops("split_sizes", "Pack", [
-        ops("channels", "Size", [flat], T=dtype, out_type=INT32),
-        ops.const("one", 1, np.int32)], N=2, T=INT32, axis=0),
-        ops.const("axis0_split", 0, np.int32)], num_split=2, T=dtype, Tlen=INT32)
-    global_count = ops("global_count", "Reshape", [f"{parts}:1", ops.const(
-        "scalar", [], np.int32)], T=dtype, Tshape=INT32)
-    global_sum = ops("global_sum", "Reshape", [f"{parts}:0", ops("sum_shape", "Shape", [
-        local_sum], T=dtype, out_type=INT32)], T=dtype, Tshape=INT32)
-    mean = ops("mean", "RealDiv", [global_sum, global_count], T=dtype)
+    parts = ops("unstack_sums", "Unpack", [total], num=2, T=dtype, axis=0)
+    global_count = ops("global_count", "GatherV2", [
+        ops("flat_counts", "Reshape", [f"{parts}:1", ops.const("flat_shape", [-1], np.int32)],
+            T=dtype, Tshape=INT32),
+        ops.const("first", 0, np.int32), ops.const("axis0", 0, np.int32)],
+        Tparams=dtype, Tindices=INT32, Taxis=INT32, batch_dims=0)
+    mean = ops("mean", "RealDiv", [f"{parts}:0", global_count], T=dtype)
     build.replace(node, "Identity", [mean], device=device, T=dtype)
     _mark_whole_batch(ir, node)
     return global_count
@@ -270,9 +273,9 @@ def _rewrite_forward(ir, build, node, device, replicas, keys) -> dict:
     packed = ops("sums", "ConcatV2", [local_sum, count_v, ops.const("axis0", 0, np.int32)],
                  N=2, T=u_type, Tidx=INT32)
     total = _all_reduce_sum(ops, "all_sums", packed, replicas, keys[0], u_type)
-    parts = ops("split_sums", "SplitV", [total, ops("split_sizes", "Pack", [
-        channels, ops.const("one", 1, np.int32)], N=2, T=INT32, axis=0),
-        ops.const("axis0_split", 0, np.int32)], num_split=2, T=u_type, Tlen=INT32)
+    parts = ops("split_sums", "SplitV", [total, ops.const("split_sizes", [-1, 1], np.int32),
+                                         ops.const("axis0_split", 0, np.int32)],
+                num_split=2, T=u_type, Tlen=INT32)  # sizes from constants: equal everywhere
     global_count = ops("global_count", "Reshape", [f"{parts}:1", ops.const("scalar", [],
                                                                          np.int32)],
                        T=u_type, Tshape=INT32)
