@@ -19,7 +19,7 @@ import collections
 import dataclasses
 import re
 
-from graphxform import contract, training
+from graphxform import contract, moving_statistics, training
 from graphxform.errors import GraphxformError
 from graphxform.inspector.findings import CheckResult
 from graphxform.inspector.scopes import fold_name
@@ -78,6 +78,12 @@ def view(ir: GraphIR, train_op=None) -> View:
             initializer=original(first.initializer) if first.initializer else None,
             slot_of=original(first.slot_of) if first.slot_of else None)
         var.role = _role(var, first, analysis, optimizer_scopes)
+        # replica 0's copies sit in the scope the output's analysis takes for the optimizer's
+        var.moving_statistic = next((v.moving_statistic for v in members if v.moving_statistic),
+                                    None)
+        if var.moving_statistic is None and var.role == "statistic" and \
+                moving_statistics.NAMED.search(name):
+            var.moving_statistic = moving_statistics.BY_NAME
         variables[name] = var
     input_view = dataclasses.replace(analysis, variables=variables)
     closures = [(step.name, _runs(ir, step, analysis.saver_scope)) for step in analysis.steps]
