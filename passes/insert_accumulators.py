@@ -118,11 +118,9 @@ class InsertAccumulators(Pass):
                 accumulators[agg.name] = build.accumulator(agg)
             ir.set_input(consumer, port, accumulators[agg.name].takes[part])
         for step in steps:  # one client: the step runs every worker's applies it needs
-            upstream = ir.ancestors(step.core)
-            for acc in accumulators.values():
-                if acc.take in upstream:
-                    for apply in acc.applies:
-                        ir.add_control_input(step.entry, apply)
+            for acc in _taken_by(ir, step.core, accumulators.values()):
+                for apply in acc.applies:
+                    ir.add_control_input(step.entry, apply)
         handles = [a.handle for a in accumulators.values()]
         if len(steps) != 1:  # per-task plans run one step; `plan_of` refuses these graphs
             return {}, None, None
@@ -198,6 +196,23 @@ class InsertAccumulators(Pass):
         if plan and workers.chief is None:
             plan[workers.chief_task] = build.op(build.scope(workers.chief_task) + "step", "NoOp")
         return plan
+
+
+def _taken_by(ir, core, accumulators) -> list:
+    """The accumulators whose take a step runs: those upstream of its ``core``, and those
+    upstream of what those accumulators' applies read. A take does not depend on the applies
+    it waits for, so a step that chains its optimizers (the actor's loss under
+    ``control_dependencies([critic_train])``, the actor's minimize outside it) reaches the
+    critic's takes only through the actor's applies; leaving the critic's applies out of the
+    step left its takes waiting forever."""
+    accumulators = list(accumulators)
+    chosen, upstream = [], ir.ancestors(core)
+    while True:
+        found = [a for a in accumulators if a not in chosen and a.take in upstream]
+        if not found:
+            return chosen
+        chosen += found
+        upstream |= ir.ancestors_of([apply for a in found for apply in a.applies])
 
 
 def _staged_apply(ir, accumulators) -> str | None:
