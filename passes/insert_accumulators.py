@@ -6,7 +6,10 @@ over each worker's own replicas (dense: AddN / R; sparse: values and indices con
 workers) or a SparseConditionalAccumulator (SUM, then / W: TF's sparse MEAN divides each row by
 how many workers touched it, which is not the batch mean; slices with any number of rows add up
 exactly) collects them. The region reads `take` of all W workers, so gradient post-processing and
-the optimizer run once per step on the cross-worker gradient, as on one device.
+the optimizer run once per step on the cross-worker gradient, as on one device. A variable two
+optimizers train (an actor-critic's shared trunk) has one accumulator per gradient
+(`<var>/gradient_<k>/accumulator` for the second), taken by the update that applies it, in the
+step that runs it.
 
 Each step op S (a train op the user runs) keeps its name. What S did moves to `ps_sync/<S>`
 (the update, without any replica's work); S becomes the one-client entry point: it runs every
@@ -384,7 +387,7 @@ def _refuse_norms_of_sparse_rows(ir, grad_edges, points) -> None:
             op = ir.op(node)
             if op in _NORM_OPS:
                 raise ContractError(
-                    f"variable '{agg.name}': its sparse gradient's rows ('{tensor}') reach "
+                    f"variable '{agg.variable}': its sparse gradient's rows ('{tensor}') reach "
                     f"'{node}' ({op}), a norm of them (tf.clip_by_global_norm, "
                     "tf.clip_by_norm); the ps strategies sum the rows of one id across "
                     "workers before the update reads them, while one device's gradient holds "
