@@ -236,31 +236,6 @@ def _check_batch_state_feeds_losses(ir: GraphIR, tg: TrainingGraph) -> None:
                 "--strategy model-average, which trains replicas apart by design)")
 
 
-def check_one_gradient_per_variable(tg: TrainingGraph, strategy: str) -> None:
-    """A variable two optimizers train (an actor-critic's shared trunk, an autoencoder's
-    encoder under a second loss, tf_slim's create_train_op twice over one trunk) gets two
-    gradients per step; a strategy that reduces one gradient per variable would leave the
-    other a replica's own. Refuse, naming the variable and both updates with their steps."""
-    for var in sorted(tg.variables.values(), key=lambda v: v.name):
-        if len(var.applications) < 2:
-            continue
-        named = [f"'{a.update}'{_in_steps(tg, a.update)}" for a in var.applications[:2]]
-        raise ContractError(
-            f"variable '{var.name}' gets gradients from two optimizer updates, {named[0]} and "
-            f"{named[1]}; --strategy {strategy} aggregates one gradient per variable across "
-            "replicas, so the other would be each replica's own (trained apart): use "
-            "--strategy allreduce or replicated, which reduce each, or train the variable "
-            "with one optimizer")
-
-
-def _in_steps(tg: TrainingGraph, update: str) -> str:
-    """' (step S)' or ' (steps S, T)': the steps that run ``update``."""
-    names = [s.name for s in tg.steps if update in s.closure]
-    if not names:
-        return ""
-    return f" (step{'s' if len(names) > 1 else ''} {', '.join(repr(n) for n in names)})"
-
-
 def _check_gradients_kept_between_runs(ir: GraphIR, tg: TrainingGraph) -> None:
     """Gradient accumulation across session.run calls, the TF1 recipe: an op outside the train
     op adds each micro-batch's gradients into variables (``acc.assign_add(grad)``, run once per

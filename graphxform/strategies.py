@@ -199,9 +199,6 @@ def hybrid(ps_tasks: int = 1, sparse_as_dense_below: int = 0, placement=None,
 STRATEGIES = {"allreduce": allreduce, "replicated": replicated, "independent": independent,
               "ps": ps, "partitioned-ps": partitioned_ps, "model-average": model_average,
               "hybrid": hybrid}
-# strategies whose passes aggregate one gradient per variable (Variable.gradient), not each
-# optimizer's (Variable.applications, which allreduce and replicated reduce)
-ONE_GRADIENT_PER_VARIABLE = {"ps", "partitioned-ps", "hybrid"}
 NOT_DROP_IN = {"independent"}  # documented as such: the contract check proves only the start
 # strategies whose devices are a cluster's worker tasks (hybrid: its ps side needs ps tasks)
 CLUSTER_STRATEGIES = {"ps", "partitioned-ps", "hybrid"}
@@ -254,8 +251,6 @@ def transform(ir, strategy: str = "allreduce", devices=None, train_op: str | Non
         from graphxform import contract
         require_single_device(ir)
         contract.check_input(ir, ctx.training)
-        if strategy in ONE_GRADIENT_PER_VARIABLE:
-            contract.check_one_gradient_per_variable(ctx.training, strategy)
     if len(devices) > 1:  # the input's towers, before replicate renames them (merge-fetches)
         from graphxform import towers
         ctx.state["towers"] = towers.layout(ir, ctx.training)

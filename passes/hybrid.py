@@ -42,7 +42,9 @@ PARTITION_MIN_BYTES = 256 << 10
 
 def decide(trainable, sparse_as_dense_below: int = 0, overrides=None) -> dict:
     """{variable: (side, reason)}: an override wins; a sparse gradient goes to the ps unless
-    the variable is smaller than ``sparse_as_dense_below`` bytes; a dense one is all-reduced."""
+    the variable is smaller than ``sparse_as_dense_below`` bytes; a dense one is all-reduced
+    (a variable two optimizers train, one with a sparse gradient, goes to the ps, which
+    aggregates a dense gradient too; all-reduce would densify the sparse one)."""
     overrides = dict(overrides or {})
     known = {v.name for v in trainable}
     for name, side in overrides.items():
@@ -56,7 +58,7 @@ def decide(trainable, sparse_as_dense_below: int = 0, overrides=None) -> dict:
     for var in trainable:
         if var.name in overrides:
             decisions[var.name] = (overrides[var.name], "placement file")
-        elif var.gradient.kind != "sparse":
+        elif all(g.kind != "sparse" for g in var.gradients):  # every optimizer's
             decisions[var.name] = ("allreduce", "dense gradient")
         elif var.nbytes < sparse_as_dense_below:
             decisions[var.name] = ("allreduce", f"sparse gradient, {var.nbytes} B < "

@@ -6,7 +6,10 @@ over each worker's own replicas (dense: AddN / R; sparse: values and indices con
 workers) or a SparseConditionalAccumulator (SUM, then / W: TF's sparse MEAN divides each row by
 how many workers touched it, which is not the batch mean; slices with any number of rows add up
 exactly) collects them. The region reads `take` of all W workers, so gradient post-processing and
-the optimizer run once per step on the cross-worker gradient, as on one device.
+the optimizer run once per step on the cross-worker gradient, as on one device. A variable two
+optimizers train (an actor-critic's shared trunk) has one accumulator per gradient
+(`<var>/gradient_<k>/accumulator` for the second), taken by the update that applies it, in the
+step that runs it.
 
 Each step op S (a train op the user runs) keeps its name. What S did moves to `ps_sync/<S>`
 (the update, without any replica's work); S becomes the one-client entry point: it runs every
@@ -118,11 +121,9 @@ class InsertAccumulators(Pass):
                 accumulators[agg.name] = build.accumulator(agg)
             ir.set_input(consumer, port, accumulators[agg.name].takes[part])
         for step in steps:  # one client: the step runs every worker's applies it needs
-            upstream = ir.ancestors(step.core)
-            for acc in accumulators.values():
-                if acc.take in upstream:
-                    for apply in acc.applies:
-                        ir.add_control_input(step.entry, apply)
+            for acc in _taken_by(ir, step.core, accumulators.values()):
+                for apply in acc.applies:
+                    ir.add_control_input(step.entry, apply)
         handles = [a.handle for a in accumulators.values()]
         if len(steps) != 1:  # per-task plans run one step; `plan_of` refuses these graphs
             return {}, None, None
@@ -198,6 +199,23 @@ class InsertAccumulators(Pass):
         if plan and workers.chief is None:
             plan[workers.chief_task] = build.op(build.scope(workers.chief_task) + "step", "NoOp")
         return plan
+
+
+def _taken_by(ir, core, accumulators) -> list:
+    """The accumulators whose take a step runs: those upstream of its ``core``, and those
+    upstream of what those accumulators' applies read. A take does not depend on the applies
+    it waits for, so a step that chains its optimizers (the actor's loss under
+    ``control_dependencies([critic_train])``, the actor's minimize outside it) reaches the
+    critic's takes only through the actor's applies; leaving the critic's applies out of the
+    step left its takes waiting forever."""
+    accumulators = list(accumulators)
+    chosen, upstream = [], ir.ancestors(core)
+    while True:
+        found = [a for a in accumulators if a not in chosen and a.take in upstream]
+        if not found:
+            return chosen
+        chosen += found
+        upstream |= ir.ancestors_of([apply for a in found for apply in a.applies])
 
 
 def _staged_apply(ir, accumulators) -> str | None:
@@ -410,7 +428,7 @@ def _refuse_norms_of_sparse_rows(ir, grad_edges, points) -> None:
             op = ir.op(node)
             if op in _NORM_OPS:
                 raise ContractError(
-                    f"variable '{agg.name}': its sparse gradient's rows ('{tensor}') reach "
+                    f"variable '{agg.variable}': its sparse gradient's rows ('{tensor}') reach "
                     f"'{node}' ({op}), a norm of them (tf.clip_by_global_norm, "
                     "tf.clip_by_norm); the ps strategies sum the rows of one id across "
                     "workers before the update reads them, while one device's gradient holds "

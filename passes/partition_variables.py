@@ -114,7 +114,13 @@ class _Partition:
         """Why the variable stays whole, or None. Every use of it and its slots outside its
         update must be one `_rewrite_uses` can split (a read inside a while loop or a cond,
         through an Enter or a Switch of its handle, is not); its update must sit in an
-        `update_<var>` scope and read one gradient (or values and indices)."""
+        `update_<var>` scope and read one gradient (or values and indices), and one optimizer
+        must train it (the update scope is copied per shard; a second optimizer's, an
+        actor-critic's trunk, is not: such a variable stays whole, each gradient aggregated
+        on its own)."""
+        if len(self.var.applications) > 1:  # each optimizer's update reads it whole
+            first, second = (a.update for a in self.var.applications[:2])
+            return f"two optimizers train it ('{first}' and '{second}')"
         scope = self._update_scope()
         if f"/update_{self.var.name}/" not in scope:
             return f"its optimizer update is not in an 'update_{self.var.name}' scope"

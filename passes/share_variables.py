@@ -40,21 +40,31 @@ class Aggregate:
     """A gradient every replica computes and the update region reads once per step.
 
     ``name`` names its accumulator (``<name>/accumulator``): the variable, or a partitioned
-    variable whose whole gradient is aggregated before post-processing; ``anchor`` is the
-    variable node whose ps task holds the accumulator."""
+    variable whose whole gradient is aggregated before post-processing, or, for the second
+    optimizer of a variable two train (an actor-critic's shared trunk), ``<variable>/
+    gradient_<k>``, so each gradient has its own accumulator and shared_name; ``anchor`` is
+    the variable node whose ps task holds the accumulator; ``variable`` the variable."""
     name: str
     gradient: Gradient
     dtype: int
     shape: tuple
     anchor: str
+    variable: str = ""
+
+    def __post_init__(self):
+        self.variable = self.variable or self.name
 
 
 def aggregates(ctx) -> list[Aggregate]:
     """Every gradient to aggregate: each trainable variable's born gradient (a shard's part of
-    it, when partition-variables split it before aggregation), and the whole born gradient of a
-    partitioned variable whose update reads it post-processed."""
+    it, when partition-variables split it before aggregation), one per optimizer that applies
+    one to it (Variable.gradients: each is taken by the update that applies it, in the step
+    that runs it), and the whole born gradient of a partitioned variable whose update reads it
+    post-processed."""
     tg = ctx.training
-    found = [Aggregate(v.name, v.gradient, v.dtype, v.shape, v.name) for v in tg.trainable]
+    found = [Aggregate(v.name if k == 0 else f"{v.name}/gradient_{k}", g, v.dtype, v.shape,
+                       v.name, v.name)
+             for v in tg.trainable for k, g in enumerate(v.gradients)]
     partitioned = ctx.state.get("partition-variables", {})
     for name, original in partitioned.get("whole_gradients", {}).items():
         first_shard = partitioned["shards"][name][0][0]

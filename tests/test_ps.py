@@ -582,6 +582,41 @@ def test_chained_optimizers_update_each_stage_once_after_its_gradients(
     assert len(err.strip().splitlines()) == 1
 
 
+def test_a_step_chained_only_through_its_loss_runs_the_first_optimizers_applies(
+        run_cli, tmp_path, cluster_file):
+    """The actor's loss is built under control_dependencies([critic_train]), its minimize
+    outside: the critic's takes are upstream of the actor's applies only, not of the update,
+    and a take does not depend on the applies it waits for. The step ran the actor's applies
+    and not the critic's: apply exited 0 and every run hung on the critic's takes."""
+    from conftest import export_classifier
+    tf1 = tf.compat.v1
+
+    def build(x, y):
+        def dense(h, units, name):
+            return tf.matmul(h, tf1.get_variable(name, [h.shape[1], units]))
+        value = tf.squeeze(dense(tf.nn.relu(dense(x, 16, "critic/w0")), 1, "critic/w1"), 1)
+        critic_loss = tf.reduce_mean(tf.square(tf.cast(y, tf.float32) - value))
+        critic = tf1.train.AdamOptimizer(1e-2).minimize(critic_loss, name="critic_train")
+        with tf.control_dependencies([critic]):
+            logits = dense(tf.nn.relu(dense(x, 16, "actor/w0")), 2, "actor/w1")
+            actor_loss = tf1.losses.sparse_softmax_cross_entropy(y, logits)
+        return tf1.train.MomentumOptimizer(0.1, 0.9).minimize(
+            actor_loss, var_list=tf1.trainable_variables("actor/"), name="actor_train")
+
+    model = export_classifier(tmp_path / "m.meta", build)
+    out_path = str(tmp_path / "out.meta")
+    code, _, err = run_cli("apply", model, "--strategy", "ps", "--cluster", cluster_file,
+                           "-o", out_path)
+    assert code == 0, err
+    ir = metagraph.load(out_path)
+    waits = set(ir.control_inputs("actor_train"))
+    assert {"critic/w0/accumulator/apply_worker_0", "critic/w0/accumulator/apply_worker_1",
+            "actor/w0/accumulator/apply_worker_1"} <= waits, sorted(waits)
+    code, out, err = run_cli("verify", model, "--strategy", "ps", "--cluster", cluster_file,
+                             "--feeds", model + ".npz", "--batch-size", 16, "--steps", 3)
+    assert code == 0 and "PASS" in out, out + err
+
+
 def test_a_polyak_update_after_the_step_reads_the_updated_ref_variables(
         run_cli, tmp_path, cluster_file):
     """Spinning Up's SAC with TF1 ref variables: the target network's polyak update runs under

@@ -1,9 +1,9 @@
 """One variable trained by two optimizers, as actor-critic code writes it: a shared trunk, an
 actor head and a critic head, ``actor_opt.minimize(actor_loss)`` and
 ``critic_opt.minimize(critic_loss)`` each over the trunk and its own head (two train ops, or
-both grouped in one). The trunk gets two gradients per step: a strategy that reduces one
-gradient per variable refuses in one line naming both updates; one that reduces each trains
-like one device."""
+both grouped in one). The trunk gets two gradients per step; every strategy reduces each, in
+the step that applies it (the parameter-server ones aggregate each in its own accumulator), and
+trains like one device."""
 
 import pytest
 from conftest import export_classifier as _export
@@ -80,24 +80,120 @@ def test_two_optimizers_grouped_in_one_train_op_are_refused(run_cli, tmp_path):
         "ResourceApplyAdam" in err and "computes or applies a gradient" in err
 
 
-@pytest.mark.parametrize("strategy", ["ps", "partitioned-ps", "hybrid"])
-def test_a_trunk_two_optimizers_train_is_refused_naming_both(run_cli, tmp_path, strategy):
-    """The parameter-server strategies aggregate one gradient per variable: refused in one
-    line naming both updates (before: 'computes from its own slice' or 'written 3 times',
-    naming one update and not why)."""
-    model = _export(tmp_path / "m.meta", actor_critic())
-    cluster = tmp_path / "cluster.json"
-    cluster.write_text('{"ps": ["127.0.0.1:28001"], "worker": ["127.0.0.1:28002", '
-                       '"127.0.0.1:28003"]}')
-    out = tmp_path / "out.meta"
-    code, _, err = run_cli("apply", "--strategy", strategy, "--cluster", cluster, model,
-                           "-o", out)
-    assert code == 1 and len(err.strip().splitlines()) == 1, err
-    assert "variable 'trunk/bias' gets gradients from two optimizer updates" in err
-    assert "'actor_train/update_trunk/bias/ResourceApplyMomentum' (step 'actor_train')" in err
-    assert "'critic_train/update_trunk/bias/ResourceApplyAdam' (step 'critic_train')" in err
-    assert f"--strategy {strategy} aggregates one gradient per variable" in err
-    assert not out.exists()
+def embedding_actor_critic(dense_critic=False):
+    """actor_critic over a shared embedding (sparse gradients from both losses; with
+    ``dense_critic``, the critic reads rows of it by a matmul, a dense gradient): hybrid keeps
+    it on the ps side (all-reduce would densify the actor's Momentum gradient)."""
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+
+    def build(x, y):
+        ids = tf.math.floormod(tf.cast(tf.abs(x[:, :3]) * 10, tf.int64), 40)
+        emb = tf1.get_variable("emb", [40, 6])
+        h = tf.reduce_sum(tf.gather(emb, ids), 1)
+        logits = dense(h, 2, "actor")
+        value = tf.squeeze(dense(tf.matmul(x[:, :5], emb[:5]) if dense_critic else h, 1,
+                                 "critic"), 1)
+        actor_loss = tf1.losses.sparse_softmax_cross_entropy(y, logits)
+        critic_loss = tf.reduce_mean(tf.square(tf.cast(y, tf.float32) - value))
+        owned = lambda *scopes: [v for v in tf1.trainable_variables()  # noqa: E731
+                                 if v.op.name.split("/")[0] in scopes]
+        actor = tf1.train.MomentumOptimizer(0.1, 0.9).minimize(
+            actor_loss, var_list=owned("emb", "actor"),
+            global_step=tf1.train.get_or_create_global_step(), name="actor_train")
+        tf1.add_to_collection("train_op", actor)
+        return tf1.train.AdagradOptimizer(0.1).minimize(
+            critic_loss, var_list=owned("emb", "critic"), name="critic_train")
+    return build
+
+
+def chained_through_the_trunk():
+    """The critic's step, then the actor's forward pass under a control dependency on it, so
+    the actor reads the trunk the critic just updated; one train op, the actor's."""
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+
+    def build(x, y):
+        with tf1.variable_scope("", reuse=tf1.AUTO_REUSE):
+            value = tf.squeeze(dense(dense(x, 16, "trunk", tf.nn.relu), 1, "critic"), 1)
+            critic = tf1.train.AdamOptimizer(0.01).minimize(
+                tf.reduce_mean(tf.square(tf.cast(y, tf.float32) - value)), name="critic_train")
+            with tf.control_dependencies([critic]):
+                logits = dense(dense(x, 16, "trunk", tf.nn.relu), 2, "actor")
+                actor_loss = tf1.losses.sparse_softmax_cross_entropy(y, logits)
+        return tf1.train.MomentumOptimizer(0.1, 0.9).minimize(
+            actor_loss, var_list=[v for v in tf1.trainable_variables()
+                                  if not v.op.name.startswith("critic")], name="actor_train")
+    return build
+
+
+@pytest.fixture
+def cluster_file(tmp_path):
+    path = tmp_path / "cluster.json"
+    path.write_text('{"ps": ["127.0.0.1:28001", "127.0.0.1:28004"], "worker": '
+                    '["127.0.0.1:28002", "127.0.0.1:28003"]}')
+    return path
+
+
+@pytest.mark.parametrize("strategy, builder", [
+    ("ps", actor_critic), ("partitioned-ps", actor_critic), ("hybrid", actor_critic),
+    ("ps", embedding_actor_critic), ("hybrid", embedding_actor_critic),
+    ("hybrid", lambda: embedding_actor_critic(dense_critic=True)),
+    ("ps", lambda: actor_critic(grouped=True)), ("ps", chained_through_the_trunk)],
+    ids=["ps", "partitioned-ps", "hybrid", "ps-embedding", "hybrid-embedding",
+         "hybrid-sparse-and-dense", "ps-grouped", "ps-chained"])
+def test_a_trunk_two_optimizers_train_trains_like_one_device_on_parameter_servers(
+        run_cli, tmp_path, cluster_file, strategy, builder):
+    """Each gradient of the trunk has its own accumulator, taken by the update that applies
+    it (refused before: the ps strategies aggregated one gradient per variable). Chained, the
+    step runs the critic's accumulators' applies too, reached through the actor's only."""
+    model = _export(tmp_path / "m.meta", builder())
+    code, out, err = run_cli("verify", "--strategy", strategy, "--cluster", cluster_file, model,
+                             "--feeds", model + ".npz", "--batch-size", 16, "--steps", 3)
+    assert code == 0 and "PASS" in out, out + err
+
+
+def test_each_gradient_of_the_trunk_has_its_own_accumulator(tmp_path, cluster_file):
+    import json
+    from graphxform import cluster, metagraph, strategies
+    ir = metagraph.load(_export(tmp_path / "m.meta", actor_critic()))
+    spec = cluster.Cluster(json.loads(cluster_file.read_text()))
+    pipeline = strategies.transform(ir, "partitioned-ps", cluster=spec)
+    accumulators = {n: ir.attrs(n)["shared_name"].s.decode() for n in ir.nodes()
+                    if ir.op(n) == "ConditionalAccumulator" and n.startswith("trunk/kernel")}
+    assert accumulators == {"trunk/kernel/accumulator": "trunk/kernel/accumulator",
+                            "trunk/kernel/gradient_1/accumulator":
+                            "trunk/kernel/gradient_1/accumulator"}
+    steps = set()
+    for acc in accumulators:  # each taken by one optimizer's update, run by that step
+        (update,) = {c for c, _ in ir.consumers(acc + "/take")}
+        step = update.split("/")[0]
+        assert update == f"{step}/update_trunk/kernel/" + {
+            "actor_train": "ResourceApplyMomentum", "critic_train": "ResourceApplyAdam"}[step]
+        assert {f"{acc}/apply_worker_0", f"{acc}/apply_worker_1"} <= set(
+            ir.control_inputs(step))
+        steps.add(step)
+    assert steps == {"actor_train", "critic_train"}
+    kept = next(t.summary for t in pipeline.timings if t.name == "partition-variables")
+    assert kept["kept_whole"]["trunk/kernel"].startswith("two optimizers train it")
+    assert "update_trunk/kernel/ResourceApplyMomentum" in kept["kept_whole"]["trunk/kernel"]
+    assert "actor/kernel" not in kept["kept_whole"]
+
+
+def test_async_gives_each_worker_its_own_update_of_each_optimizer(tmp_path, cluster_file):
+    """--async: every worker applies its mean gradient of each optimizer itself (before, the
+    actor's update of the trunk ran once per replica, the critic's once per worker)."""
+    import json
+    from graphxform import cluster, metagraph, strategies
+    ir = metagraph.load(_export(tmp_path / "m.meta", actor_critic()))
+    strategies.transform(ir, "ps", cluster=cluster.Cluster(json.loads(
+        cluster_file.read_text())), asynchronous=True)
+    applies = sorted(n for n in ir.nodes() if n.endswith("update_trunk/kernel/"
+                                                         "ResourceApplyMomentum")
+                     or n.endswith("update_trunk/kernel/ResourceApplyAdam"))
+    assert applies == [f"ps_async/worker_{w}/{step}/update_trunk/kernel/{op}"
+                       for w in (0, 1) for step, op in (("actor_train", "ResourceApplyMomentum"),
+                                                        ("critic_train", "ResourceApplyAdam"))]
 
 
 @pytest.mark.parametrize("shared", [True, False], ids=["shared_trunk", "disjoint"])
