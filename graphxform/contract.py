@@ -516,6 +516,29 @@ def _check_losses_are_means(ir: GraphIR, tg: TrainingGraph, replicas: int) -> No
         applied = applied_losses(ir, tg, step)
         for loss in step_losses(ir, step):
             _check_loss_is_a_mean(ir, tg, step, loss, replicas, loss in applied)
+        _check_given_seeds(ir, step)  # a summed loss's were refused above, with it
+
+
+def _check_given_seeds(ir: GraphIR, step) -> None:
+    """grad_ys the user gave to a tf.gradients call of ``step`` scales every gradient it
+    bears: it must be the same on every replica and the batch's value (a constant, a loss
+    scale variable), or each example's own rows for ys of one value per example. A statistic
+    of the batch (``1 / tf.reduce_max(...)``, a mean of a fed weight) would be each replica's
+    slice's, whatever the loss is: the averaged gradients are then not one device's."""
+    from graphxform.passes.summed_losses import given_seed, given_seed_sums
+    scopes = sorted({gradient_scope(n) for n in step.closure} - {None})
+    prefix = replica_prefix(0)
+    for scope in scopes:
+        seed = scope + "grad_ys_0"
+        if seed not in step.closure or given_seed_sums(ir, step, seed):
+            continue
+        given = given_seed(ir, prefix + seed)[0]
+        raise ContractError(
+            f"step '{step.name}' differentiates with grad_ys '{given[len(prefix):]}' (of "
+            f"'{scope}'), a statistic of the batch: each replica would seed its gradients "
+            "with its own slice's, so the combined gradients are not one device's: give "
+            "grad_ys a constant (or each example's own rows for a per-example ys), or "
+            "fold that statistic into the loss itself")
 
 
 def _check_loss_is_a_mean(ir: GraphIR, tg: TrainingGraph, step, loss: str,

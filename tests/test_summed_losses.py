@@ -123,3 +123,40 @@ def test_a_summed_loss_plus_weight_decay_is_refused(run_cli, tmp_path):
     code, _, err = run_cli("apply", "--replicas", 2, model, "-o", tmp_path / "out.meta")
     assert code == 1 and "a sum over the batch, to terms that are not" in err, err
     assert "weight decay" in err and len(err.strip().splitlines()) == 1
+
+
+def _mean_loss_seeded_by(given):
+    """A mean cross-entropy whose tf.gradients call is given ``given(per_example, x)`` as
+    grad_ys."""
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+
+    def build(x, y):
+        per_example = tf.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=y, logits=_dense(x, 2, "logits"))
+        loss = tf.reduce_mean(per_example)
+        variables = tf1.trainable_variables()
+        grads = tf.gradients(loss, variables, grad_ys=given(per_example, x))
+        return tf1.train.GradientDescentOptimizer(0.1).apply_gradients(zip(grads, variables))
+    return build
+
+
+@pytest.mark.parametrize("given, name", [
+    (lambda p, x: 1.0 / __import__("tensorflow").reduce_max(abs(p)), "truediv"),
+    (lambda p, x: __import__("tensorflow").reduce_mean(x[:, 0]), "Mean_1")],
+    ids=["batch_max", "batch_mean"])
+def test_a_mean_loss_seeded_by_a_batch_statistic_is_refused(run_cli, tmp_path, given, name):
+    """grad_ys read from the batch seeds each replica's gradients with its own slice's
+    statistic: apply exited 0 and verify FAILed (by 2.0e-02 for the max)."""
+    model = _export(tmp_path / "m.meta", _mean_loss_seeded_by(given))
+    code, _, err = run_cli("apply", "--replicas", 2, model, "-o", tmp_path / "out.meta")
+    assert code == 1 and f"grad_ys '{name}'" in err and "statistic of the batch" in err, err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_a_mean_loss_seeded_by_a_constant_trains_like_one_device(run_cli, tmp_path):
+    import tensorflow as tf
+    model = _export(tmp_path / "m.meta", _mean_loss_seeded_by(lambda p, x: tf.constant(2.0)))
+    code, out, err = run_cli("verify", "--replicas", 2, model, "--feeds", model + ".npz",
+                             "--batch-size", 16)
+    assert code == 0 and "PASS" in out, out + err
