@@ -577,6 +577,9 @@ def _check_loss_is_a_mean(ir: GraphIR, tg: TrainingGraph, step, loss: str,
             "gradient: use tf.reduce_mean over the batch, or tf.gradients of the loss")
     summed = _summed_term(ir, values, (copy, port))
     if summed is not None:
+        inner = _summing_op(ir, values, summed)
+        what = (f" (a multiple of '{inner[len(prefix):]}', {ir.op(inner)})"
+                if inner != summed else f" ({ir.op(summed)})")
         raise ContractError(
             f"step '{step.name}' minimises '{loss}', which adds "
             f"'{summed[len(prefix):]}', a sum over the batch, to terms that are not (a "
@@ -584,7 +587,10 @@ def _check_loss_is_a_mean(ir: GraphIR, tg: TrainingGraph, step, loss: str,
             "or a penalty the batch does not change, such as weight decay): a replica's "
             "copy is then neither its slice's share of the batch's loss nor its slice's "
             "mean, and neither averaging nor summing the replicas' gradients gives one "
-            "device's: take that term's tf.reduce_mean over the batch instead")
+            "device's (that term's gradients would need summing, the rest's averaging): "
+            f"make that term{what} a mean over the batch, dividing it by the batch size (e.g. "
+            "tf.nn.l2_loss(rows) / tf.cast(tf.shape(ids)[0], tf.float32) for a penalty "
+            "on the embedding rows the batch looks up), or take its tf.reduce_mean")
     ratio = _ratio_of_sums(ir, values, copy) or next(
         iter(batch_denominators(ir, (copy, port), lambda: values)), None)
     if ratio is not None:
@@ -851,6 +857,18 @@ def _check_function_writes(ir: GraphIR, writes: list, spread: ReplicaSpread) -> 
             f"'{target}' ({op}) inside it from values each replica computes from its own "
             f"slice: updates inside a function (a while loop or cond body with control flow "
             f"v2, a tf.function) are not distributed, {what}")
+
+
+def _summing_op(ir: GraphIR, values, term: str) -> str:
+    """The op that makes ``term`` (a _summed_term) a sum over the batch, past multiples of
+    it by identical values (``0.01 * tf.nn.l2_loss(rows)``: the L2Loss), to name it."""
+    from graphxform.replica_values import IDENTICAL, SUM
+    while ir.op(term) in ("Mul", "RealDiv", "Div", "Identity", "Cast", "Neg"):
+        found = [src for src, port in ir.inputs(term) if values.of(src, port) != IDENTICAL]
+        if len(found) != 1 or values.of(found[0], 0) != SUM:
+            break
+        term = found[0]
+    return term
 
 
 def _summed_term(ir: GraphIR, values, loss: tuple) -> str | None:

@@ -27,7 +27,8 @@ Every replica runs the same step from equal variables on its own even slice of t
 - ``batch``: axis 0 is the replica's slice of the batch (the split inputs, and per-example work
   on them: elementwise ops with identical operands of no higher rank, MatMul by an identical
   matrix, an Einsum keeping the batch's letter first (``bi,ij->bj``), convolutions,
-  reshapes that keep a leading -1, reductions and slices that leave axis 0 alone, gathers of identical rows by batch ids). Served: the replicas concatenated on axis 0.
+  reshapes that keep a leading -1, reductions and slices that leave axis 0 alone, gathers
+  of identical rows by batch ids). Served: the replicas concatenated on axis 0.
 - ``batch_fill``: a batch tensor whose rows do not depend on the data (``ones_like``, ``Fill``
   or ``Tile`` of identical values to a batch shape). Served like batch; its sum over the batch
   is a count.

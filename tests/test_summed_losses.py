@@ -160,3 +160,33 @@ def test_a_mean_loss_seeded_by_a_constant_trains_like_one_device(run_cli, tmp_pa
     code, out, err = run_cli("verify", "--replicas", 2, model, "--feeds", model + ".npz",
                              "--batch-size", 16)
     assert code == 0 and "PASS" in out, out + err
+
+
+def test_a_penalty_on_the_rows_the_batch_looks_up_names_the_form_that_trains(run_cli,
+                                                                           tmp_path):
+    """A factorization machine's l2_loss of the embedding rows looked up for the batch is a
+    sum over it, added to a mean: refused naming the L2Loss and saying what trains (that
+    penalty divided by the batch size, which verifies)."""
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+
+    def build(divided):
+        def step(x, y):
+            ids = tf.cast(tf.abs(x[:, 0]) * 3, tf.int64) % 10
+            rows = tf.nn.embedding_lookup(tf1.get_variable("emb", [10, 4]), ids)
+            loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+                labels=y, logits=_dense(tf.concat([x, rows], 1), 2, "logits")))
+            penalty = tf.nn.l2_loss(rows)
+            if divided:
+                penalty = penalty / tf.cast(tf.shape(ids)[0], tf.float32)
+            return tf1.train.GradientDescentOptimizer(0.1).minimize(loss + 0.01 * penalty)
+        return step
+    model = _export(tmp_path / "m.meta", build(False))
+    code, _, err = run_cli("apply", "--replicas", 2, model, "-o", tmp_path / "out.meta")
+    assert code == 1 and "adds 'mul_1', a sum over the batch" in err
+    assert "term (a multiple of 'L2Loss', L2Loss) a mean" in err, err
+    assert "tf.shape(ids)[0]" in err and len(err.strip().splitlines()) == 1
+    model = _export(tmp_path / "d.meta", build(True))
+    code, out, err = run_cli("verify", "--replicas", 2, model, "--feeds", model + ".npz",
+                             "--batch-size", 16)
+    assert code == 0 and "PASS" in out, out + err
