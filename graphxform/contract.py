@@ -491,6 +491,29 @@ def _check_losses_are_means(ir: GraphIR, tg: TrainingGraph, replicas: int) -> No
         applied = applied_losses(ir, tg, step)
         for loss in step_losses(ir, step):
             _check_loss_is_a_mean(ir, tg, step, loss, replicas, loss in applied)
+        _check_given_seeds(ir, step)  # a summed loss's were refused above, with it
+
+
+def _check_given_seeds(ir: GraphIR, step) -> None:
+    """grad_ys the user gave to a tf.gradients call of ``step`` scales every gradient it
+    bears: it must be the same on every replica and the batch's value (a constant, a loss
+    scale variable), or each example's own rows for ys of one value per example. A statistic
+    of the batch (``1 / tf.reduce_max(...)``, a mean of a fed weight) would be each replica's
+    slice's, whatever the loss is: the averaged gradients are then not one device's."""
+    from graphxform.passes.summed_losses import given_seed, given_seed_sums
+    scopes = sorted({gradient_scope(n) for n in step.closure} - {None})
+    prefix = replica_prefix(0)
+    for scope in scopes:
+        seed = scope + "grad_ys_0"
+        if seed not in step.closure or given_seed_sums(ir, step, seed):
+            continue
+        given = given_seed(ir, prefix + seed)[0]
+        raise ContractError(
+            f"step '{step.name}' differentiates with grad_ys '{given[len(prefix):]}' (of "
+            f"'{scope}'), a statistic of the batch: each replica would seed its gradients "
+            "with its own slice's, so the combined gradients are not one device's: give "
+            "grad_ys a constant (or each example's own rows for a per-example ys), or "
+            "fold that statistic into the loss itself")
 
 
 def _check_loss_is_a_mean(ir: GraphIR, tg: TrainingGraph, step, loss: str,
@@ -529,6 +552,9 @@ def _check_loss_is_a_mean(ir: GraphIR, tg: TrainingGraph, step, loss: str,
             "gradient: use tf.reduce_mean over the batch, or tf.gradients of the loss")
     summed = _summed_term(ir, values, (copy, port))
     if summed is not None:
+        inner = _summing_op(ir, values, summed)
+        what = (f" (a multiple of '{inner[len(prefix):]}', {ir.op(inner)})"
+                if inner != summed else f" ({ir.op(summed)})")
         raise ContractError(
             f"step '{step.name}' minimises '{loss}', which adds "
             f"'{summed[len(prefix):]}', a sum over the batch, to terms that are not (a "
@@ -536,7 +562,10 @@ def _check_loss_is_a_mean(ir: GraphIR, tg: TrainingGraph, step, loss: str,
             "or a penalty the batch does not change, such as weight decay): a replica's "
             "copy is then neither its slice's share of the batch's loss nor its slice's "
             "mean, and neither averaging nor summing the replicas' gradients gives one "
-            "device's: take that term's tf.reduce_mean over the batch instead")
+            "device's (that term's gradients would need summing, the rest's averaging): "
+            f"make that term{what} a mean over the batch, dividing it by the batch size (e.g. "
+            "tf.nn.l2_loss(rows) / tf.cast(tf.shape(ids)[0], tf.float32) for a penalty "
+            "on the embedding rows the batch looks up), or take its tf.reduce_mean")
     ratio = _ratio_of_sums(ir, values, copy) or next(
         iter(batch_denominators(ir, (copy, port), lambda: values)), None)
     if ratio is not None:
@@ -803,6 +832,18 @@ def _check_function_writes(ir: GraphIR, writes: list, spread: ReplicaSpread) -> 
             f"'{target}' ({op}) inside it from values each replica computes from its own "
             f"slice: updates inside a function (a while loop or cond body with control flow "
             f"v2, a tf.function) are not distributed, {what}")
+
+
+def _summing_op(ir: GraphIR, values, term: str) -> str:
+    """The op that makes ``term`` (a _summed_term) a sum over the batch, past multiples of
+    it by identical values (``0.01 * tf.nn.l2_loss(rows)``: the L2Loss), to name it."""
+    from graphxform.replica_values import IDENTICAL, SUM
+    while ir.op(term) in ("Mul", "RealDiv", "Div", "Identity", "Cast", "Neg"):
+        found = [src for src, port in ir.inputs(term) if values.of(src, port) != IDENTICAL]
+        if len(found) != 1 or values.of(found[0], 0) != SUM:
+            break
+        term = found[0]
+    return term
 
 
 def _summed_term(ir: GraphIR, values, loss: tuple) -> str | None:

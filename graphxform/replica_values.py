@@ -26,8 +26,9 @@ Every replica runs the same step from equal variables on its own even slice of t
   variable equal on every replica.
 - ``batch``: axis 0 is the replica's slice of the batch (the split inputs, and per-example work
   on them: elementwise ops with identical operands of no higher rank, MatMul by an identical
-  matrix, convolutions, reshapes that keep a leading -1, reductions and slices that leave axis
-  0 alone, gathers of identical rows by batch ids). Served: the replicas concatenated on axis 0.
+  matrix, an Einsum keeping the batch's letter first (``bi,ij->bj``), convolutions,
+  reshapes that keep a leading -1, reductions and slices that leave axis 0 alone, gathers
+  of identical rows by batch ids). Served: the replicas concatenated on axis 0.
 - ``batch_fill``: a batch tensor whose rows do not depend on the data (``ones_like``, ``Fill``
   or ``Tile`` of identical values to a batch shape). Served like batch; its sum over the batch
   is a count.
@@ -36,7 +37,7 @@ Every replica runs the same step from equal variables on its own even slice of t
   tf.compat.v1.losses and tf_keras losses take their mean), and affine combinations of means
   with identical values (``total_loss = mean + regularization``). Served: the average.
 - ``sum``: the single-device value is the sum of the replicas' (``reduce_sum`` over axis 0 of a
-  batch tensor, ``L2Loss`` of one, a MatMul contracting two batch tensors over the batch, an
+  batch tensor, ``L2Loss`` of one, a MatMul or Einsum contracting batch tensors over the batch, an
   ``UnsortedSegmentSum`` of its examples by their own segment ids, sums and identical
   multiples of these). Served: the sum.
 - ``count``: how many examples or elements the slice has (``Size`` of a batch tensor, its
@@ -922,6 +923,37 @@ def _batch_matmul(n: _Node):
     return (UNKNOWN,), (rank,)
 
 
+def _einsum(n: _Node):
+    """Einsum: where every batch operand has the same letter first (its axis 0), no other
+    subscript of any operand uses it, and the output keeps it first, row k of the output is
+    computed from the operands' rows k alone (``bi,ij->bj``, ``btd,dv->btv``, like MatMul by
+    an identical matrix): batch. Summed away instead (``bi,bj->ij``, ``b,b->``), it adds one
+    term per example: sum. A mean or sum times identical operands stays one. Anything else
+    (the letter moved or repeated, ellipses) is unknown."""
+    equation = n.attr("equation")
+    text = equation.s.decode().replace(" ", "") if equation is not None else ""
+    out_rank = len(text.split("->")[1]) if "->" in text and "." not in text else None
+    if all(c == IDENTICAL for c in n.cls):
+        return (IDENTICAL,), (out_rank,)
+    if out_rank is None:
+        return (UNKNOWN,), (None,)
+    terms, out = text.split("->")
+    terms = terms.split(",")
+    if len(terms) != len(n.cls) or any(c not in BATCHED | {IDENTICAL} for c in n.cls):
+        others = [c for c in n.cls if c != IDENTICAL]
+        kind = others[0] if len(others) == 1 and others[0] in (MEAN, SUM) else UNKNOWN
+        return (kind,), (out_rank,)
+    letters = {terms[k][:1] for k, c in enumerate(n.cls) if c in BATCHED}
+    letter = letters.pop() if len(letters) == 1 else ""
+    if not letter or any(term.count(letter) != (n.cls[k] in BATCHED)
+                         for k, term in enumerate(terms)):
+        return (UNKNOWN,), (out_rank,)
+    if out[:1] == letter:
+        fill = all(c in (BATCH_FILL, IDENTICAL) for c in n.cls)
+        return (BATCH_FILL if fill else BATCH,), (out_rank,)
+    return (SUM if letter not in out else UNKNOWN,), (out_rank,)
+
+
 def _per_example(n: _Node):
     """Convolutions, pools and the like: axis 0 of the data input is the batch in every data
     format; the other inputs (filters, sizes) must be identical."""
@@ -1373,6 +1405,7 @@ RULES = _table({
     _reduce: REDUCE_OPS,
     _matmul: ("MatMul",),
     _batch_matmul: ("BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"),
+    _einsum: ("Einsum",),
     _per_example: PER_EXAMPLE_OPS,
     _batch_norm: BATCH_NORM_OPS,
     _cross_entropy: CROSS_ENTROPY_OPS,

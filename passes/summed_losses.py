@@ -115,12 +115,19 @@ def given_seed_sums(ir, step, seed: str) -> bool:
     copy = replica_prefix(0) + seed
     if copy not in ir or ir.op(copy) != "Identity":
         return True
-    given = ir.input(copy, 0)
-    if ir.node(given[0]).get("created_by") == SummedLosses.name:  # scaled already
-        given = ir.input(given[0], 0)
+    given = given_seed(ir, copy)
     copies = [n for n in ir.ancestors(copy) if n.startswith(replica_prefix(0))]
     values = replica_values.classify(ir, replica_prefix(0), copies=copies)
     return values.of(*given) in replica_values.BATCHED | {replica_values.IDENTICAL}
+
+
+def given_seed(ir, copy: str) -> tuple:
+    """The grad_ys tensor the user gave, where ``copy`` (a replica's copy of a tf.gradients
+    seed) is the Identity of it tf.gradients makes, past the Mul this pass scales it by."""
+    given = ir.input(copy, 0)
+    if ir.node(given[0]).get("created_by") == SummedLosses.name:  # scaled already
+        given = ir.input(given[0], 0)
+    return given
 
 
 def seed_of(ir, tg, step) -> tuple[str, tuple] | None:

@@ -123,3 +123,70 @@ def test_a_summed_loss_plus_weight_decay_is_refused(run_cli, tmp_path):
     code, _, err = run_cli("apply", "--replicas", 2, model, "-o", tmp_path / "out.meta")
     assert code == 1 and "a sum over the batch, to terms that are not" in err, err
     assert "weight decay" in err and len(err.strip().splitlines()) == 1
+
+
+def _mean_loss_seeded_by(given):
+    """A mean cross-entropy whose tf.gradients call is given ``given(per_example, x)`` as
+    grad_ys."""
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+
+    def build(x, y):
+        per_example = tf.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=y, logits=_dense(x, 2, "logits"))
+        loss = tf.reduce_mean(per_example)
+        variables = tf1.trainable_variables()
+        grads = tf.gradients(loss, variables, grad_ys=given(per_example, x))
+        return tf1.train.GradientDescentOptimizer(0.1).apply_gradients(zip(grads, variables))
+    return build
+
+
+@pytest.mark.parametrize("given, name", [
+    (lambda p, x: 1.0 / __import__("tensorflow").reduce_max(abs(p)), "truediv"),
+    (lambda p, x: __import__("tensorflow").reduce_mean(x[:, 0]), "Mean_1")],
+    ids=["batch_max", "batch_mean"])
+def test_a_mean_loss_seeded_by_a_batch_statistic_is_refused(run_cli, tmp_path, given, name):
+    """grad_ys read from the batch seeds each replica's gradients with its own slice's
+    statistic: apply exited 0 and verify FAILed (by 2.0e-02 for the max)."""
+    model = _export(tmp_path / "m.meta", _mean_loss_seeded_by(given))
+    code, _, err = run_cli("apply", "--replicas", 2, model, "-o", tmp_path / "out.meta")
+    assert code == 1 and f"grad_ys '{name}'" in err and "statistic of the batch" in err, err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_a_mean_loss_seeded_by_a_constant_trains_like_one_device(run_cli, tmp_path):
+    import tensorflow as tf
+    model = _export(tmp_path / "m.meta", _mean_loss_seeded_by(lambda p, x: tf.constant(2.0)))
+    code, out, err = run_cli("verify", "--replicas", 2, model, "--feeds", model + ".npz",
+                             "--batch-size", 16)
+    assert code == 0 and "PASS" in out, out + err
+
+
+def test_a_penalty_on_the_rows_the_batch_looks_up_names_the_form_that_trains(run_cli,
+                                                                           tmp_path):
+    """A factorization machine's l2_loss of the embedding rows looked up for the batch is a
+    sum over it, added to a mean: refused naming the L2Loss and saying what trains (that
+    penalty divided by the batch size, which verifies)."""
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+
+    def build(divided):
+        def step(x, y):
+            ids = tf.cast(tf.abs(x[:, 0]) * 3, tf.int64) % 10
+            rows = tf.nn.embedding_lookup(tf1.get_variable("emb", [10, 4]), ids)
+            loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+                labels=y, logits=_dense(tf.concat([x, rows], 1), 2, "logits")))
+            penalty = tf.nn.l2_loss(rows)
+            if divided:
+                penalty = penalty / tf.cast(tf.shape(ids)[0], tf.float32)
+            return tf1.train.GradientDescentOptimizer(0.1).minimize(loss + 0.01 * penalty)
+        return step
+    model = _export(tmp_path / "m.meta", build(False))
+    code, _, err = run_cli("apply", "--replicas", 2, model, "-o", tmp_path / "out.meta")
+    assert code == 1 and "adds 'mul_1', a sum over the batch" in err
+    assert "term (a multiple of 'L2Loss', L2Loss) a mean" in err, err
+    assert "tf.shape(ids)[0]" in err and len(err.strip().splitlines()) == 1
+    model = _export(tmp_path / "d.meta", build(True))
+    code, out, err = run_cli("verify", "--replicas", 2, model, "--feeds", model + ".npz",
+                             "--batch-size", 16)
+    assert code == 0 and "PASS" in out, out + err
