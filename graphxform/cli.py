@@ -530,9 +530,9 @@ def run(model, steps, feeds, batch_size, restore, save_to, fetches, train_op, cl
                        "fetched in a session.run of its own after the steps", err=True)
         source = Feeds(runner.inputs, feeds, batch_size)
         if restore:
-            runner.restore(restore)
+            runner.restore(restore, source)
         else:
-            runner.initialize()
+            runner.initialize(source)
         with _progress(steps) as bar:
             for k in bar:
                 result = runner.step(source.batch(k))

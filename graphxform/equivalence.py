@@ -432,13 +432,13 @@ def compare(original: GraphIR, transformed: GraphIR, feeds_path: str | None = No
              "of its own after the steps" for name, why in alone.items()]
     with tempfile.TemporaryDirectory(prefix="graphxform-verify-") as tmp:
         with Runner(original, fetches=fetches, steps=tg.steps, apart=alone) as run:
-            run.initialize()
+            run.initialize(feeds)
             initial = run.variable_values()
             start = run.save(os.path.join(tmp, "start"))
             before = [run.step(feeds.batch(k)) for k in range(steps)]
             expected = run.variable_values()
         with _transformed_runner(transformed, fetches, tg.steps, alone) as run:
-            run.restore(start)
+            run.restore(start, feeds)
             after = [run.step(feeds.batch(k)) for k in range(steps)]
             got = run.variable_values()
         _join_shards(got, expected)
@@ -603,7 +603,7 @@ def _reordered_noise(original: GraphIR, tg, feeds, start: str, steps: int, compa
     the rounding this graph amplifies, below which no comparison can tell anything."""
     expected, initial, floor = compared
     with Runner(original, steps=tg.steps) as run:
-        run.restore(start)
+        run.restore(start, feeds)
         for k in range(steps):
             run.step(_reversed_rows(feeds.batch(k), feeds.inputs))
         again = run.variable_values()

@@ -138,6 +138,50 @@ def _batched_ports(shapes: list) -> tuple[list, int | None]:
     return [port for port, shape in ranked if shape[0] < 0], None
 
 
+# iterators a MakeIterator initializes (one-shot and string-handle iterators have none)
+_INITIALIZABLE_ITERATOR_OPS = {"IteratorV2", "Iterator"}
+
+
+@dataclasses.dataclass
+class IteratorInit:
+    """The initializer (``MakeIterator``) of an iterator the steps read, which a TF1 loop runs
+    once before the first step (``sess.run(it.initializer)``), and the placeholders it reads
+    (the TF guide's dataset built ``from_tensor_slices`` of placeholders), fed whole."""
+    op: str
+    iterator: str
+    placeholders: list  # must be fed
+    defaults: list = dataclasses.field(default_factory=list)  # PlaceholderWithDefault: may be
+
+
+def iterator_initializers(ir, pipeline: InputPipeline) -> list:
+    """The initializers of the initializable (and reinitializable) iterators the steps read,
+    in graph order. An iterator with several (``from_structure``'s training and validation
+    ``make_initializer``) is refused: which one the training loop runs is not in the graph."""
+    node_table = ir.g._node
+    iterators = []
+    for read in (pipeline.reads if pipeline else ()):
+        inputs = ir.inputs(read.node) if read.op.startswith("Iterator") else []
+        if inputs and node_table[inputs[0][0]]["op"] in _INITIALIZABLE_ITERATOR_OPS:
+            iterators.append(inputs[0][0])
+    found = []
+    for iterator in dict.fromkeys(iterators):
+        inits = sorted({user for user, _ in ir.consumers(iterator)
+                        if node_table[user]["op"] == "MakeIterator"})
+        if len(inits) > 1:
+            raise GraphxformError(
+                f"iterator '{iterator}' has {len(inits)} initializers ("
+                f"{', '.join(repr(i) for i in inits)}): graphxform cannot tell which one the "
+                "training loop runs before the first step; export the training graph with "
+                "the training dataset's initializer only")
+        for init in inits:
+            upstream = sorted(ir.ancestors(init))
+            found.append(IteratorInit(
+                init, iterator,
+                [n for n in upstream if node_table[n]["op"] == "Placeholder"],
+                [n for n in upstream if node_table[n]["op"] == "PlaceholderWithDefault"]))
+    return found
+
+
 def _const_int(ir, name: str) -> int | None:
     from graphxform.nodes import const_value  # TF's protos: not at import (training's)
     value = const_value(ir, name)

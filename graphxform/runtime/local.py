@@ -40,6 +40,7 @@ class Feeds:
     def __init__(self, inputs, path: str | None = None, batch_size: int | None = None,
                  seed: int = 0):
         self.inputs = list(inputs)
+        self.path = path
         self.pool = _load_pool(path, self.inputs) if path else {}
         self.sparse = _sparse_pools(path, self.inputs, self.pool)
         self.batch_size = _batch_size(self.inputs, self.pool, batch_size, self.sparse)
@@ -61,6 +62,24 @@ class Feeds:
                 feed[f"{inp.name}:0"] = data
             elif not inp.optional:
                 feed[f"{inp.name}:0"] = self._fake(inp)
+        return feed
+
+    def initializer_feed(self, inits) -> dict:
+        """The feed of the iterator initializers ``inits`` (input_pipeline.IteratorInit): each
+        placeholder they read, whole, from the .npz (a PlaceholderWithDefault only if there);
+        one the file lacks is an error naming it."""
+        feed = {}
+        for init in inits:
+            for name in init.placeholders + init.defaults:
+                if name in self.pool:
+                    feed[f"{name}:0"] = self.pool[name]
+                elif name in init.placeholders:
+                    raise GraphxformError(
+                        f"iterator initializer '{init.op}' reads placeholder '{name}': pass "
+                        f"its array in --feeds (a .npz keyed by placeholder name"
+                        f"{'' if self.path is None else f'; {self.path} has none'}), fed whole "
+                        "once before the first step as sess.run(iterator.initializer, "
+                        "feed_dict=...) does")
         return feed
 
     def _sparse_batches(self, step: int):
@@ -311,6 +330,7 @@ class Runner:
             apart = fetched_beside(ir, self.analysis, self.fetches, last)
         self.apart = {f: apart[f] for f in self.fetches if f in apart}  # {fetch: why}
         self.inputs = needed_inputs(ir, self.analysis.inputs, self.fetches)
+        self.iterator_inits = input_pipeline.iterator_initializers(ir, self.analysis.pipeline)
         meta = metagraph.to_metagraph(ir)
         devices = {ir.node(n)["device"] for n in ir.nodes()}
         self.graph = tf.Graph()
@@ -367,12 +387,22 @@ class Runner:
     def __exit__(self, *exc):
         self.close()
 
-    def initialize(self):
+    def initialize(self, feeds: Feeds | None = None):
+        """Initialize the variables, then start the input pipeline (``start_input``)."""
         self._run(self.init_op, None)  # the first run places the graph: its errors are TF's
         self._run(self.local_init_op, None)
+        self.start_input(feeds)
+
+    def start_input(self, feeds: Feeds | None = None):
+        """What a TF1 loop runs before its first step: the initializers of the iterators the
+        steps read (fed from ``feeds``' .npz where they read placeholders), then the queue
+        runners' threads."""
+        if self.iterator_inits:
+            feed = (feeds or Feeds([])).initializer_feed(self.iterator_inits)
+            self._run([i.op for i in self.iterator_inits], feed)
         self.input_threads.start()
 
-    def restore(self, prefix: str):
+    def restore(self, prefix: str, feeds: Feeds | None = None):
         """Restore a checkpoint prefix, or the latest checkpoint of a directory, after
         initializing, as a TF1 loop does (a Saver of some variables restores only those)."""
         import os
@@ -390,7 +420,7 @@ class Runner:
         except (ValueError, tf.errors.OpError) as e:
             raise GraphxformError(f"cannot restore checkpoint {prefix}: {tf_error_line(e)}") from None
         self._run(self.local_init_op, None)
-        self.input_threads.start()
+        self.start_input(feeds)
 
     def save(self, prefix: str) -> str:
         """Save to ``prefix``, making its directory first (a sharded Saver would not)."""

@@ -88,6 +88,9 @@ class TaskRunner:
         analysis = training.analyze(ir)
         input_pipeline.require_filled(ir, analysis)
         self.inputs = analysis.inputs
+        reads = ir.ancestors(self.step_op) if self.step_op in ir else set()
+        self.iterator_inits = [i for i in input_pipeline.iterator_initializers(
+            ir, analysis.pipeline) if i.iterator in reads]  # those this task's step reads
         self.steps_run = 0
         self.watchdog = faults.Watchdog(self._stuck) if on_stuck else None
         self.on_stuck = on_stuck
@@ -186,14 +189,15 @@ class TaskRunner:
         leader = self.plan.collective_leader or ""
         return bool(re.fullmatch(rf"/job:{re.escape(job)}(?:/replica:\d+)?/task:{task}", leader))
 
-    def prepare(self, restore: str | None = None):
+    def prepare(self, restore: str | None = None, feeds=None):
         """The chief initialises (or restores) every variable and runs chief_init; the others
-        wait until it has. Each tells the ps tasks its run started (they watch it from now)."""
+        wait until it has. Each tells the ps tasks its run started (they watch it from now),
+        then starts its input (``start_input``)."""
         self.wait_for_cluster()
         self._announce("started")
         if not self.chief:
             self._wait_until_ready()
-            self.input_threads.start()
+            self.start_input(feeds)
             return
         if restore:
             self.restore(restore)
@@ -207,6 +211,17 @@ class TaskRunner:
             self._run([self.init_op, self.local_init_op], "initialising the variables")
         if self.plan.chief_init:
             self._run(self.plan.chief_init, "running chief_init")
+        self.start_input(feeds)
+
+    def start_input(self, feeds=None):
+        """As a TF1 loop before its first step: run the initializers of the iterators this
+        task's step reads (their placeholders fed from ``feeds``' .npz, a runtime.local.Feeds)
+        in this task's session, then start the queue runners' threads."""
+        if self.iterator_inits:
+            from graphxform.runtime.local import Feeds
+            feed = (feeds or Feeds([])).initializer_feed(self.iterator_inits)
+            self._run([i.op for i in self.iterator_inits], "initializing the input iterators",
+                      feed)
         self.input_threads.start()
 
     def _uninitialized(self) -> list[str]:
@@ -412,7 +427,7 @@ def run_task(ir: GraphIR, cluster: Cluster, job: str, task: int, steps: int,
         if restore and not runner.chief:
             raise GraphxformError(f"--restore is for the chief ({runner.plan.chief}); "
                                   f"{runner.name} gets the variables the chief restores")
-        runner.prepare(restore if runner.chief else None)
+        runner.prepare(restore if runner.chief else None, source)
         echo(f"{runner.name}: ready{' (chief)' if runner.chief else ''}")
         for k in range(steps):
             loss, fetched = runner.step(source.batch(k))
