@@ -230,7 +230,7 @@ def rebatch_constants(ir, build, splits: list[str], lengths: set[int],
     op computed from the batch becomes a live Shape (Size) of the replica's tensor. Of the
     rest: integer shapes whose leading entry is the batch (``Shape``, ``shape_as_tensor``, a
     Mean gradient's Tile multiples, a Reshape of the batch to it, a random draw of one value
-    per example), ``Size`` scalars that are a
+    per example, the size of a Slice that keeps the batch's whole axis), ``Size`` scalars that are a
     multiple of it, a Mean gradient's divisor where that Mean averages over axis 0, and filled
     tensors (``zeros_like`` of a batch) whose leading dimension is the batch. Each rewritten
     constant says what it now holds in ``replica_values.REBATCHED_ATTR`` (the batch's shape, a
@@ -406,7 +406,8 @@ def _rebatched(ir, name: str, value, lengths: set, replicas: int, from_batch: se
     if value.dtype.kind in "iu":
         if value.ndim == 1 and value.size and value[0] in lengths and (
                 FOLDED_SHAPE.match(leaf) or _reshapes_the_batch(ir, name, from_batch)
-                or _fills_a_batch(ir, name) or _draws_for_the_batch(ir, name, from_batch)):
+                or _fills_a_batch(ir, name) or _draws_for_the_batch(ir, name, from_batch)
+                or _slices_the_batch(ir, name, value, from_batch)):
             return (np.concatenate([[value[0] // replicas], value[1:]]).astype(value.dtype),
                     replica_values.BATCH_SHAPE)
         if multiple and FOLDED_SIZE.match(leaf):
@@ -429,6 +430,20 @@ def _reshapes_the_batch(ir, name: str, from_batch: set) -> bool:
     (the user's own ``tf.reshape(x, [batch_size, -1])``)."""
     return any(ir.op(dst) == "Reshape" and port == 1 and ir.input(dst, 0)[0] in from_batch
                for dst, port in ir.consumers(name))
+
+
+def _slices_the_batch(ir, name: str, value, from_batch: set) -> bool:
+    """Whether ``name`` is the size of a Slice of a tensor computed from the batch that keeps
+    the whole batch axis (``tf.image.random_crop(x, [batch, h, w, c])``: its offset along
+    axis 0 is then 0, so each replica keeps its own slice's rows)."""
+    for dst, port in ir.consumers(name):
+        if ir.op(dst) != "Slice" or port != 2:
+            continue
+        src, src_port = ir.input(dst, 0)
+        shape = _recorded_shape(ir, src, src_port)
+        if src in from_batch and shape and len(shape) == value.size and shape[0] == value[0]:
+            return True
+    return False
 
 
 def _fills_a_batch(ir, name: str) -> bool:

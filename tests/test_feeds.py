@@ -8,6 +8,7 @@ import tensorflow as tf
 
 from graphxform import equivalence, metagraph, strategies, training
 from graphxform.errors import GraphxformError
+from graphxform.nodes import const_value
 from graphxform.runtime import Feeds
 
 tf1 = tf.compat.v1
@@ -322,4 +323,32 @@ def test_a_concat_of_fixed_batches_is_rebatched_too(tmp_path):
         **{name: rng.integers(0, 2, 32) for name in ("y1", "y2")})
     report = equivalence.compare(two_fixed_batches_mlp(), transformed(two_fixed_batches_mlp(), 2),
                                  str(tmp_path / "f.npz"), steps=3)
+    assert report.ok and report.reasons == [], equivalence.format_report(report)
+
+
+def fixed_batch_crop():
+    """``tf.image.random_crop`` of a fixed batch of images, its size naming the whole batch:
+    one seeded draw of offsets (0 along the batch axis) crops every example alike."""
+    g = tf.Graph()
+    with g.as_default():
+        tf1.set_random_seed(1)
+        images = tf1.placeholder(tf.float32, [BATCH, 4, 4, 2], name="images")
+        labels = tf1.placeholder(tf.int64, [BATCH], name="labels")
+        crop = tf.image.random_crop(images, [BATCH, 3, 3, 2], seed=5)
+        logits = tf.matmul(tf.reduce_mean(crop, [1, 2]), tf1.get_variable("w", [2, 3]))
+        loss = tf1.losses.sparse_softmax_cross_entropy(labels, logits)
+        tf1.add_to_collection("train_op", tf1.train.GradientDescentOptimizer(0.5).minimize(loss))
+    return export(g)
+
+
+def test_a_crop_whose_size_is_the_fixed_batch_crops_each_slice(tmp_path):
+    # the crop's size kept 8 rows where each replica holds 4: apply exited 1 with TensorFlow's
+    # own "Dimensions must be equal"; every replica draws the same offsets, as one device does
+    rng = np.random.default_rng(3)
+    feeds = str(tmp_path / "f.npz")
+    np.savez(feeds, images=rng.standard_normal((32, 4, 4, 2)).astype(np.float32),
+             labels=rng.integers(0, 3, 32))
+    ir = transformed(fixed_batch_crop(), 2)
+    assert const_value(ir, "replica_1/random_crop/size").tolist() == [BATCH // 2, 3, 3, 2]
+    report = equivalence.compare(fixed_batch_crop(), ir, feeds, steps=3)
     assert report.ok and report.reasons == [], equivalence.format_report(report)
