@@ -990,11 +990,24 @@ def _slice(n: _Node):
     if any(s is not None for s in n.states[1:]):
         return _computed_bounds(n, state)
     begin, size = n.ints(1), n.ints(2)
+    if begin is None and size is not None and state < len(size) and size[state] != -1:
+        return _sized_slice(n, state, size[state])
     if begin is None or size is None or state >= len(begin):
         return UNKNOWN
     if begin[state] == 0 and size[state] == -1:
         return state
-    return n.mixed(_BY_POSITION)
+    return _sized_slice(n, state, size[state])
+
+
+def _sized_slice(n: _Node, state: int, size: int):
+    """A Slice of a constant size along the batch axis (from a begin that may be computed: the
+    offset ``tf.image.random_crop`` draws): the whole fixed batch keeps each example (TF then
+    needs begin 0; split-inputs rebatches the size); fewer rows pick examples by position,
+    whatever the begin."""
+    dims = n.flow.dims(*n.inputs[0])
+    if dims is None or state >= len(dims) or dims[state] < 0:
+        return UNKNOWN if n.ints(1) is None else n.mixed(_BY_POSITION)
+    return state if size == dims[state] else n.mixed(_BY_POSITION)
 
 
 def _strided_slice(n: _Node):

@@ -326,16 +326,19 @@ def test_a_concat_of_fixed_batches_is_rebatched_too(tmp_path):
     assert report.ok and report.reasons == [], equivalence.format_report(report)
 
 
-def fixed_batch_crop():
+def fixed_batch_crop(rows=BATCH):
     """``tf.image.random_crop`` of a fixed batch of images, its size naming the whole batch:
-    one seeded draw of offsets (0 along the batch axis) crops every example alike."""
+    one seeded draw of offsets (0 along the batch axis) crops every example alike. With fewer
+    ``rows``, it crops a run of examples at a random offset."""
     g = tf.Graph()
     with g.as_default():
         tf1.set_random_seed(1)
         images = tf1.placeholder(tf.float32, [BATCH, 4, 4, 2], name="images")
         labels = tf1.placeholder(tf.int64, [BATCH], name="labels")
-        crop = tf.image.random_crop(images, [BATCH, 3, 3, 2], seed=5)
+        crop = tf.image.random_crop(images, [rows, 3, 3, 2], seed=5)
         logits = tf.matmul(tf.reduce_mean(crop, [1, 2]), tf1.get_variable("w", [2, 3]))
+        if rows < BATCH:
+            logits = tf.tile(logits, [BATCH // rows, 1])
         loss = tf1.losses.sparse_softmax_cross_entropy(labels, logits)
         tf1.add_to_collection("train_op", tf1.train.GradientDescentOptimizer(0.5).minimize(loss))
     return export(g)
@@ -352,3 +355,10 @@ def test_a_crop_whose_size_is_the_fixed_batch_crops_each_slice(tmp_path):
     assert const_value(ir, "replica_1/random_crop/size").tolist() == [BATCH // 2, 3, 3, 2]
     report = equivalence.compare(fixed_batch_crop(), ir, feeds, steps=3)
     assert report.ok and report.reasons == [], equivalence.format_report(report)
+
+
+def test_a_crop_of_fewer_rows_than_the_fixed_batch_is_refused_naming_it():
+    # apply exited 0: each replica cropped its whole slice, one device a random run of rows
+    with pytest.raises(GraphxformError, match="'random_crop' \\(Slice\\) picks examples of the "
+                       "batch by their position"):
+        transformed(fixed_batch_crop(rows=BATCH // 2), 2)
