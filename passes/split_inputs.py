@@ -27,6 +27,9 @@ SCOPE = "split_inputs/"
 FOLDED_SHAPE = re.compile(r"^(Shape|shape_as_tensor|Const)(_\d+)?$")  # tf.shape, Tile multiples
 FOLDED_SIZE = re.compile(r"^Size(_\d+)?$")  # tf.size
 REPLICA_HEAD = re.compile(r"^replica_\d+/")
+# what computes a shape from shapes (random_crop's shape - size + 1)
+SHAPE_ARITHMETIC = {"Identity", "Add", "AddV2", "Sub", "Mul", "FloorDiv", "Maximum", "Minimum",
+                    "Pack", "ConcatV2", "StridedSlice", "Cast", "Prod"}
 
 
 @dataclasses.dataclass
@@ -62,6 +65,7 @@ class SplitInputs(Pass):
         if fixed:
             lengths = batch_lengths(ir, splits, fixed)
             rebatched = rebatch_constants(ir, build, splits, lengths, replicas)
+            rebatched += rebatch_shared(ir, splits, lengths, replicas)
             states = split_filled_batches(ir, build, rebatched, lengths, replicas)
             splits += [f"{SCOPE}{name}/split" for name in states]
         if fixed or sparse:
@@ -256,6 +260,57 @@ def rebatch_constants(ir, build, splits: list[str], lengths: set[int],
             attrs[replica_values.REBATCHED_ATTR].s = new[1].encode()
             changed.append(name)
     return changed
+
+
+def rebatch_shared(ir, splits: list[str], lengths: set, replicas: int) -> list[str]:
+    """Constants that stay single (ps shares what a shared op reads too: random_crop's shape
+    check reads its folded shape and size) that the rules of rebatch_constants rebatch, and
+    the shape arithmetic computed from them alone, get a copy per replica, ``replica_<i>/
+    <name>``, for that replica's readers: the slice's values, as allreduce's copies hold;
+    the shared readers keep the global ones. Returns the copies."""
+    from_batch = ir.data_descendants(splits)
+    folded = {}
+    for name in ir.nodes_of({"Const"}):
+        if not REPLICA_HEAD.match(name) and not name.startswith(SCOPE):
+            new = _rebatched(ir, name, const_value(ir, name), lengths, replicas, from_batch)
+            if new is not None:
+                folded[name] = new
+    if not folded:
+        return []
+    derived = {n for n in ir.data_descendants(folded) - set(folded)
+               if not REPLICA_HEAD.match(n) and ir.op(n) in SHAPE_ARITHMETIC}
+    arithmetic = set(folded) | derived
+    readers = [n for n in ir.nodes() if REPLICA_HEAD.match(n)
+               and any(src in arithmetic for src, _ in ir.inputs(n))]
+    needed, stack = set(), [src for n in readers for src, _ in ir.inputs(n) if src in arithmetic]
+    while stack:
+        node = stack.pop()
+        if node in needed:
+            continue
+        if node in derived and any(src not in arithmetic and src in from_batch
+                                   for src, _ in ir.inputs(node)):
+            continue  # it reads the batch itself: not the shared shape arithmetic
+        needed.add(node)
+        stack += [src for src, _ in ir.inputs(node) if src in arithmetic]
+    copies = []
+    for i in range(replicas):
+        prefix = replica_prefix(i)
+        mine = [n for n in readers if n.startswith(prefix)]
+        if not mine:
+            continue
+        mapping = ir.copy_nodes(sorted(n for n in needed if prefix + n not in ir), prefix,
+                                device=ir.node(mine[0])["device"], created_by="split-inputs")
+        for name, copy in mapping.items():
+            if name in folded:
+                attrs = ir.node(copy)["attr"]
+                attrs["value"].tensor.CopyFrom(tensor_proto(folded[name][0]))
+                attrs[replica_values.REBATCHED_ATTR].s = folded[name][1].encode()
+        for reader in mine:
+            for port, (src, src_port) in enumerate(ir.inputs(reader)):
+                if src in mapping:
+                    ir.set_input(reader, port, f"{mapping[src]}:{src_port}")
+        copies += mapping.values()
+    return copies
 
 
 def split_filled_batches(ir, build, rebatched: list, lengths: set[int],

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from graphxform import equivalence, metagraph, strategies, training
+from graphxform import cluster, equivalence, metagraph, strategies, training
 from graphxform.errors import GraphxformError
 from graphxform.nodes import const_value
 from graphxform.runtime import Feeds
@@ -344,14 +344,22 @@ def fixed_batch_crop(rows=BATCH):
     return export(g)
 
 
-def test_a_crop_whose_size_is_the_fixed_batch_crops_each_slice(tmp_path):
+@pytest.mark.parametrize("strategy", ["allreduce", "ps"])
+def test_a_crop_whose_size_is_the_fixed_batch_crops_each_slice(strategy, tmp_path):
     # the crop's size kept 8 rows where each replica holds 4: apply exited 1 with TensorFlow's
-    # own "Dimensions must be equal"; every replica draws the same offsets, as one device does
+    # own "Dimensions must be equal"; every replica draws the same offsets, as one device does.
+    # ps shares the size and the shape it is checked against (shared ops read them): each
+    # replica reads its own copies of them and of the offsets' bound computed from them
     rng = np.random.default_rng(3)
     feeds = str(tmp_path / "f.npz")
     np.savez(feeds, images=rng.standard_normal((32, 4, 4, 2)).astype(np.float32),
              labels=rng.integers(0, 3, 32))
-    ir = transformed(fixed_batch_crop(), 2)
+    if strategy == "ps":
+        ir = fixed_batch_crop()
+        strategies.transform(ir, "ps", cluster=cluster.Cluster(
+            {"ps": ["127.0.0.1:28801"], "worker": ["127.0.0.1:28802", "127.0.0.1:28803"]}))
+    else:
+        ir = transformed(fixed_batch_crop(), 2)
     assert const_value(ir, "replica_1/random_crop/size").tolist() == [BATCH // 2, 3, 3, 2]
     report = equivalence.compare(fixed_batch_crop(), ir, feeds, steps=3)
     assert report.ok and report.reasons == [], equivalence.format_report(report)
