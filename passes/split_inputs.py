@@ -66,6 +66,7 @@ class SplitInputs(Pass):
             lengths = batch_lengths(ir, splits, fixed)
             rebatched = rebatch_constants(ir, build, splits, lengths, replicas)
             rebatched += rebatch_shared(ir, splits, lengths, replicas)
+            rebatched += split_shared_draws(ir, build, splits, lengths, replicas)
             states = split_filled_batches(ir, build, rebatched, lengths, replicas)
             splits += [f"{SCOPE}{name}/split" for name in states]
         if fixed or sparse:
@@ -313,6 +314,51 @@ def rebatch_shared(ir, splits: list[str], lengths: set, replicas: int) -> list[s
     return copies
 
 
+def split_shared_draws(ir, build, splits: list[str], lengths: set, replicas: int) -> list:
+    """A random draw of one value per example of a fixed batch that stays single (ps shares
+    ops that read no batch: WGAN-GP's ``tf.random_uniform([BATCH_SIZE, 1])``,
+    random_flip_left_right's coin per image and what it computes from it) is split like an
+    input where replicas read it or what is computed from it alone: replica i reads the rows
+    of its slice, which is what one device draws for them. Returns the splits."""
+    from graphxform.passes.consistent_random import SHAPED_RANDOM_OPS
+    from_batch = ir.data_descendants(splits)
+    found = []
+    for name in ir.nodes_of(SHAPED_RANDOM_OPS):
+        shape = const_value(ir, ir.input(name, 0)[0])  # a shape TF folded, or computed
+        shape = list(shape) if shape is not None and shape.ndim == 1 else \
+            _recorded_shape(ir, name, 0)
+        if (REPLICA_HEAD.match(name) or not shape or shape[0] not in lengths
+                or not _meets_the_batch(ir, name, from_batch)):
+            continue
+        shared, stack = set(), [name]
+        while stack:  # the draw and the shared ops computed from it
+            node = stack.pop()
+            if node not in shared:
+                shared.add(node)
+                stack += [dst for dst, _ in ir.consumers(node) if not REPLICA_HEAD.match(dst)]
+        for node in sorted(shared):
+            ports = {p for dst, p in ir.consumers(node) if REPLICA_HEAD.match(dst)}
+            for port in sorted(ports):
+                dims = _recorded_shape(ir, node, port) if node != name else shape
+                if not dims or dims[0] not in lengths:
+                    continue
+                found.append(_split_for_replicas(ir, build, node, port, replicas))
+    return found
+
+
+def _split_for_replicas(ir, build, node: str, port: int, replicas: int) -> str:
+    """A Split of ``node:port`` along axis 0 beside it; replica i's readers read part i."""
+    device = ir.node(node)["device"]
+    scope = f"{SCOPE}{node}/{port}/" if port else f"{SCOPE}{node}/"
+    split = build.op(scope + "split", "Split",
+                     [build.const(scope + "axis", 0, np.int32, device=device), f"{node}:{port}"],
+                     device=device, num_split=replicas, T=opdefs.output_dtype(ir, node, port))
+    for i in range(replicas):
+        ir.replace_all_uses_with(f"{node}:{port}", f"{split}:{i}",
+                                 where=lambda n, p=replica_prefix(i): n.startswith(p))
+    return split
+
+
 def split_filled_batches(ir, build, rebatched: list, lengths: set[int],
                          replicas: int) -> list:
     """A batch filled with one value outside any gradient (an RNN's zero state:
@@ -518,16 +564,19 @@ def _draws_for_the_batch(ir, name: str, from_batch: set) -> bool:
     within a few ops: one value per example (WGAN-GP's ``tf.random_uniform([BATCH_SIZE, 1])``
     interpolating between real and fake examples). A draw that never meets the batch (noise
     for a generator) keeps its size: every replica draws it alike."""
-    for dst, port in ir.consumers(name):
-        if port != 0 or ir.op(dst) not in training.RANDOM_OPS:
-            continue
-        frontier, seen = [dst], {dst}
-        for _ in range(6):
-            frontier = [user for node in frontier for user, _ in ir.consumers(node)
-                        if user not in seen]
-            seen.update(frontier)
-            if any(src in from_batch for node in frontier for src, _ in ir.inputs(node)):
-                return True
+    return any(port == 0 and ir.op(dst) in training.RANDOM_OPS
+               and _meets_the_batch(ir, dst, from_batch) for dst, port in ir.consumers(name))
+
+
+def _meets_the_batch(ir, draw: str, from_batch: set) -> bool:
+    """Whether what ``draw`` draws meets the batch within a few ops."""
+    frontier, seen = [draw], {draw}
+    for _ in range(6):
+        frontier = [user for node in frontier for user, _ in ir.consumers(node)
+                    if user not in seen]
+        seen.update(frontier)
+        if any(src in from_batch for node in frontier for src, _ in ir.inputs(node)):
+            return True
     return False
 
 

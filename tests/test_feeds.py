@@ -370,3 +370,40 @@ def test_a_crop_of_fewer_rows_than_the_fixed_batch_is_refused_naming_it():
     with pytest.raises(GraphxformError, match="'random_crop' \\(Slice\\) picks examples of the "
                        "batch by their position"):
         transformed(fixed_batch_crop(rows=BATCH // 2), 2)
+
+
+def fixed_batch_flip():
+    """``tf.image.random_flip_left_right`` of a fixed batch: a coin per image, drawn with the
+    shape TF folded from the batch's."""
+    g = tf.Graph()
+    with g.as_default():
+        tf1.set_random_seed(1)
+        images = tf1.placeholder(tf.float32, [BATCH, 4, 4, 2], name="images")
+        labels = tf1.placeholder(tf.int64, [BATCH], name="labels")
+        flipped = tf.image.random_flip_left_right(images, seed=6)
+        logits = tf.matmul(tf.reshape(flipped, [BATCH, -1]), tf1.get_variable("w", [32, 3]))
+        loss = tf1.losses.sparse_softmax_cross_entropy(labels, logits)
+        tf1.add_to_collection("train_op", tf1.train.GradientDescentOptimizer(0.5).minimize(loss))
+    return export(g)
+
+
+@pytest.mark.parametrize("build", ["flip", "wgan"])
+def test_ps_gives_each_replica_its_rows_of_a_shared_draw_per_example(build, tmp_path):
+    # ps shares a draw that reads no batch, so every replica read all BATCH rows of it beside
+    # its BATCH / 2 examples: TF rejected the graph ("Cannot reshape", "Dimensions must be
+    # equal"); now replica i reads the rows of its slice, one device's draw
+    rng = np.random.default_rng(4)
+    feeds = str(tmp_path / "f.npz")
+    if build == "flip":
+        make = fixed_batch_flip
+        np.savez(feeds, images=rng.standard_normal((32, 4, 4, 2)).astype(np.float32),
+                 labels=rng.integers(0, 3, 32))
+    else:
+        make = wgan_gp_fixed_batch
+        np.savez(feeds, real=rng.standard_normal((32, 4)).astype(np.float32),
+                 noise=rng.standard_normal((32, 3)).astype(np.float32))
+    ir = make()
+    strategies.transform(ir, "ps", cluster=cluster.Cluster(
+        {"ps": ["127.0.0.1:28804"], "worker": ["127.0.0.1:28805", "127.0.0.1:28806"]}))
+    report = equivalence.compare(make(), ir, feeds, steps=3)
+    assert report.ok, equivalence.format_report(report)
