@@ -7,7 +7,10 @@ does not divide by the number of replicas is refused here, naming the input. Ten
 that size into constants when it built the graph (``tf.shape``, ``tf.size``, the gradients of
 Reshape, Tile and Mean), so in each replica those say the slice's size instead (see
 ``rebatch_constants``), and what the replicas compute from them loses its recorded
-``_output_shapes`` (TensorFlow refuses a graph whose recorded shapes contradict its own). Any
+``_output_shapes`` (TensorFlow refuses a graph whose recorded shapes contradict its own). Under
+ps, where what reads no batch stays single, such constants that shared ops read too get a copy
+per replica (``rebatch_shared``), and a shared draw of one value per example is split like an
+input (``split_shared_draws``). Any
 other global batch that does not divide fails at run time in the node
 `split_inputs/<input>/split`, which `graphxform run` turns into a one-line error."""
 
