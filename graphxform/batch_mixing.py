@@ -950,8 +950,10 @@ _BY_POSITION = ("picks examples of the batch by their position (a slice along th
 def _computed_bounds(n: _Node, batch_axis: int):
     """A slice whose bounds are computed rather than constant: the batch's state where the
     bounds along its axis are begin 0 and an end (Slice: a size) that is the batch's size,
-    tf.shape(x)[0] (x[:tf.shape(x)[0]]); Mixed where they are other values known without the
-    batch's values (x[:tf.shape(x)[0] // 2], a fed count); unknown otherwise."""
+    tf.shape(x)[0] (x[:tf.shape(x)[0]]), or where a Slice's size is, whatever its begin (TF
+    then needs begin 0: ``tf.image.random_crop(x, [tf.shape(x)[0], h, w, c])``'s offset);
+    Mixed where they are other values known without the batch's values (x[:tf.shape(x)[0] //
+    2], a fed count); unknown otherwise."""
     if any(s not in (None, SIZE) and not isinstance(s, Shape) for s in n.states[1:]):
         return UNKNOWN
     bit = 1 << batch_axis
@@ -959,6 +961,8 @@ def _computed_bounds(n: _Node, batch_axis: int):
               for key in ("begin_mask", "end_mask")}  # a StridedSlice's: from the start, to the end
     begin = 0 if masked["begin_mask"] else _entry(n, 1, batch_axis)
     end = _entry(n, 2, batch_axis)
+    if n.op == "Slice" and isinstance(end, tuple) and _is_batch_size(n.flow, *end):
+        return n.states[0]  # a size of the whole axis leaves begin 0 (tf.image.random_crop)
     if begin == 0 and (masked["end_mask"] or isinstance(end, tuple)
                        and _is_batch_size(n.flow, *end)):
         return n.states[0]
@@ -986,11 +990,24 @@ def _slice(n: _Node):
     if any(s is not None for s in n.states[1:]):
         return _computed_bounds(n, state)
     begin, size = n.ints(1), n.ints(2)
+    if begin is None and size is not None and state < len(size) and size[state] != -1:
+        return _sized_slice(n, state, size[state])
     if begin is None or size is None or state >= len(begin):
         return UNKNOWN
     if begin[state] == 0 and size[state] == -1:
         return state
-    return n.mixed(_BY_POSITION)
+    return _sized_slice(n, state, size[state])
+
+
+def _sized_slice(n: _Node, state: int, size: int):
+    """A Slice of a constant size along the batch axis (from a begin that may be computed: the
+    offset ``tf.image.random_crop`` draws): the whole fixed batch keeps each example (TF then
+    needs begin 0; split-inputs rebatches the size); fewer rows pick examples by position,
+    whatever the begin."""
+    dims = n.flow.dims(*n.inputs[0])
+    if dims is None or state >= len(dims) or dims[state] < 0:
+        return UNKNOWN if n.ints(1) is None else n.mixed(_BY_POSITION)
+    return state if size == dims[state] else n.mixed(_BY_POSITION)
 
 
 def _strided_slice(n: _Node):

@@ -343,7 +343,9 @@ def check(ir: GraphIR, tg: TrainingGraph, replicas: int, asynchronous: bool = Fa
     _check_function_writes(ir, function_writes, spread)
     for var, write in proven:
         _check_write(ir, var, write, spread)
-    _check_shared_writes(ir, shared, spread)
+    kept = {var.name for var in tg.variables.values() if var.moving_statistic
+            and not var.trainable and var.name not in state}
+    _check_shared_writes(ir, shared, spread, kept)
     _check_start(ir, tg, replicas)
     return {"variables": checked}
 
@@ -448,12 +450,21 @@ def _shared_writes(ir: GraphIR, closure: set) -> list[str]:
                   if not name.startswith("replica_") and is_mutating_op(nodes[name]["op"]))
 
 
-def _check_shared_writes(ir: GraphIR, shared: list, spread: ReplicaSpread) -> None:
+def _check_shared_writes(ir: GraphIR, shared: list, spread: ReplicaSpread,
+                         statistics: set = frozenset()) -> None:
     """A write that runs once per step, outside every replica, must not read one replica's
-    own value."""
+    own value. Except where it writes only batch norm's moving ``statistics`` from what
+    replica 0's slice alone reaches: ps keeps those from replica 0's slice (insert-accumulators
+    drops the others' updates; verify names batch norm), and a statistic computed from
+    another one read after replica 0's update is replica 0's too (renorm's moving_variance,
+    tf_keras assigns it from moving_stddev, reading only variables, so it is not replicated)."""
     for name in shared:
+        written = _written_variables(ir, name)
+        from_first = bool(written) and set(written) <= statistics
         for src, port in ir.inputs(name):
             if ir.op(src) in VARIABLE_OPS:
+                continue
+            if from_first and src not in spread.differs and spread.replicas_of(src) in ([], [0]):
                 continue
             if src in spread.differs or not spread.covers_all(src):
                 written = ", ".join(_written_variables(ir, name)) or name

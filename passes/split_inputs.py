@@ -7,7 +7,10 @@ does not divide by the number of replicas is refused here, naming the input. Ten
 that size into constants when it built the graph (``tf.shape``, ``tf.size``, the gradients of
 Reshape, Tile and Mean), so in each replica those say the slice's size instead (see
 ``rebatch_constants``), and what the replicas compute from them loses its recorded
-``_output_shapes`` (TensorFlow refuses a graph whose recorded shapes contradict its own). Any
+``_output_shapes`` (TensorFlow refuses a graph whose recorded shapes contradict its own). Under
+ps, where what reads no batch stays single, such constants that shared ops read too get a copy
+per replica (``rebatch_shared``), and a shared draw of one value per example is split like an
+input (``split_shared_draws``). Any
 other global batch that does not divide fails at run time in the node
 `split_inputs/<input>/split`, which `graphxform run` turns into a one-line error."""
 
@@ -27,6 +30,9 @@ SCOPE = "split_inputs/"
 FOLDED_SHAPE = re.compile(r"^(Shape|shape_as_tensor|Const)(_\d+)?$")  # tf.shape, Tile multiples
 FOLDED_SIZE = re.compile(r"^Size(_\d+)?$")  # tf.size
 REPLICA_HEAD = re.compile(r"^replica_\d+/")
+# what computes a shape from shapes (random_crop's shape - size + 1)
+SHAPE_ARITHMETIC = {"Identity", "Add", "AddV2", "Sub", "Mul", "FloorDiv", "Maximum", "Minimum",
+                    "Pack", "ConcatV2", "StridedSlice", "Cast", "Prod"}
 
 
 @dataclasses.dataclass
@@ -62,6 +68,8 @@ class SplitInputs(Pass):
         if fixed:
             lengths = batch_lengths(ir, splits, fixed)
             rebatched = rebatch_constants(ir, build, splits, lengths, replicas)
+            rebatched += rebatch_shared(ir, splits, lengths, replicas)
+            rebatched += split_shared_draws(ir, build, splits, lengths, replicas)
             states = split_filled_batches(ir, build, rebatched, lengths, replicas)
             splits += [f"{SCOPE}{name}/split" for name in states]
         if fixed or sparse:
@@ -230,7 +238,7 @@ def rebatch_constants(ir, build, splits: list[str], lengths: set[int],
     op computed from the batch becomes a live Shape (Size) of the replica's tensor. Of the
     rest: integer shapes whose leading entry is the batch (``Shape``, ``shape_as_tensor``, a
     Mean gradient's Tile multiples, a Reshape of the batch to it, a random draw of one value
-    per example), ``Size`` scalars that are a
+    per example, the size of a Slice that keeps the batch's whole axis), ``Size`` scalars that are a
     multiple of it, a Mean gradient's divisor where that Mean averages over axis 0, and filled
     tensors (``zeros_like`` of a batch) whose leading dimension is the batch. Each rewritten
     constant says what it now holds in ``replica_values.REBATCHED_ATTR`` (the batch's shape, a
@@ -256,6 +264,102 @@ def rebatch_constants(ir, build, splits: list[str], lengths: set[int],
             attrs[replica_values.REBATCHED_ATTR].s = new[1].encode()
             changed.append(name)
     return changed
+
+
+def rebatch_shared(ir, splits: list[str], lengths: set, replicas: int) -> list[str]:
+    """Constants that stay single (ps shares what a shared op reads too: random_crop's shape
+    check reads its folded shape and size) that the rules of rebatch_constants rebatch, and
+    the shape arithmetic computed from them alone, get a copy per replica, ``replica_<i>/
+    <name>``, for that replica's readers: the slice's values, as allreduce's copies hold;
+    the shared readers keep the global ones. Returns the copies."""
+    from_batch = ir.data_descendants(splits)
+    folded = {}
+    for name in ir.nodes_of({"Const"}):
+        if not REPLICA_HEAD.match(name) and not name.startswith(SCOPE):
+            new = _rebatched(ir, name, const_value(ir, name), lengths, replicas, from_batch)
+            if new is not None:
+                folded[name] = new
+    if not folded:
+        return []
+    derived = {n for n in ir.data_descendants(folded) - set(folded)
+               if not REPLICA_HEAD.match(n) and ir.op(n) in SHAPE_ARITHMETIC}
+    arithmetic = set(folded) | derived
+    readers = [n for n in ir.nodes() if REPLICA_HEAD.match(n)
+               and any(src in arithmetic for src, _ in ir.inputs(n))]
+    needed, stack = set(), [src for n in readers for src, _ in ir.inputs(n) if src in arithmetic]
+    while stack:
+        node = stack.pop()
+        if node in needed:
+            continue
+        if node in derived and any(src not in arithmetic and src in from_batch
+                                   for src, _ in ir.inputs(node)):
+            continue  # it reads the batch itself: not the shared shape arithmetic
+        needed.add(node)
+        stack += [src for src, _ in ir.inputs(node) if src in arithmetic]
+    copies = []
+    for i in range(replicas):
+        prefix = replica_prefix(i)
+        mine = [n for n in readers if n.startswith(prefix)]
+        if not mine:
+            continue
+        mapping = ir.copy_nodes(sorted(n for n in needed if prefix + n not in ir), prefix,
+                                device=ir.node(mine[0])["device"], created_by="split-inputs")
+        for name, copy in mapping.items():
+            if name in folded:
+                attrs = ir.node(copy)["attr"]
+                attrs["value"].tensor.CopyFrom(tensor_proto(folded[name][0]))
+                attrs[replica_values.REBATCHED_ATTR].s = folded[name][1].encode()
+        for reader in mine:
+            for port, (src, src_port) in enumerate(ir.inputs(reader)):
+                if src in mapping:
+                    ir.set_input(reader, port, f"{mapping[src]}:{src_port}")
+        copies += mapping.values()
+    return copies
+
+
+def split_shared_draws(ir, build, splits: list[str], lengths: set, replicas: int) -> list:
+    """A random draw of one value per example of a fixed batch that stays single (ps shares
+    ops that read no batch: WGAN-GP's ``tf.random_uniform([BATCH_SIZE, 1])``,
+    random_flip_left_right's coin per image and what it computes from it) is split like an
+    input where replicas read it or what is computed from it alone: replica i reads the rows
+    of its slice, which is what one device draws for them. Returns the splits."""
+    from graphxform.passes.consistent_random import SHAPED_RANDOM_OPS
+    from_batch = ir.data_descendants(splits)
+    found = []
+    for name in ir.nodes_of(SHAPED_RANDOM_OPS):
+        shape = const_value(ir, ir.input(name, 0)[0])  # a shape TF folded, or computed
+        shape = list(shape) if shape is not None and shape.ndim == 1 else \
+            _recorded_shape(ir, name, 0)
+        if (REPLICA_HEAD.match(name) or not shape or shape[0] not in lengths
+                or not _meets_the_batch(ir, name, from_batch)):
+            continue
+        shared, stack = set(), [name]
+        while stack:  # the draw and the shared ops computed from it
+            node = stack.pop()
+            if node not in shared:
+                shared.add(node)
+                stack += [dst for dst, _ in ir.consumers(node) if not REPLICA_HEAD.match(dst)]
+        for node in sorted(shared):
+            ports = {p for dst, p in ir.consumers(node) if REPLICA_HEAD.match(dst)}
+            for port in sorted(ports):
+                dims = _recorded_shape(ir, node, port) if node != name else shape
+                if not dims or dims[0] not in lengths:
+                    continue
+                found.append(_split_for_replicas(ir, build, node, port, replicas))
+    return found
+
+
+def _split_for_replicas(ir, build, node: str, port: int, replicas: int) -> str:
+    """A Split of ``node:port`` along axis 0 beside it; replica i's readers read part i."""
+    device = ir.node(node)["device"]
+    scope = f"{SCOPE}{node}/{port}/" if port else f"{SCOPE}{node}/"
+    split = build.op(scope + "split", "Split",
+                     [build.const(scope + "axis", 0, np.int32, device=device), f"{node}:{port}"],
+                     device=device, num_split=replicas, T=opdefs.output_dtype(ir, node, port))
+    for i in range(replicas):
+        ir.replace_all_uses_with(f"{node}:{port}", f"{split}:{i}",
+                                 where=lambda n, p=replica_prefix(i): n.startswith(p))
+    return split
 
 
 def split_filled_batches(ir, build, rebatched: list, lengths: set[int],
@@ -406,7 +510,8 @@ def _rebatched(ir, name: str, value, lengths: set, replicas: int, from_batch: se
     if value.dtype.kind in "iu":
         if value.ndim == 1 and value.size and value[0] in lengths and (
                 FOLDED_SHAPE.match(leaf) or _reshapes_the_batch(ir, name, from_batch)
-                or _fills_a_batch(ir, name) or _draws_for_the_batch(ir, name, from_batch)):
+                or _fills_a_batch(ir, name) or _draws_for_the_batch(ir, name, from_batch)
+                or _slices_the_batch(ir, name, value, from_batch)):
             return (np.concatenate([[value[0] // replicas], value[1:]]).astype(value.dtype),
                     replica_values.BATCH_SHAPE)
         if multiple and FOLDED_SIZE.match(leaf):
@@ -431,6 +536,20 @@ def _reshapes_the_batch(ir, name: str, from_batch: set) -> bool:
                for dst, port in ir.consumers(name))
 
 
+def _slices_the_batch(ir, name: str, value, from_batch: set) -> bool:
+    """Whether ``name`` is the size of a Slice of a tensor computed from the batch that keeps
+    the whole batch axis (``tf.image.random_crop(x, [batch, h, w, c])``: its offset along
+    axis 0 is then 0, so each replica keeps its own slice's rows)."""
+    for dst, port in ir.consumers(name):
+        if ir.op(dst) != "Slice" or port != 2:
+            continue
+        src, src_port = ir.input(dst, 0)
+        shape = _recorded_shape(ir, src, src_port)
+        if src in from_batch and shape and len(shape) == value.size and shape[0] == value[0]:
+            return True
+    return False
+
+
 def _fills_a_batch(ir, name: str) -> bool:
     """Whether ``name`` is the shape a Fill fills, or its leading part (``tf.zeros(
     tf.concat([[batch_size], [units]], 0))``, an RNN cell's zero state)."""
@@ -448,16 +567,19 @@ def _draws_for_the_batch(ir, name: str, from_batch: set) -> bool:
     within a few ops: one value per example (WGAN-GP's ``tf.random_uniform([BATCH_SIZE, 1])``
     interpolating between real and fake examples). A draw that never meets the batch (noise
     for a generator) keeps its size: every replica draws it alike."""
-    for dst, port in ir.consumers(name):
-        if port != 0 or ir.op(dst) not in training.RANDOM_OPS:
-            continue
-        frontier, seen = [dst], {dst}
-        for _ in range(6):
-            frontier = [user for node in frontier for user, _ in ir.consumers(node)
-                        if user not in seen]
-            seen.update(frontier)
-            if any(src in from_batch for node in frontier for src, _ in ir.inputs(node)):
-                return True
+    return any(port == 0 and ir.op(dst) in training.RANDOM_OPS
+               and _meets_the_batch(ir, dst, from_batch) for dst, port in ir.consumers(name))
+
+
+def _meets_the_batch(ir, draw: str, from_batch: set) -> bool:
+    """Whether what ``draw`` draws meets the batch within a few ops."""
+    frontier, seen = [draw], {draw}
+    for _ in range(6):
+        frontier = [user for node in frontier for user, _ in ir.consumers(node)
+                    if user not in seen]
+        seen.update(frontier)
+        if any(src in from_batch for node in frontier for src, _ in ir.inputs(node)):
+            return True
     return False
 
 

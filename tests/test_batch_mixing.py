@@ -633,6 +633,37 @@ def test_the_mixing_ops_are_found_where_they_are(tmp_path, build):
         assert inner is None or f"'{inner.node}' ({inner.op})" in found.reason, inner
 
 
+def batch_random_crop(x, y):
+    """tf.image.random_crop of the whole batch, its size's batch entry tf.shape(x)[0]: one
+    seeded draw of offsets, 0 along the batch axis, so each example keeps its own row."""
+    import tensorflow as tf
+    crop = tf.image.random_crop(x, tf.stack([tf.shape(x)[0], 6]), seed=5)
+    return _step(_xent(y, dense(crop, 2, "out")))
+
+
+def crop_dropping_an_example(x, y):
+    """The look-alike that does pick examples by position: a random offset along the batch
+    axis, a size one example short of the batch."""
+    import tensorflow as tf
+    crop = tf.image.random_crop(x, tf.stack([tf.shape(x)[0] - 1, 6]), seed=5)
+    return _step(_xent(y[1:], dense(crop, 2, "out")))
+
+
+def test_a_slice_sized_to_the_whole_batch_keeps_each_example(run_cli, tmp_path):
+    # random_crop's computed offset along the batch axis read as picking examples by
+    # position: apply refused a crop TF can only start at the first example
+    from graphxform import batch_mixing, metagraph, training
+    model = _export(tmp_path / "m.meta", batch_random_crop)
+    ir = metagraph.load(model)
+    tg = training.analyze(ir)
+    assert batch_mixing.mixing_in(ir, tg.steps[0].loss, tg.batch_sources) is None
+    _assert_verify_passes(run_cli, model)
+    ir = metagraph.load(_export(tmp_path / "short.meta", crop_dropping_an_example))
+    tg = training.analyze(ir)
+    found = batch_mixing.mixing_in(ir, tg.steps[0].loss, tg.batch_sources)
+    assert found is not None and found.op == "Slice" and "by their position" in found.reason
+
+
 def statistics_used_linearly(x, y):
     """What the rules for statistics of the batch must not refuse: a focal loss divided by
     the batch's count of positives clamped at one (RetinaNet; global-denominators' case),

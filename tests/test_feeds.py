@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from graphxform import equivalence, metagraph, strategies, training
+from graphxform import cluster, equivalence, metagraph, strategies, training
 from graphxform.errors import GraphxformError
+from graphxform.nodes import const_value
 from graphxform.runtime import Feeds
 
 tf1 = tf.compat.v1
@@ -323,3 +324,86 @@ def test_a_concat_of_fixed_batches_is_rebatched_too(tmp_path):
     report = equivalence.compare(two_fixed_batches_mlp(), transformed(two_fixed_batches_mlp(), 2),
                                  str(tmp_path / "f.npz"), steps=3)
     assert report.ok and report.reasons == [], equivalence.format_report(report)
+
+
+def fixed_batch_crop(rows=BATCH):
+    """``tf.image.random_crop`` of a fixed batch of images, its size naming the whole batch:
+    one seeded draw of offsets (0 along the batch axis) crops every example alike. With fewer
+    ``rows``, it crops a run of examples at a random offset."""
+    g = tf.Graph()
+    with g.as_default():
+        tf1.set_random_seed(1)
+        images = tf1.placeholder(tf.float32, [BATCH, 4, 4, 2], name="images")
+        labels = tf1.placeholder(tf.int64, [BATCH], name="labels")
+        crop = tf.image.random_crop(images, [rows, 3, 3, 2], seed=5)
+        logits = tf.matmul(tf.reduce_mean(crop, [1, 2]), tf1.get_variable("w", [2, 3]))
+        if rows < BATCH:
+            logits = tf.tile(logits, [BATCH // rows, 1])
+        loss = tf1.losses.sparse_softmax_cross_entropy(labels, logits)
+        tf1.add_to_collection("train_op", tf1.train.GradientDescentOptimizer(0.5).minimize(loss))
+    return export(g)
+
+
+@pytest.mark.parametrize("strategy", ["allreduce", "ps"])
+def test_a_crop_whose_size_is_the_fixed_batch_crops_each_slice(strategy, tmp_path):
+    # the crop's size kept 8 rows where each replica holds 4: apply exited 1 with TensorFlow's
+    # own "Dimensions must be equal"; every replica draws the same offsets, as one device does.
+    # ps shares the size and the shape it is checked against (shared ops read them): each
+    # replica reads its own copies of them and of the offsets' bound computed from them
+    rng = np.random.default_rng(3)
+    feeds = str(tmp_path / "f.npz")
+    np.savez(feeds, images=rng.standard_normal((32, 4, 4, 2)).astype(np.float32),
+             labels=rng.integers(0, 3, 32))
+    if strategy == "ps":
+        ir = fixed_batch_crop()
+        strategies.transform(ir, "ps", cluster=cluster.Cluster(
+            {"ps": ["127.0.0.1:28801"], "worker": ["127.0.0.1:28802", "127.0.0.1:28803"]}))
+    else:
+        ir = transformed(fixed_batch_crop(), 2)
+    assert const_value(ir, "replica_1/random_crop/size").tolist() == [BATCH // 2, 3, 3, 2]
+    report = equivalence.compare(fixed_batch_crop(), ir, feeds, steps=3)
+    assert report.ok and report.reasons == [], equivalence.format_report(report)
+
+
+def test_a_crop_of_fewer_rows_than_the_fixed_batch_is_refused_naming_it():
+    # apply exited 0: each replica cropped its whole slice, one device a random run of rows
+    with pytest.raises(GraphxformError, match="'random_crop' \\(Slice\\) picks examples of the "
+                       "batch by their position"):
+        transformed(fixed_batch_crop(rows=BATCH // 2), 2)
+
+
+def fixed_batch_flip():
+    """``tf.image.random_flip_left_right`` of a fixed batch: a coin per image, drawn with the
+    shape TF folded from the batch's."""
+    g = tf.Graph()
+    with g.as_default():
+        tf1.set_random_seed(1)
+        images = tf1.placeholder(tf.float32, [BATCH, 4, 4, 2], name="images")
+        labels = tf1.placeholder(tf.int64, [BATCH], name="labels")
+        flipped = tf.image.random_flip_left_right(images, seed=6)
+        logits = tf.matmul(tf.reshape(flipped, [BATCH, -1]), tf1.get_variable("w", [32, 3]))
+        loss = tf1.losses.sparse_softmax_cross_entropy(labels, logits)
+        tf1.add_to_collection("train_op", tf1.train.GradientDescentOptimizer(0.5).minimize(loss))
+    return export(g)
+
+
+@pytest.mark.parametrize("build", ["flip", "wgan"])
+def test_ps_gives_each_replica_its_rows_of_a_shared_draw_per_example(build, tmp_path):
+    # ps shares a draw that reads no batch, so every replica read all BATCH rows of it beside
+    # its BATCH / 2 examples: TF rejected the graph ("Cannot reshape", "Dimensions must be
+    # equal"); now replica i reads the rows of its slice, one device's draw
+    rng = np.random.default_rng(4)
+    feeds = str(tmp_path / "f.npz")
+    if build == "flip":
+        make = fixed_batch_flip
+        np.savez(feeds, images=rng.standard_normal((32, 4, 4, 2)).astype(np.float32),
+                 labels=rng.integers(0, 3, 32))
+    else:
+        make = wgan_gp_fixed_batch
+        np.savez(feeds, real=rng.standard_normal((32, 4)).astype(np.float32),
+                 noise=rng.standard_normal((32, 3)).astype(np.float32))
+    ir = make()
+    strategies.transform(ir, "ps", cluster=cluster.Cluster(
+        {"ps": ["127.0.0.1:28804"], "worker": ["127.0.0.1:28805", "127.0.0.1:28806"]}))
+    report = equivalence.compare(make(), ir, feeds, steps=3)
+    assert report.ok, equivalence.format_report(report)
