@@ -3,20 +3,13 @@ actor head and a critic head, ``actor_opt.minimize(actor_loss)`` and
 ``critic_opt.minimize(critic_loss)`` each over the trunk and its own head (two train ops, or
 both grouped in one). The trunk gets two gradients per step; every strategy reduces each, in
 the step that applies it (the parameter-server ones aggregate each in its own accumulator), and
-trains like one device."""
+trains like one device. Grouped in one train op, the two updates of the trunk run in no order:
+allreduce and replicated refuse them (each replica would pick its own order:
+passes/order_races.py); ps keeps one copy of the trunk, which one run updates in one order."""
 
 import pytest
 from conftest import export_classifier as _export
-
-
-def dense(x, units, name, activation=None):
-    import tensorflow as tf
-    tf1 = tf.compat.v1
-    with tf1.variable_scope(name):
-        w = tf1.get_variable("kernel", [x.shape[-1], units])
-        b = tf1.get_variable("bias", [units], initializer=tf1.zeros_initializer())
-        out = tf.matmul(x, w) + b
-        return activation(out) if activation else out
+from test_custom_training_code import dense
 
 
 def actor_critic(grouped=False):
