@@ -6,9 +6,10 @@ term computed from that example alone. A loss that pairs examples (in-batch nega
 batch-hard triplet loss), ranks them (hard-example mining, a sort), reorders or picks them
 (mixup's shuffled partner, ``x[0]``, a gather_nd of a partner's rows; BERT's gather of
 ``positions + tf.range(batch) * seq_length`` picks each example's own), splits or groups
-them by position (``tf.split`` of the batch, a reshape into groups), repeats each as often as the batch has examples (``tf.tile`` for
-pairwise distances), runs a recurrence over them (a while loop, legacy or
-control flow v2, that reads one example per iteration and carries a value to the next), or
+them by position (``tf.split`` of the batch, a reshape into groups), repeats each as often
+as the batch has examples (``tf.tile`` for pairwise distances), runs a recurrence over them
+(a while loop, legacy or control flow v2, that reads one example per iteration and carries a
+value to the next), or
 normalises them by a statistic of the batch computes something else on a slice, and nothing in
 the averaged gradients says so. So does one that lines its examples up with the rows of a
 tensor whose number of rows the graph fixes while the batch's size is free

@@ -353,8 +353,9 @@ def _random_ops(ir: GraphIR, tg, from_inputs: set) -> tuple[list, list, list]:
     --consistent-random (and not among the seeded): a draw inside a legacy while loop over the
     batch (map_fn, dynamic_rnn), afresh at every iteration, and one from values of each
     example (tf.random.categorical's logits); a tf.random.Generator's RngReadAndSkip by its
-    draw's count goes with its draw (passes/consistent_random.py). A candidate sampler (nce_loss) draws
-    ``num_sampled`` ids whatever the batch, the same in every replica as on one device."""
+    draw's count goes with its draw (passes/consistent_random.py). A candidate sampler
+    (nce_loss) draws ``num_sampled`` ids whatever the batch, the same in every replica as on
+    one device."""
     from graphxform.passes.consistent_random import SHAPED_RANDOM_OPS, counted_skip
     fixed = {i.fixed_batch for i in tg.inputs if i.fixed_batch}
     seeded, out_of_reach, unseeded = [], [], []

@@ -54,8 +54,9 @@ Every replica runs the same step from equal variables on its own even slice of t
 
 One rule comes from the training step rather than from an op: the gradient ``tf.gradients``
 bore for a variable has its loss's class (a gradient is linear in its loss; a loss of one value
-per example is summed: ``differentiated``), so losses are classified first. (merge-fetches then serves a loss that is not shown to be a mean, as under
-batch norm, as the mean anyway: that is what the averaged gradients train.) User overrides (the
+per example is summed: ``differentiated``), so losses are classified first. (merge-fetches
+then serves a loss that is not shown to be a mean, as under batch norm, as the mean anyway:
+that is what the averaged gradients train.) User overrides (the
 strategies' ``fetch_mean`` and ``fetch_concat``) take precedence over everything.
 
 A constant split-inputs rewrote from the global batch to the slice (a shape, size or divisor TF

@@ -234,8 +234,9 @@ def batch_lengths(ir, splits: list[str], fixed: list[int]) -> set[int]:
 def rebatch_constants(ir, build, splits: list[str], lengths: set[int],
                       replicas: int) -> list[str]:
     """In every replica, the constants TF folded from a fixed global batch (any of
-    ``lengths``, see batch_lengths) say the slice's size. A gradient's constant that is the static shape (or size) of an input of its forward
-    op computed from the batch becomes a live Shape (Size) of the replica's tensor. Of the
+    ``lengths``, see batch_lengths) say the slice's size. A gradient's constant that is the
+    static shape (or size) of an input of its forward op computed from the batch becomes a
+    live Shape (Size) of the replica's tensor. Of the
     rest: integer shapes whose leading entry is the batch (``Shape``, ``shape_as_tensor``, a
     Mean gradient's Tile multiples, a Reshape of the batch to it, a random draw of one value
     per example, the size of a Slice that keeps the batch's whole axis), ``Size`` scalars that are a
