@@ -65,7 +65,7 @@ from graphxform import functions, opdefs, replica_values
 from graphxform.functions import WHILE_OPS
 from graphxform.replica_values import (BATCH_NORM_OPS, CROSS_ENTROPY_OPS, ELEMENTWISE_UNARY_OPS,
                                        LIKE_OPS, LINEAR_UNARY_OPS)
-from graphxform.selections import VALUE_SIZED_OPS
+from graphxform.selections import UNSUMMED_COUNTS, VALUE_SIZED_OPS, value_sized_family
 from graphxform.training import RANDOM_OPS
 
 SIZE, AGGREGATE, NORM, UNKNOWN = "size", "aggregate", "norm", "unknown"
@@ -1692,19 +1692,11 @@ _SIZED_PORTS = {"UniqueWithCounts": (0, 2), "UniqueWithCountsV2": (0, 2), "ListD
 # summed where those are per-example (the other inputs batch-free)
 _DECIDED_BY = {"Where": ((0,), True), "DynamicPartition": ((1,), True),
                "ListDiff": ((0, 1), True), "NonMaxSuppression": ((0, 1), False)}
-_COUNTS = {"Unique": "the distinct values the batch holds (tf.unique), which the slices' "
-                     "counts do not add up to (a value found in several slices is one)",
-           "ListDiff": "the values tf.setdiff1d keeps where the batch's are those it removes, "
-                       "which the slices' counts do not add up to (a value found in several "
-                       "slices is removed once)",
-           "NonMaxSuppression": "the boxes non-max suppression keeps, each kept or suppressed "
-                                "by the other examples' boxes"}
 
 
 def _row_count(flow, name: str, op: str, found: list):
     """The count ``_value_sized`` records for ``name``, or None where it is not known."""
-    family = next((k for k in ("NonMaxSuppression", "Unique", "ListDiff") if op.startswith(k)),
-                  op)
+    family = value_sized_family(op)
     deciding, summed = _DECIDED_BY.get(family, ((0,), False))
     states = [found[k] for k in deciding if k < len(found)]
     mixed = next((s for s in states if isinstance(s, Mixed)), None)
@@ -1718,7 +1710,9 @@ def _row_count(flow, name: str, op: str, found: list):
         return None  # free of the batch, or unknown
     if summed and (family != "ListDiff" or states[1] is None):
         return AGGREGATE
-    return Curved(name, op, "counts " + _COUNTS[family])
+    what, api, why = UNSUMMED_COUNTS[family]
+    return Curved(name, op, f"counts {what} ({api}), which the slices' counts do not add up to "
+                  f"({why})")
 
 
 def _over_counted_rows(n: _Node, count):

@@ -102,6 +102,21 @@ VALUE_SIZED_OPS = frozenset({
     "Where", "Unique", "UniqueV2", "UniqueWithCounts", "UniqueWithCountsV2", "ListDiff",
     "DynamicPartition", "NonMaxSuppression", "NonMaxSuppressionV2", "NonMaxSuppressionV3",
     "NonMaxSuppressionV4", "NonMaxSuppressionV5"})
+# the families of those whose count over the whole batch is no sum of the slices' counts: what
+# the count is, the API that makes it, and why (batch_mixing's and global-denominators'
+# refusals name them so)
+UNSUMMED_COUNTS = {
+    "Unique": ("the distinct values the batch holds", "tf.unique",
+               "a value found in several slices is one"),
+    "ListDiff": ("the values tf.setdiff1d keeps where the batch's are those it removes",
+                 "tf.setdiff1d", "a value found in several slices is removed once"),
+    "NonMaxSuppression": ("the boxes non-max suppression keeps", "tf.image.non_max_suppression",
+                          "each box is kept or suppressed by the other examples' boxes")}
+
+
+def value_sized_family(op: str) -> str:
+    """``op``'s family in UNSUMMED_COUNTS (its versions share one), or ``op`` itself."""
+    return next((family for family in UNSUMMED_COUNTS if op.startswith(family)), op)
 
 
 def selected_rows(ir, counted: str, sources: set, any_size: bool = False):
@@ -135,16 +150,10 @@ def what_is_counted(ir, node: str, prefix: str = "") -> str:
     op, name = ir.op(node), node[len(prefix):]
     alone = ("each replica would count its own slice's, and the slices' counts do not add up "
              "to the whole batch's")
-    if op.startswith("Unique"):
-        return (f"a count of the distinct values the batch holds ('{name}', tf.unique): {alone} "
-                "(a value found in several slices is one)")
-    if op == "ListDiff":
-        return (f"a count of the values tf.setdiff1d keeps ('{name}'): {alone} where the "
-                "batch's values are those it removes (a value found in several slices is "
-                "removed once)")
-    if op.startswith("NonMaxSuppression"):
-        return (f"a count of the boxes non-max suppression keeps ('{name}'): {alone} (each box "
-                "is kept or suppressed by the other examples' boxes)")
+    family = UNSUMMED_COUNTS.get(value_sized_family(op))
+    if family is not None:
+        what, api, why = family
+        return f"a count of {what} ('{name}', {api}): {alone} ({why})"
     if op == "Where":
         return (f"a count of the rows tf.where finds ('{name}') in a mask not shown to hold each "
                 "example's own values, so the replicas' counts are not shown to add up to the "
