@@ -325,7 +325,7 @@ def _drop_missing_from_contexts(ir, key, col) -> None:
     for raw in col.bytes_list.value:
         context = cls.FromString(raw)
         _prune_values(context, exists)
-        pruned.append(context.SerializeToString())
+        pruned.append(context.SerializeToString(deterministic=True))
     del col.bytes_list.value[:]
     col.bytes_list.value.extend(pruned)
 

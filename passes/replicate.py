@@ -271,7 +271,7 @@ def _copy_contexts(col, key, shared, replicas) -> None:
             prefix = replica_prefix(i)
             _prefix_strings(ctx_def, lambda s: s if not s or s.lstrip("^").split(":")[0] in shared
                             else prefix + s)
-            out.append(ctx_def.SerializeToString())
+            out.append(ctx_def.SerializeToString(deterministic=True))
     del col.bytes_list.value[:]
     col.bytes_list.value.extend(out)
 
