@@ -93,7 +93,7 @@ class Replicate(Pass):
         for prefix, mapping in zip(prefixes, replicas):
             _rename_frames(ir, [mapping[n] for n in enters], prefix)
         cross_edges = []
-        for name in shared:  # shared ops that waited on a replicated op wait on all copies
+        for name in sorted(shared):  # shared ops that waited on a replicated op wait on all copies
             for src in list(ir.control_inputs(name)):
                 if src not in shared:
                     ir.remove_control_input(name, src)
