@@ -24,7 +24,7 @@ from graphxform import opdefs
 from graphxform.errors import ContractError
 from graphxform.fetch_races import runs_before
 from graphxform.functions import WHILE_OPS, called_nodes, random_in_function
-from graphxform.ir import GraphIR, parse_tensor, tensor_name
+from graphxform.ir import CONTROL_KEY, GraphIR, data_pairs, parse_tensor, tensor_name
 from graphxform.nodes import replica_prefix
 from graphxform.replica_spread import (CROSS_REPLICA_OPS, SPLIT_SCOPE, ReplicaSpread,
                                        combines_every_replica)
@@ -316,6 +316,7 @@ def check(ir: GraphIR, tg: TrainingGraph, replicas: int, asynchronous: bool = Fa
     checked, proven = 0, []  # proven: (variable, write) whose inputs must be equal everywhere
     from graphxform.passes.global_state import state_variables
     state = {v.name for v in state_variables(tg)} | proven_statistics
+    step_writes = StepWrites(ir, closure)
     for var in sorted(tg.variables.values(), key=lambda v: v.name):
         if not var.updates:
             continue
@@ -325,7 +326,7 @@ def check(ir: GraphIR, tg: TrainingGraph, replicas: int, asynchronous: bool = Fa
         for copy in copies:
             if asynchronous:  # every worker applies its own gradient: documented, not drop-in
                 continue
-            writes = _writes(ir, copy, closure)
+            writes = step_writes.of(copy)
             if len(writes) > len(var.updates):
                 raise ContractError(
                     f"variable '{var.name}': its copy '{copy}' is written {len(writes)} times "
@@ -335,14 +336,14 @@ def check(ir: GraphIR, tg: TrainingGraph, replicas: int, asynchronous: bool = Fa
                 continue  # statistics may differ per replica (verify names them)
             proven += [(var, write) for write in sorted(writes)]
             checked += 1
-    shared = [] if asynchronous else _shared_writes(ir, closure)
-    asked = {src for _, write in proven for src, _ in ir.inputs(write)}
-    asked.update(src for write in shared for src, _ in ir.inputs(write))
+    shared = [] if asynchronous else step_writes.outside_replicas()
+    # what the writes read, but the variables they write (which _check_write and
+    # _check_shared_writes pass over; a function's call is asked about every input)
+    asked = _read_values(ir, [write for _, write in proven] + shared)
     asked.update(src for call, *_ in function_writes for src, _ in ir.inputs(call))
     spread = ReplicaSpread(ir, replicas, step=closure, asked=asked)
     _check_function_writes(ir, function_writes, spread)
-    for var, write in proven:
-        _check_write(ir, var, write, spread)
+    _check_writes(ir, proven, spread)
     kept = {var.name for var in tg.variables.values() if var.moving_statistic
             and not var.trainable and var.name not in state}
     _check_shared_writes(ir, shared, spread, kept)
@@ -395,6 +396,27 @@ def _copy_in(ir: GraphIR, name: str, replica: int) -> str | None:
     return name if name in ir and ir.node(name).get("origin") == name else None
 
 
+def _read_values(ir: GraphIR, writes: list) -> set:
+    """The data inputs of ``writes`` that are not variables."""
+    nodes, pred = ir.g._node, ir.g._pred
+    return {src for write in writes for src, keyed in data_pairs(pred[write])
+            if (len(keyed) > 1 or CONTROL_KEY not in keyed)
+            and nodes[src]["op"] not in VARIABLE_OPS}
+
+
+def _check_writes(ir: GraphIR, proven: list, spread: ReplicaSpread) -> None:
+    """_check_write for each (variable, write) of ``proven``, for those only that read (or
+    wait on) a node other than a variable that differs between replicas or that only some
+    replicas' slices reach: the others pass it, and most writes are such."""
+    nodes, pred = ir.g._node, ir.g._pred
+    differs, coverage, everything = spread.differs, spread.coverage, spread.all
+    for var, write in proven:
+        if any(nodes[src]["op"] not in VARIABLE_OPS and (
+                src in differs or coverage.get(src, 0) not in (0, everything))
+               for src in pred[write]):
+            _check_write(ir, var, write, spread)
+
+
 def _check_write(ir: GraphIR, var, write: str, spread: ReplicaSpread) -> None:
     """A write of trainable ``var``'s copy reads nothing that differs between replicas, and
     nothing that only some replicas' slices reach."""
@@ -442,12 +464,49 @@ def _check_write(ir: GraphIR, var, write: str, spread: ReplicaSpread) -> None:
                 "data would be ignored")
 
 
-def _shared_writes(ir: GraphIR, closure: set) -> list[str]:
-    """The step's writes outside every replica (global_step's increment, a shared variable's
-    update): each runs once per step."""
-    nodes = ir.g._node
-    return sorted(name for name in closure
-                  if not name.startswith("replica_") and is_mutating_op(nodes[name]["op"]))
+class StepWrites:
+    """The ops a step runs that write a variable, found once for every variable: ``of(v)`` is
+    ``_writes(ir, v, closure)``, without reading each copy's consumers (a step of eight
+    replicas has tens of thousands of variable copies, and a few thousand writes).
+
+    It walks back from each write instead: ``_writes`` follows a variable's data consumers,
+    and a Switch's consumers when the Switch reads the variable as its input 0, to the
+    mutating ops of ``closure``; so a write W is among ``of(v)`` exactly when v is a data
+    input of W, or the input 0 of a Switch that is (and so on through Switches)."""
+
+    def __init__(self, ir: GraphIR, closure: set):
+        self.written = sorted(write for op in ir.op_types() if is_mutating_op(op)
+                              for write in ir.nodes_of([op]) if write in closure)
+        self._by_target: dict = {}
+        for write in self.written:
+            for target in _written_through_switches(ir, write):
+                self._by_target.setdefault(target, set()).add(write)
+
+    def of(self, variable: str) -> set:
+        """The step's ops that write ``variable`` (through an input that is the variable)."""
+        return set(self._by_target.get(variable, ()))
+
+    def outside_replicas(self) -> list[str]:
+        """The step's writes outside every replica (global_step's increment, a shared
+        variable's update): each runs once per step."""
+        return [write for write in self.written if not write.startswith("replica_")]
+
+
+def _written_through_switches(ir: GraphIR, write: str) -> set:
+    """The nodes ``write`` reads through a data input, or through a chain of Switches each
+    read as its input 0 (what consumers_through_switches sees through, walked backwards)."""
+    nodes, pred = ir.g._node, ir.g._pred
+    stack = [src for src, keyed in data_pairs(pred[write])
+             if len(keyed) > 1 or CONTROL_KEY not in keyed]
+    found = set()
+    while stack:
+        src = stack.pop()
+        if src in found:
+            continue
+        found.add(src)
+        if nodes[src]["op"] in ("Switch", "RefSwitch"):
+            stack.extend(s for s, keyed in pred[src].items() if 0 in keyed)
+    return found
 
 
 def _check_shared_writes(ir: GraphIR, shared: list, spread: ReplicaSpread,
@@ -999,6 +1058,7 @@ def check_model_average(ir: GraphIR, tg: TrainingGraph, replicas: int,
     written back from the centre's new value. That the copies start equal is ``check``'s."""
     from graphxform.passes.model_average import centre_name
     closure = _union(closures if closures is not None else step_closures(ir, tg))
+    step_writes = StepWrites(ir, closure)
     checked = 0
     for var in sorted(tg.variables.values(), key=lambda v: v.name):
         if not (var.trainable and var.updates) or replica_prefix(0) + var.name not in ir:
@@ -1007,7 +1067,7 @@ def check_model_average(ir: GraphIR, tg: TrainingGraph, replicas: int,
         if centre not in ir:
             raise ContractError(f"variable '{var.name}': no centre '{centre}', so the workers' "
                                 "copies would never be averaged")
-        writes = _writes(ir, centre, closure)
+        writes = step_writes.of(centre)
         if len(writes) != 1:
             raise ContractError(f"variable '{var.name}': its centre is written {len(writes)} "
                                 "times per step, not once")
@@ -1021,7 +1081,7 @@ def check_model_average(ir: GraphIR, tg: TrainingGraph, replicas: int,
         for i in range(replicas):
             copy = replica_prefix(i) + var.name
             if not any(centre in _variables_read(ir, ir.input(w, 1)[0])
-                       for w in _writes(ir, copy, closure)):
+                       for w in step_writes.of(copy)):
                 raise ContractError(f"variable '{var.name}': replica {i}'s copy is never set "
                                     "from the centre, so it would train apart for good")
         checked += 1

@@ -70,8 +70,13 @@ class ReplicaSpread:
         self._reduced: set = set()  # cross-replica ops a slice is known to reach
         self._reaching: set = set()  # nodes a slice reaches along data edges
         self._not_reaching: set = set()  # nodes no slice reaches so
-        domain = step if asked is None else self._needed(asked)
-        self._sweep(domain)
+        if asked is None:
+            self._sweep(step)
+            return
+        self._mutating = {n for n in ir.nodes_of(
+            [op for op in ir.op_types() if is_mutating_op(op)]) if step is None or n in step}
+        order = self._needed(asked)
+        self._sweep(set(order), order)
 
     def covers_all(self, node: str) -> bool:
         return self.coverage.get(node, 0) in (0, self.all)
@@ -94,28 +99,42 @@ class ReplicaSpread:
                         and (len(keyed) > 1 or CONTROL_KEY not in keyed)]
         return None
 
-    def _needed(self, asked) -> set:
+    def _needed(self, asked) -> list:
         """The nodes the values of ``asked`` depend on: data inputs, and for a variable the
         step's writes of it; a cross-replica op that a slice of the batch reaches along data
-        edges ends the search (its value is known, whatever else reaches it)."""
+        edges ends the search (its value is known, whatever else reaches it). In depth-first
+        post-order: each node after what it depends on but for loops' back edges (and a
+        variable after its writes, which read it), the order the sweep computes them in."""
         nodes, succ, pred, step = self.ir.g._node, self.ir.g._succ, self.ir.g._pred, self.step
-        needed, stack = set(), [n for n in asked if step is None or n in step]
-        while stack:
-            node = stack.pop()
-            if node in needed:
+        mutating = self._mutating
+        needed, order = set(), []
+        for root in asked:
+            if root in needed or (step is not None and root not in step):
                 continue
-            needed.add(node)
-            op = nodes[node]["op"]
-            if op in CROSS_REPLICA_OPS and self._slice_reaches(node):
-                self._reduced.add(node)
-                continue
-            stack.extend(src for src, keyed in data_pairs(pred[node])
-                         if src not in needed and (len(keyed) > 1 or CONTROL_KEY not in keyed))
-            if op in VARIABLE_OPS:
-                stack.extend(dst for dst in succ[node] if dst not in needed
-                             and (step is None or dst in step)
-                             and is_mutating_op(nodes[dst]["op"]))
-        return needed
+            needed.add(root)
+            path = [(root, iter(self._depends_on(root, nodes, succ, pred, mutating)))]
+            while path:
+                for dep in path[-1][1]:
+                    if dep not in needed:
+                        needed.add(dep)
+                        path.append((dep, iter(self._depends_on(dep, nodes, succ, pred,
+                                                                mutating))))
+                        break
+                else:
+                    order.append(path.pop()[0])
+        return order
+
+    def _depends_on(self, node: str, nodes, succ, pred, mutating) -> list:
+        """What ``node``'s value depends on, for ``_needed``."""
+        op = nodes[node]["op"]
+        if op in CROSS_REPLICA_OPS and self._slice_reaches(node):
+            self._reduced.add(node)
+            return []
+        found = [src for src, keyed in data_pairs(pred[node])
+                 if len(keyed) > 1 or CONTROL_KEY not in keyed]
+        if op in VARIABLE_OPS:
+            found += [dst for dst in succ[node] if dst in mutating]
+        return found
 
     def _slice_reaches(self, node: str) -> bool:
         """Whether a split's output reaches ``node`` along data edges (then the sweep would
@@ -142,7 +161,7 @@ class ReplicaSpread:
         known_no.update(seen)
         return False
 
-    def _sweep(self, domain: set | None) -> None:
+    def _sweep(self, domain: set | None, order: list | None = None) -> None:
         """A worklist over data edges, in graph order: a node is (re)computed when one of its
         inputs grew, smallest position first. Graph order is topological apart from what the
         passes rewired and loops' back edges, so most nodes are computed once, after their
@@ -150,14 +169,16 @@ class ReplicaSpread:
         grows (values only grow, so it ends, at the least fixed point). Then the writes whose
         values differ or cover only some replicas carry to their variables, whose reads go
         through the worklist again, until no variable grows. Only the nodes of ``domain``
-        (None: every node) are computed.
+        (None: every node) are computed, in ``order`` if given (all of ``domain``, inputs
+        first), else in graph order.
 
         The rule for one node is written inline (it runs once or more per node of the step,
         in every replica: a call per node cost a third of the sweep)."""
         ir, step, everything = self.ir, self.step, self.all
         nodes, succ, pred = ir.g._node, ir.g._succ, ir.g._pred
-        order = list(nodes) if domain is None or len(domain) * 4 > len(nodes) else \
-            [n for n in nodes if n in domain]
+        if order is None:
+            order = list(nodes) if domain is None or len(domain) * 4 > len(nodes) else \
+                [n for n in nodes if n in domain]
         position = dict(zip(order, range(len(order))))
         draws = ir.nodes_of([op for op in ir.op_types() if op.startswith(RANDOM_PREFIXES)])
         self._unseeded = unseeded = {n for n in draws if _unseeded_random(ir, n)

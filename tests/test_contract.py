@@ -192,6 +192,27 @@ def test_the_spread_of_what_the_contract_asks_equals_the_full_sweep(strategy, op
     assert compared > 500
 
 
+@pytest.mark.parametrize("path, through_switches", [(fixture_path("mlp_sgd"), False),
+                                                    (recipe_meta("loss_scaling"), True)],
+                         ids=["mlp_sgd", "loss_scaling"])
+def test_the_step_writes_found_from_the_writes_are_each_variables(path, through_switches):
+    """StepWrites finds each variable's writes walking back from the writes: the same as
+    _writes walking forward from each variable, through the Switches of a legacy cond too
+    (loss_scaling applies its updates only when the gradients are finite)."""
+    ir = metagraph.load(path)
+    tg = training.analyze(metagraph.load(path))
+    strategies.transform(ir, "allreduce", devices=DEVICES)
+    closure = contract._union(contract.step_closures(ir, tg))
+    writes = contract.StepWrites(ir, closure)
+    variables = ir.nodes_of(training.VARIABLE_OPS)
+    for variable in variables:
+        assert writes.of(variable) == contract._writes(ir, variable, closure), variable
+    assert writes.outside_replicas() == sorted(
+        n for n in closure if not n.startswith("replica_") and training.is_mutating_op(ir.op(n)))
+    assert through_switches == any(v not in {src for src, _ in ir.inputs(w)}
+                                   for v in variables for w in writes.of(v))
+
+
 def test_one_replica_is_proven():
     """With one replica its slice is the whole batch: nothing differs between replicas."""
     ir = metagraph.load(fixture_path("mlp_sgd"))
