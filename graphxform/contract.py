@@ -18,6 +18,7 @@ replica that combine all replicas' values (tf_cnn_benchmarks' pscpu and xring).
 
 from __future__ import annotations
 
+import functools
 import re
 
 from graphxform import opdefs
@@ -409,11 +410,12 @@ def _check_writes(ir: GraphIR, proven: list, spread: ReplicaSpread) -> None:
     wait on) a node other than a variable that differs between replicas or that only some
     replicas' slices reach: the others pass it, and most writes are such."""
     nodes, pred = ir.g._node, ir.g._pred
-    differs, coverage, everything = spread.differs, spread.coverage, spread.all
+    everything = spread.all
+    refused = {name for name in spread.differs.union(
+        name for name, mask in spread.coverage.items() if mask not in (0, everything))
+        if nodes[name]["op"] not in VARIABLE_OPS}
     for var, write in proven:
-        if any(nodes[src]["op"] not in VARIABLE_OPS and (
-                src in differs or coverage.get(src, 0) not in (0, everything))
-               for src in pred[write]):
+        if not refused.isdisjoint(pred[write]):
             _check_write(ir, var, write, spread)
 
 
@@ -477,36 +479,49 @@ class StepWrites:
     def __init__(self, ir: GraphIR, closure: set):
         self.written = sorted(write for op in ir.op_types() if is_mutating_op(op)
                               for write in ir.nodes_of([op]) if write in closure)
+        nodes, pred = ir.g._node, ir.g._pred
         self._by_target: dict = {}
         for write in self.written:
-            for target in _written_through_switches(ir, write):
-                self._by_target.setdefault(target, set()).add(write)
+            for src, keyed in data_pairs(pred[write]):
+                if len(keyed) == 1 and CONTROL_KEY in keyed:
+                    continue
+                self._add(src, write)
+                if nodes[src]["op"] in _SWITCH_OPS:
+                    self._add_through_switch(ir, src, write)
 
     def of(self, variable: str) -> set:
-        """The step's ops that write ``variable`` (through an input that is the variable)."""
-        return set(self._by_target.get(variable, ()))
+        """The step's ops that write ``variable`` (through an input that is the variable);
+        not to be changed."""
+        return self._by_target.get(variable, _NONE)
 
     def outside_replicas(self) -> list[str]:
         """The step's writes outside every replica (global_step's increment, a shared
         variable's update): each runs once per step."""
         return [write for write in self.written if not write.startswith("replica_")]
 
+    def _add(self, target: str, write: str) -> None:
+        found = self._by_target.get(target)
+        if found is None:
+            self._by_target[target] = {write}
+        else:
+            found.add(write)
 
-def _written_through_switches(ir: GraphIR, write: str) -> set:
-    """The nodes ``write`` reads through a data input, or through a chain of Switches each
-    read as its input 0 (what consumers_through_switches sees through, walked backwards)."""
-    nodes, pred = ir.g._node, ir.g._pred
-    stack = [src for src, keyed in data_pairs(pred[write])
-             if len(keyed) > 1 or CONTROL_KEY not in keyed]
-    found = set()
-    while stack:
-        src = stack.pop()
-        if src in found:
-            continue
-        found.add(src)
-        if nodes[src]["op"] in ("Switch", "RefSwitch"):
-            stack.extend(s for s, keyed in pred[src].items() if 0 in keyed)
-    return found
+    def _add_through_switch(self, ir: GraphIR, switch: str, write: str) -> None:
+        """``write`` reads ``switch``: it writes what the chain of Switches above it reads as
+        their input 0 too."""
+        nodes, pred = ir.g._node, ir.g._pred
+        seen, stack = {switch}, [switch]
+        while stack:
+            for src, keyed in pred[stack.pop()].items():
+                if 0 in keyed and src not in seen:
+                    seen.add(src)
+                    self._add(src, write)
+                    if nodes[src]["op"] in _SWITCH_OPS:
+                        stack.append(src)
+
+
+_SWITCH_OPS = frozenset({"Switch", "RefSwitch"})
+_NONE = frozenset()
 
 
 def _check_shared_writes(ir: GraphIR, shared: list, spread: ReplicaSpread,
@@ -980,9 +995,15 @@ def _union(closures: list) -> set:
 def _copies(ir: GraphIR, name: str, replicas: int) -> list[str]:
     """Each replica's copy of a variable, or its one shared copy (the original name also
     exists for a replicated variable: merge-fetches serves it from replica 0)."""
-    copies = [replica_prefix(i) + name for i in range(replicas)
-              if replica_prefix(i) + name in ir]
+    node_table = ir.g._node
+    copies = [copy for copy in [prefix + name for prefix in _prefixes(replicas)]
+              if copy in node_table]
     return copies or ([name] if name in ir and ir.op(name) in VARIABLE_OPS else [])
+
+
+@functools.lru_cache(maxsize=8)
+def _prefixes(replicas: int) -> tuple[str, ...]:
+    return tuple(replica_prefix(i) for i in range(replicas))
 
 
 def _writes(ir: GraphIR, variable: str, closure: set) -> set:
@@ -1003,18 +1024,21 @@ def replica_local(ir: GraphIR, replicas: int = 1) -> set:
 def _check_start(ir: GraphIR, tg: TrainingGraph, replicas: int) -> None:
     """Every replica's copy of a variable is initialised from replica 0's initial value, or
     from constants alone."""
+    node_table, prefixes = ir.g._node, _prefixes(max(replicas, 1))
     for var in sorted(tg.variables.values(), key=lambda v: v.name):
         if not var.initializer:
             continue
-        first = replica_prefix(0) + var.initializer
-        if first not in ir:
+        first = prefixes[0] + var.initializer
+        if first not in node_table:
             continue
         start = _through_identities(ir, ir.input(first, 1))
         for i in range(1, replicas):
-            init = replica_prefix(i) + var.initializer
-            if init not in ir:
+            init = prefixes[i] + var.initializer
+            if init not in node_table:
                 continue
             value = ir.input(init, 1)
+            if value == start:  # start is past any Identity already
+                continue
             if _through_identities(ir, value) != start and not _constant(ir, value[0]):
                 raise ContractError(
                     f"variable '{var.name}': replica {i} initialises it from '{value[0]}', "

@@ -65,7 +65,9 @@ class ReplicaSpread:
         self.all = (1 << replicas) - 1
         self.differs: set = set()
         self.coverage: dict = {}
-        self._splits = {n for n in ir.nodes_of(("Split", "SplitV"))
+        # the contract, which asks, reads under ir.indexed_by_op(): a lookup per op then
+        self._one_op_at_a_time = asked is not None
+        self._splits = {n for n in self._nodes_of(("Split", "SplitV"))
                         if n.startswith(SPLIT_SCOPE)}
         self._reduced: set = set()  # cross-replica ops a slice is known to reach
         self._reaching: set = set()  # nodes a slice reaches along data edges
@@ -73,10 +75,19 @@ class ReplicaSpread:
         if asked is None:
             self._sweep(step)
             return
-        self._mutating = {n for n in ir.nodes_of(
+        self._mutating = {n for n in self._nodes_of(
             [op for op in ir.op_types() if is_mutating_op(op)]) if step is None or n in step}
         order = self._needed(asked)
         self._sweep(set(order), order)
+
+    def _nodes_of(self, ops) -> set:
+        """The nodes whose op is one of ``ops``. Under an op index (``_one_op_at_a_time``),
+        one lookup per op: ``nodes_of`` given several ops sweeps the graph to put their
+        nodes in graph order, which a set does not need."""
+        if not self._one_op_at_a_time:
+            return set(self.ir.nodes_of(ops))
+        present = self.ir.op_types()
+        return set().union(*(self.ir.nodes_of((op,)) for op in set(ops) if op in present))
 
     def covers_all(self, node: str) -> bool:
         return self.coverage.get(node, 0) in (0, self.all)
@@ -180,10 +191,10 @@ class ReplicaSpread:
             order = list(nodes) if domain is None or len(domain) * 4 > len(nodes) else \
                 [n for n in nodes if n in domain]
         position = dict(zip(order, range(len(order))))
-        draws = ir.nodes_of([op for op in ir.op_types() if op.startswith(RANDOM_PREFIXES)])
+        draws = self._nodes_of([op for op in ir.op_types() if op.startswith(RANDOM_PREFIXES)])
         self._unseeded = unseeded = {n for n in draws if _unseeded_random(ir, n)
                                      and (step is None or n in step)}
-        splits, sources, reduced = self._splits, set(ir.nodes_of(LOCAL_SOURCE_OPS)), self._reduced
+        splits, sources, reduced = self._splits, self._nodes_of(LOCAL_SOURCE_OPS), self._reduced
         queued = splits | sources | unseeded | reduced
         if domain is not None:
             queued &= domain
