@@ -10,7 +10,7 @@ so replicas can still be compared with each other."""
 
 from __future__ import annotations
 
-import numpy as np
+import math
 
 from graphxform.inspector.scopes import fold_name
 from graphxform.ir import GraphIR
@@ -23,17 +23,30 @@ _ELEMENTWISE = {"Cast", "Neg", "RealDiv", "Mul", "Div", "AddV2", "Add", "Sub", "
 _EXPRESSION_DEPTH = 6
 
 
-def const_value(ir: GraphIR, node: str):
-    """The numpy value of a Const (through Identity), else None."""
+def const_value(ir: GraphIR, node: str, decoded: dict | None = None):
+    """The numpy value of a Const (through Identity), else None. ``decoded``: values already
+    made, by the TensorProto's bytes (the replicas' copies of one Const hold the same), which
+    the caller does not change."""
     for _ in range(8):
         op = ir.op(node)
         if op == "Const":
-            from tensorflow.python.framework import tensor_util
-            return tensor_util.MakeNdarray(ir.attrs(node)["value"].tensor)
+            tensor = ir.attrs(node)["value"].tensor
+            if decoded is None:
+                return _ndarray(tensor)
+            key = tensor.SerializeToString()
+            value = decoded.get(key)
+            if value is None:
+                value = decoded[key] = _ndarray(tensor)
+            return value
         if op not in _PASS_THROUGH or not ir.inputs(node):
             return None
         node = ir.inputs(node)[0][0]
     return None
+
+
+def _ndarray(tensor):
+    from tensorflow.python.framework import tensor_util
+    return tensor_util.MakeNdarray(tensor)
 
 
 _SLICE_PARTS = {"Split": ("",), "SplitV": ("",),
@@ -61,6 +74,10 @@ class Shapes:
     def __init__(self, ir: GraphIR):
         self.ir = ir
         self.memo: dict = {}
+        self._decoded: dict = {}  # TensorProto bytes -> its value (const_value's ``decoded``)
+
+    def _const(self, node: str):
+        return const_value(self.ir, node, self._decoded)
 
     def of(self, node: str, port: int = 0, depth: int = 0):
         key = (node, port)
@@ -86,17 +103,17 @@ class Shapes:
         shape = lambda k: self.of(inputs[k][0], inputs[k][1], depth + 1) if k < len(
             inputs) else None
         if op == "Const":
-            return list(const_value(ir, node).shape)
+            return list(self._const(node).shape)
         if op in _PASS_THROUGH or op in _ELEMENTWISE:
             known = [s for s in (shape(k) for k in range(len(inputs))) if s]
             return max(known, key=len) if known else recorded
         if op == "Reshape":
-            return self._reshape(shape(0), const_value(ir, inputs[1][0]))
+            return self._reshape(shape(0), self._const(inputs[1][0]))
         if op == "ConcatV2":
             return self._concat([shape(k) for k in range(len(inputs) - 1)],
-                                const_value(ir, inputs[-1][0]))
+                                self._const(inputs[-1][0]))
         if op == "SplitV":
-            sizes, axis = const_value(ir, inputs[1][0]), const_value(ir, inputs[2][0])
+            sizes, axis = self._const(inputs[1][0]), self._const(inputs[2][0])
             whole = shape(0)
             if sizes is None or axis is None or whole is None:
                 return recorded
@@ -116,8 +133,8 @@ class Shapes:
         if -1 in target:
             if source is None or any(d < 0 for d in source):
                 return None
-            known = int(np.prod([d for d in target if d != -1])) or 1
-            target[target.index(-1)] = int(np.prod(source)) // known
+            known = math.prod(d for d in target if d != -1) or 1
+            target[target.index(-1)] = math.prod(source) // known
         return target
 
     @staticmethod
