@@ -340,7 +340,7 @@ def check(ir: GraphIR, tg: TrainingGraph, replicas: int, asynchronous: bool = Fa
     shared = [] if asynchronous else step_writes.outside_replicas()
     # what the writes read, but the variables they write (which _check_write and
     # _check_shared_writes pass over; a function's call is asked about every input)
-    asked = _read_values(ir, [write for _, write in proven] + shared)
+    asked = step_writes.values_read([write for _, write in proven] + shared)
     asked.update(src for call, *_ in function_writes for src, _ in ir.inputs(call))
     spread = ReplicaSpread(ir, replicas, step=closure, asked=asked)
     _check_function_writes(ir, function_writes, spread)
@@ -395,14 +395,6 @@ def _copy_in(ir: GraphIR, name: str, replica: int) -> str | None:
     if copy in ir:
         return copy
     return name if name in ir and ir.node(name).get("origin") == name else None
-
-
-def _read_values(ir: GraphIR, writes: list) -> set:
-    """The data inputs of ``writes`` that are not variables."""
-    nodes, pred = ir.g._node, ir.g._pred
-    return {src for write in writes for src, keyed in data_pairs(pred[write])
-            if (len(keyed) > 1 or CONTROL_KEY not in keyed)
-            and nodes[src]["op"] not in VARIABLE_OPS}
 
 
 def _check_writes(ir: GraphIR, proven: list, spread: ReplicaSpread) -> None:
@@ -480,43 +472,55 @@ class StepWrites:
         self.written = sorted(write for op in ir.op_types() if is_mutating_op(op)
                               for write in ir.nodes_of([op]) if write in closure)
         nodes, pred = ir.g._node, ir.g._pred
-        self._by_target: dict = {}
+        self._by_variable: dict = {}
+        self._reads: dict = {}  # write -> the nodes but variables it reads through data edges
         for write in self.written:
+            reads = self._reads[write] = []
             for src, keyed in data_pairs(pred[write]):
                 if len(keyed) == 1 and CONTROL_KEY in keyed:
                     continue
-                self._add(src, write)
-                if nodes[src]["op"] in _SWITCH_OPS:
+                op = nodes[src]["op"]
+                if op in VARIABLE_OPS:
+                    self._add(src, write)
+                    continue
+                reads.append(src)
+                if op in _SWITCH_OPS:
                     self._add_through_switch(ir, src, write)
 
     def of(self, variable: str) -> set:
-        """The step's ops that write ``variable`` (through an input that is the variable);
-        not to be changed."""
-        return self._by_target.get(variable, _NONE)
+        """The step's ops that write ``variable`` (a variable node) through an input that is
+        the variable; not to be changed."""
+        return self._by_variable.get(variable, _NONE)
 
     def outside_replicas(self) -> list[str]:
         """The step's writes outside every replica (global_step's increment, a shared
         variable's update): each runs once per step."""
         return [write for write in self.written if not write.startswith("replica_")]
 
-    def _add(self, target: str, write: str) -> None:
-        found = self._by_target.get(target)
+    def values_read(self, writes) -> set:
+        """What ``writes`` (of the step's) read through data inputs, but variables."""
+        return set().union(*map(self._reads.__getitem__, writes))
+
+    def _add(self, variable: str, write: str) -> None:
+        found = self._by_variable.get(variable)
         if found is None:
-            self._by_target[target] = {write}
+            self._by_variable[variable] = {write}
         else:
             found.add(write)
 
     def _add_through_switch(self, ir: GraphIR, switch: str, write: str) -> None:
-        """``write`` reads ``switch``: it writes what the chain of Switches above it reads as
-        their input 0 too."""
+        """``write`` reads ``switch``: it writes the variables the chain of Switches above it
+        reads as their input 0 too."""
         nodes, pred = ir.g._node, ir.g._pred
         seen, stack = {switch}, [switch]
         while stack:
             for src, keyed in pred[stack.pop()].items():
                 if 0 in keyed and src not in seen:
                     seen.add(src)
-                    self._add(src, write)
-                    if nodes[src]["op"] in _SWITCH_OPS:
+                    op = nodes[src]["op"]
+                    if op in VARIABLE_OPS:
+                        self._add(src, write)
+                    elif op in _SWITCH_OPS:
                         stack.append(src)
 
 

@@ -117,35 +117,34 @@ class ReplicaSpread:
         post-order: each node after what it depends on but for loops' back edges (and a
         variable after its writes, which read it), the order the sweep computes them in."""
         nodes, succ, pred, step = self.ir.g._node, self.ir.g._succ, self.ir.g._pred, self.step
-        mutating = self._mutating
+        mutating, reduced = self._mutating, self._reduced
         needed, order = set(), []
+
+        def depends_on(node: str) -> list:
+            op = nodes[node]["op"]
+            if op in CROSS_REPLICA_OPS and self._slice_reaches(node):
+                reduced.add(node)
+                return []
+            found = [src for src, keyed in data_pairs(pred[node])
+                     if len(keyed) > 1 or CONTROL_KEY not in keyed]
+            if op in VARIABLE_OPS:
+                found += [dst for dst in succ[node] if dst in mutating]
+            return found
+
         for root in asked:
             if root in needed or (step is not None and root not in step):
                 continue
             needed.add(root)
-            path = [(root, iter(self._depends_on(root, nodes, succ, pred, mutating)))]
+            path = [(root, iter(depends_on(root)))]
             while path:
                 for dep in path[-1][1]:
                     if dep not in needed:
                         needed.add(dep)
-                        path.append((dep, iter(self._depends_on(dep, nodes, succ, pred,
-                                                                mutating))))
+                        path.append((dep, iter(depends_on(dep))))
                         break
                 else:
                     order.append(path.pop()[0])
         return order
-
-    def _depends_on(self, node: str, nodes, succ, pred, mutating) -> list:
-        """What ``node``'s value depends on, for ``_needed``."""
-        op = nodes[node]["op"]
-        if op in CROSS_REPLICA_OPS and self._slice_reaches(node):
-            self._reduced.add(node)
-            return []
-        found = [src for src, keyed in data_pairs(pred[node])
-                 if len(keyed) > 1 or CONTROL_KEY not in keyed]
-        if op in VARIABLE_OPS:
-            found += [dst for dst in succ[node] if dst in mutating]
-        return found
 
     def _slice_reaches(self, node: str) -> bool:
         """Whether a split's output reaches ``node`` along data edges (then the sweep would
