@@ -19,6 +19,7 @@ replica that combine all replicas' values (tf_cnn_benchmarks' pscpu and xring).
 from __future__ import annotations
 
 import functools
+import operator
 import re
 
 from graphxform import opdefs
@@ -590,11 +591,10 @@ def _check_given_seeds(ir: GraphIR, step) -> None:
     of the batch (``1 / tf.reduce_max(...)``, a mean of a fed weight) would be each replica's
     slice's, whatever the loss is: the averaged gradients are then not one device's."""
     from graphxform.passes.summed_losses import given_seed, given_seed_sums
-    scopes = sorted({gradient_scope(n) for n in step.closure} - {None})
     prefix = replica_prefix(0)
-    for scope in scopes:
-        seed = scope + "grad_ys_0"
-        if seed not in step.closure or given_seed_sums(ir, step, seed):
+    for scope in _seeded_scopes(step):
+        seed = scope + _SEED
+        if given_seed_sums(ir, step, seed):
             continue
         given = given_seed(ir, prefix + seed)[0]
         raise ContractError(
@@ -687,11 +687,23 @@ def step_losses(ir: GraphIR, step) -> list[str]:
     from graphxform.training import scope_loss
     if not step.loss:
         return []
-    scopes = sorted({gradient_scope(n) for n in step.closure} - {None})
     first = replica_prefix(0)  # in a transformed graph, replica 0's call
-    others = [scope_loss(ir, first + scope if first + scope + "grad_ys_0" in ir else scope)
-              for scope in scopes if scope + "grad_ys_0" in step.closure]
+    others = [scope_loss(ir, first + scope if first + scope + _SEED in ir else scope)
+              for scope in _seeded_scopes(step)]
     return list(dict.fromkeys([step.loss] + [loss for loss in others if loss]))
+
+
+_SEED = "grad_ys_0"  # the seed tf.gradients makes for its first ys, in its scope
+
+
+def _seeded_scopes(step) -> list[str]:
+    """The gradients scopes (sorted) whose seed ``<scope>grad_ys_0`` ``step`` runs: its
+    tf.gradients calls. Only the names ending so are read: such a name's gradient_scope is
+    all before the suffix exactly when that is a gradients scope (the suffix has no '/')."""
+    cut = len(_SEED)
+    return sorted(name[:-cut] for name in filter(operator.methodcaller("endswith", _SEED),
+                                                 step.closure)
+                  if gradient_scope(name) == name[:-cut])
 
 
 def applied_losses(ir: GraphIR, tg: TrainingGraph, step) -> set:
