@@ -95,6 +95,47 @@ def test_refuses_an_update_from_a_local_value():
         contract.check(ir, tg, 2)
 
 
+def _write_twice(ir, tg, replica):
+    build = Builder(ir, "sabotage")
+    update = (f"replica_{replica}/GradientDescent/update_dense0/kernel/"
+              "ResourceApplyGradientDescent")
+    again = build.op("sabotage/apply_again", "ResourceApplyGradientDescent",
+                     [f"{src}:{port}" for src, port in ir.inputs(update)], T=1)
+    ir.add_control_input("GradientDescent", again)
+    return "variable 'dense0/kernel'.*written 2 times"
+
+
+def _update_from_a_local_value(ir, tg, replica):
+    update = f"replica_{replica}/GradientDescent/update_dense1/bias/ResourceApplyGradientDescent"
+    ir.set_input(update, 2, f"replica_{replica}/gradients/dense1/add_grad/tuple/"
+                            "control_dependency_1:0")
+    return "variable 'dense1/bias'.*own slice of the batch"
+
+
+def _start_apart(ir, tg, replica):
+    build = Builder(ir, "sabotage")
+    shape = build.const("sabotage/shape", [8, 16], np.int32)
+    noise = build.op("sabotage/noise", "RandomUniform", [shape], dtype=1, T=3)
+    ir.set_input(f"replica_{replica}/" + tg.variables["dense0/kernel"].initializer, 1,
+                 noise + ":0")
+    return f"variable 'dense0/kernel': replica {replica} initialises"
+
+
+@pytest.mark.parametrize("sabotage", [_write_twice, _update_from_a_local_value, _start_apart])
+def test_a_fault_in_one_replica_of_eight_is_found(sabotage):
+    """The contract finds each variable's writes once for all copies, checks only the writes
+    that read a value it could refuse, and passes over a copy initialised from replica 0's
+    own initial value: a fault in replica 5 alone is still refused."""
+    ir = metagraph.load(fixture_path("mlp_sgd"))
+    devices = [f"/device:CPU:{i}" for i in range(8)]
+    strategies.transform(ir, "allreduce", devices=devices)
+    tg = training.analyze(metagraph.load(fixture_path("mlp_sgd")))
+    contract.check(ir, tg, 8)
+    refusal = sabotage(ir, tg, 5)
+    with pytest.raises(ContractError, match=refusal):
+        contract.check(ir, tg, 8)
+
+
 def test_refuses_an_update_from_a_variable_each_replica_writes_from_its_slice():
     """A learning rate adapted from the first example's loss, which no combination of the
     replicas' values gives: each replica's copy would follow its own slice's, and the

@@ -54,7 +54,7 @@ def find(ir: GraphIR) -> list[Collective]:
         if op in V2_OPS:
             size_port, key_port, instance_port = _V2_KEYS.get(op, (1, 2, 3))
             inputs = ir.inputs(node)
-            key = lambda p: shapes.describe(ir, *inputs[p]) if p < len(inputs) else "?"
+            key = lambda p: shape_of.describe(*inputs[p]) if p < len(inputs) else "?"
             group_size, group_key, instance_key = key(size_port), key(key_port), key(
                 instance_port)
             shape = shape_of.of(*inputs[0]) if op != "CollectiveBcastRecvV2" else None

@@ -37,6 +37,7 @@ def const_value(ir: GraphIR, node: str, decoded: dict | None = None):
             value = decoded.get(key)
             if value is None:
                 value = decoded[key] = _ndarray(tensor)
+                value.flags.writeable = False  # shared by every Const holding these bytes
             return value
         if op not in _PASS_THROUGH or not ir.inputs(node):
             return None
@@ -53,9 +54,11 @@ _SLICE_PARTS = {"Split": ("",), "SplitV": ("",),
                 "SparseSplit": ("indices of the ", "values of the ", "shape of the ")}
 
 
-def describe(ir: GraphIR, node: str, port: int = 0, depth: int = 0) -> str:
-    """A constant as its value ('3'); anything else as an expression over folded names."""
-    value = const_value(ir, node)
+def describe(ir: GraphIR, node: str, port: int = 0, depth: int = 0,
+             decoded: dict | None = None) -> str:
+    """A constant as its value ('3'); anything else as an expression over folded names.
+    ``decoded`` as for const_value."""
+    value = const_value(ir, node, decoded)
     if value is not None:
         return str(value.tolist())
     if node.startswith(SPLIT_SCOPE) and ir.op(node) in _SLICE_PARTS:
@@ -64,7 +67,7 @@ def describe(ir: GraphIR, node: str, port: int = 0, depth: int = 0) -> str:
         return f"{node}:{parts[port // max(ir.attrs(node)['num_split'].i, 1)]}slice"
     if depth >= _EXPRESSION_DEPTH or not ir.inputs(node):
         return fold_name(node)[0] + (f":{port}" if port else "")
-    args = ", ".join(describe(ir, src, p, depth + 1) for src, p in ir.inputs(node))
+    args = ", ".join(describe(ir, src, p, depth + 1, decoded) for src, p in ir.inputs(node))
     return f"{ir.op(node)}({args})"
 
 
@@ -78,6 +81,10 @@ class Shapes:
 
     def _const(self, node: str):
         return const_value(self.ir, node, self._decoded)
+
+    def describe(self, node: str, port: int = 0) -> str:
+        """``describe``, decoding each TensorProto once."""
+        return describe(self.ir, node, port, decoded=self._decoded)
 
     def of(self, node: str, port: int = 0, depth: int = 0):
         key = (node, port)
