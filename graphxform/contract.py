@@ -1040,19 +1040,19 @@ def replica_local(ir: GraphIR, replicas: int = 1) -> set:
 def _check_start(ir: GraphIR, tg: TrainingGraph, replicas: int) -> None:
     """Every replica's copy of a variable is initialised from replica 0's initial value, or
     from constants alone."""
-    node_table, prefixes = ir.g._node, _prefixes(max(replicas, 1))
+    pred, prefixes = ir.g._pred, _prefixes(max(replicas, 1))
     for var in sorted(tg.variables.values(), key=lambda v: v.name):
         if not var.initializer:
             continue
         first = prefixes[0] + var.initializer
-        if first not in node_table:
+        if first not in pred:
             continue
         start = _through_identities(ir, ir.input(first, 1))
         for i in range(1, replicas):
             init = prefixes[i] + var.initializer
-            if init not in node_table:
+            if init not in pred:
                 continue
-            value = ir.input(init, 1)
+            value = _assigned(pred[init]) or ir.input(init, 1)  # (which names what is missing)
             if value == start:  # start is past any Identity already
                 continue
             if _through_identities(ir, value) != start and not _constant(ir, value[0]):
@@ -1060,6 +1060,16 @@ def _check_start(ir: GraphIR, tg: TrainingGraph, replicas: int) -> None:
                     f"variable '{var.name}': replica {i} initialises it from '{value[0]}', "
                     f"not from replica 0's initial value '{start[0]}', so the replicas would "
                     "start apart")
+
+
+def _assigned(in_edges: dict) -> tuple | None:
+    """(src, port) of the edge into input 1 (an Assign's value) among a node's in-edges, or
+    None: GraphIR.input(name, 1) without the call."""
+    for src, keyed in in_edges.items():
+        edge = keyed.get(1)
+        if edge is not None:
+            return src, edge["src_port"]
+    return None
 
 
 def _through_identities(ir: GraphIR, tensor: tuple) -> tuple:

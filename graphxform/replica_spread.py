@@ -138,10 +138,15 @@ class ReplicaSpread:
             path = [(root, iter(depends_on(root)))]
             while path:
                 for dep in path[-1][1]:
-                    if dep not in needed:
-                        needed.add(dep)
-                        path.append((dep, iter(depends_on(dep))))
-                        break
+                    if dep in needed:
+                        continue
+                    needed.add(dep)
+                    deps = depends_on(dep)
+                    if needed.issuperset(deps):  # most: a read of a variable already seen
+                        order.append(dep)
+                        continue
+                    path.append((dep, iter(deps)))
+                    break
                 else:
                     order.append(path.pop()[0])
         return order
