@@ -997,6 +997,7 @@ class GraphIR:
 
 
 _PLAIN_KEYS = [data_keys(port, 0) for port in range(64)]  # a port-0 input's, by its port
+_AFTER_CARET = operator.itemgetter(slice(1, None))
 
 
 def _link_new(name: str, inputs: Iterable[str], node_table: dict, succ: dict,
@@ -1028,13 +1029,12 @@ def _link_plain(name: str, inputs: list[str], node_table: dict, succ: dict,
     any other (then ``_link_each`` links them one at a time)."""
     waits = sum(map(str.startswith, inputs, itertools.repeat("^")))
     reads = len(inputs) - waits
-    if reads > len(_PLAIN_KEYS) or ":" in "".join(inputs[:reads]):
+    head = "".join(inputs[:reads])  # no caret in it: the ``waits`` control inputs come last
+    if reads > len(_PLAIN_KEYS) or ":" in head or "^" in head:
         return False
     sources = inputs
     if waits:
-        if not all(map(str.startswith, inputs[reads:], itertools.repeat("^"))):
-            return False  # a control input before data
-        sources = inputs[:reads] + [text[1:] for text in inputs[reads:]]
+        sources = inputs[:reads] + list(map(_AFTER_CARET, inputs[reads:]))
     keys = _PLAIN_KEYS[:reads] + [CONTROL_KEYS] * waits if waits else _PLAIN_KEYS[:reads]
     preds = dict(zip(sources, keys))
     if len(preds) < len(sources) or not preds.keys() <= node_table.keys():
