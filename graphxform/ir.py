@@ -31,7 +31,7 @@ from graphxform.errors import GraphxformError
 
 CONTROL_KEY = -1  # edge key of a control edge; data edges are keyed by their dst_port
 SHAPE_ONLY_OPS = frozenset({"Shape", "ShapeN", "Size", "Rank"})  # read a tensor's shape only
-_RUN = 16  # a new node waiting on at least this many others, and reading none, is linked in bulk
+_RUN = 16  # a node with this many neighbours has its control-only ones left out by identity
 
 
 class FrozenDict(dict):
@@ -642,15 +642,41 @@ class GraphIR:
     def add_nodes(self, template, rows: Iterable[tuple], *,
                   created_by: str | None = None) -> list[str]:
         """``add_node`` for nodes that differ only in name, inputs and device, as a pass adds
-        them per variable per replica: each a copy of the NodeDef ``template`` (op and attrs)
-        with its (name, inputs, device) from ``rows``. Returns the names."""
-        new_proto, names = type(template), []
-        for name, inputs, device in rows:
-            proto = new_proto()
-            proto.CopyFrom(template)
-            proto.name, proto.device = name, device
-            self._insert(name, proto, device, inputs, None, created_by)
-            names.append(name)
+        them by the thousand (per variable per replica; merge-fetches one per name of the
+        input): each a copy of the NodeDef ``template`` (op and attrs) with its (name, inputs,
+        device) from ``rows``, added in order (a row may read an earlier row's node). Returns
+        the names.
+
+        The same as calling ``add_node`` per row, with what ``_insert`` does per node done
+        inline and what it records (NodeDefs, unverified names) recorded once for all."""
+        node_table, succ, pred = self.g._node, self.g._succ, self.g._pred
+        new_proto, op, names, protos = type(template), template.op, [], []
+        self._by_op = None
+        try:
+            for name, inputs, device in rows:
+                if name in node_table:
+                    raise GraphxformError(f"node '{name}' already exists")
+                proto = new_proto()
+                proto.CopyFrom(template)
+                proto.name = name
+                if device:
+                    proto.device = device
+                node_table[name] = {"op": op, "device": device, "attr": proto.attr,
+                                    "origin": None, "created_by": created_by}
+                succ[name] = {}
+                names.append(name)
+                protos.append(proto)
+                if not inputs:
+                    pred[name] = {}
+                    continue
+                written = _link_new(name, inputs, node_table, succ, pred)
+                if written is None:
+                    self._dirty.add(name)  # its inputs are written out from the edges on emit
+                else:
+                    proto.input.extend(written)
+        finally:  # also for the nodes added before a row failed, as add_node would have
+            self._protos.update(zip(names, protos))
+            self._unverified.update(names)
         return names
 
     def _insert(self, name: str, proto, device: str, inputs: Iterable[str],
@@ -666,63 +692,12 @@ class GraphIR:
                             "origin": origin, "created_by": created_by}
         self.g._succ[name], self.g._pred[name] = {}, {}
         self._unverified.add(name)
-        written = self._connect(name, inputs) if inputs else []
+        written = _link_new(name, inputs, node_table, self.g._succ, self.g._pred) \
+            if inputs else []
         if written is None:
             self._dirty.add(name)  # its inputs are written out from the edges on emit
         elif written:
             proto.input.extend(written)
-
-    def _connect(self, name: str, inputs: Iterable[str]) -> list[str] | None:
-        """The in-edges of the new node ``name``, written straight into the adjacency: an input
-        from a node not yet feeding ``name`` takes the shared key dict of its kind. Returns the
-        input list ``edge_inputs`` would write (so the node's NodeDef can hold it), or None when
-        that takes the edges (a node feeding ``name`` twice, a control input before data)."""
-        node_table, succ, pred = self.g._node, self.g._succ, self.g._pred
-        preds = pred[name]
-        port, written = 0, []
-        inputs = list(inputs)
-        if len(inputs) >= _RUN and all(text[0] == "^" for text in inputs):
-            return self._connect_controls(name, inputs)
-        for text in inputs:
-            if text.startswith("^"):
-                src, key, keys = text[1:], CONTROL_KEY, CONTROL_KEYS
-                if written is not None:
-                    written.append(text)
-            else:  # parse_tensor and data_keys, inlined: this runs for every edge a pass adds
-                src, sep, tail = text.rpartition(":")
-                if sep and tail.isdigit():
-                    src_port = int(tail)
-                else:
-                    src, src_port = text, 0
-                key, keys = port, _DATA_KEYS.get((port, src_port)) or data_keys(port, src_port)
-                port += 1
-                if written is not None:
-                    if len(written) >= port:  # a control input came first
-                        written = None
-                    else:
-                        written.append(src if src_port == 0 else f"{src}:{src_port}")
-            if src not in node_table:
-                self._require(src, name)  # raises
-            if src in preds:  # a second edge from the same node
-                join_edge(succ, pred, src, name, key, keys[key])
-                written = None
-            else:
-                succ[src][name] = preds[src] = keys
-        return written
-
-    def _connect_controls(self, name: str, inputs: list[str]) -> list[str] | None:
-        """``_connect`` for a node that only waits on many others (a NoOp grouping a whole
-        replica's or saver's ops): its pred dict in one go."""
-        sources = [text[1:] for text in inputs]
-        preds = dict.fromkeys(sources, CONTROL_KEYS)
-        missing = next((src for src in preds if src not in self.g._node), None)
-        if missing is not None:
-            self._require(missing, name)  # raises
-        self.g._pred[name].update(preds)
-        succ = self.g._succ
-        for src in preds:
-            succ[src][name] = CONTROL_KEYS
-        return inputs if len(preds) == len(inputs) else None
 
     def _add_edge(self, src: str, dst: str, key: int, edge: dict) -> None:
         """One edge; the caller has checked that ``src`` exists and marks ``dst`` touched."""
@@ -1019,6 +994,85 @@ class GraphIR:
             if not self.has_scope(candidate + "/"):
                 return candidate + "/"
         raise AssertionError  # unreachable
+
+
+_PLAIN_KEYS = [data_keys(port, 0) for port in range(64)]  # a port-0 input's, by its port
+_AFTER_CARET = operator.itemgetter(slice(1, None))
+
+
+def _link_new(name: str, inputs: Iterable[str], node_table: dict, succ: dict,
+              pred: dict) -> list[str] | None:
+    """The in-edges of the new node ``name`` (in ``node_table``, without in-edges yet) from
+    its TF ``inputs``, written straight into the adjacency: an input from a node not yet
+    feeding ``name`` takes the shared key dict of its kind. Returns the input list
+    ``edge_inputs`` would write (so the node's NodeDef can hold it), or None when that takes
+    the edges (a node feeding ``name`` twice, a control input before data)."""
+    if type(inputs) is not list:
+        inputs = list(inputs)
+    if len(inputs) == 1:  # most nodes a pass adds: an Identity, a Cast, ...
+        text = inputs[0]
+        if text[:1] != "^" and ":" not in text and text in node_table:
+            pred[name] = {text: _PLAIN_KEYS[0]}
+            succ[text][name] = _PLAIN_KEYS[0]
+            return inputs
+    elif _link_plain(name, inputs, node_table, succ, pred):
+        return inputs
+    pred[name] = {}
+    return _link_each(name, inputs, node_table, succ, pred)
+
+
+def _link_plain(name: str, inputs: list[str], node_table: dict, succ: dict,
+                pred: dict) -> bool:
+    """``_link_new`` for the usual inputs, in bulk: port 0 of distinct existing nodes, then
+    control inputs on other existing nodes (a ConcatV2 of every replica's copy, a NoOp
+    waiting on them), whose input list is ``inputs`` as it is. False, linking nothing, for
+    any other (then ``_link_each`` links them one at a time)."""
+    waits = sum(map(str.startswith, inputs, itertools.repeat("^")))
+    reads = len(inputs) - waits
+    head = "".join(inputs[:reads])  # no caret in it: the ``waits`` control inputs come last
+    if reads > len(_PLAIN_KEYS) or ":" in head or "^" in head:
+        return False
+    sources = inputs
+    if waits:
+        sources = inputs[:reads] + list(map(_AFTER_CARET, inputs[reads:]))
+    keys = _PLAIN_KEYS[:reads] + [CONTROL_KEYS] * waits if waits else _PLAIN_KEYS[:reads]
+    preds = dict(zip(sources, keys))
+    if len(preds) < len(sources) or not preds.keys() <= node_table.keys():
+        return False  # a node feeding ``name`` twice, or a missing one
+    pred[name] = preds
+    collections.deque(map(operator.setitem, map(succ.__getitem__, sources),
+                          itertools.repeat(name), keys), maxlen=0)
+    return True
+
+
+def _link_each(name: str, inputs: list[str], node_table: dict, succ: dict,
+               pred: dict) -> list[str] | None:
+    """``_link_new`` for any inputs, one edge at a time."""
+    preds = pred[name]
+    written, port, whole, controls = [], 0, True, False
+    for text in inputs:
+        if text[:1] == "^":
+            src, key, keys = text[1:], CONTROL_KEY, CONTROL_KEYS
+            controls = True
+            written.append(text)
+        else:  # parse_tensor and data_keys, inlined
+            src, sep, tail = text.rpartition(":")
+            if sep and tail.isdigit():
+                src_port = int(tail)
+            else:
+                src, src_port = text, 0
+            key, keys = port, _DATA_KEYS.get((port, src_port)) or data_keys(port, src_port)
+            port += 1
+            whole = whole and not controls
+            written.append(src if src_port == 0 else f"{src}:{src_port}")
+        if src in preds:  # a second edge from the same node
+            join_edge(succ, pred, src, name, key, keys[key])
+            whole = False
+        elif src in node_table:
+            succ[src][name] = preds[src] = keys
+        else:
+            raise GraphxformError(f"node '{name}' has input '{src}', which is not in the graph")
+    return written if whole else None
 
 
 def _reached(adjacency: dict, sources) -> set[str]:

@@ -82,8 +82,10 @@ import dataclasses
 import itertools
 import re
 
+import numpy as np
+
 from graphxform import opdefs
-from graphxform.ir import CONTROL_KEY
+from graphxform.ir import CONTROL_KEY, data_pairs
 from graphxform.training import RANDOM_OPS, VARIABLE_OPS, is_mutating_op
 
 IDENTICAL, SAME, BATCH, BATCH_FILL, MEAN, SUM, COUNT, BATCH_SHAPE, UNKNOWN = (
@@ -167,9 +169,9 @@ def classify(ir, prefix: str = "replica_0/", forced=None, gradients=None, copies
         copies = replica_copies(ir, prefix)
     forced = dict(forced or {})
     forced.update(((variable, 0), IDENTICAL) for variable in settled)
-    raced = set()
+    raced, op_flags = set(), {}  # op_flags: what each op type is, for every sweep
     while True:
-        sweep = _Sweep(ir, prefix, forced, dict(gradients or {}), single, raced)
+        sweep = _Sweep(ir, prefix, forced, dict(gradients or {}), single, raced, op_flags)
         values = sweep.run(copies)
         # their reads differ (or add up to the single-device value): classify again so. A
         # variable's class changes at most twice (to a running total's, then to unknown,
@@ -223,7 +225,8 @@ class _Sweep:
     """One pass over replica 0's copies and the shared and pass-made nodes they read, each
     visited after its inputs."""
 
-    def __init__(self, ir, prefix, forced, gradients, single=frozenset(), raced=frozenset()):
+    def __init__(self, ir, prefix, forced, gradients, single=frozenset(), raced=frozenset(),
+                 op_flags=None):
         self.ir = ir
         self.prefix = prefix
         self.single = single
@@ -236,7 +239,7 @@ class _Sweep:
         self.classes, self.ranks, self.effects = {}, {}, set()
         self.foreign = set()  # other replicas' copies met on the way: unknown, effectful
         self._consts = {}
-        self._op_flags = {}  # op type -> (has effect, deterministic)
+        self._op_flags = {} if op_flags is None else op_flags  # op -> see op_flags
         self._depth = 0  # of the ranks being worked out on demand
         self.writes = []  # replica 0's ops that write a variable
 
@@ -300,14 +303,14 @@ class _Sweep:
         data = self.nodes[name]
         op = data["op"]
         preds = self.pred[name]
-        effect, pure = self.op_flags(op)
+        effect, pure = self._op_flags.get(op) or self.op_flags(op)
         if (effect or not self.effects.isdisjoint(preds)
-                or not self.foreign.isdisjoint(preds)):
+                or self.foreign and not self.foreign.isdisjoint(preds)):
             self.effects.add(name)
         classes = self.classes
         self.ranks[name] = _LAZY
         identical, unknown, same = True, False, True  # same: every input identical or same
-        for src, keys in preds.items():
+        for src, keys in data_pairs(preds):  # without most control-only pairs, by identity
             if len(keys) == 1 and CONTROL_KEY in keys:
                 continue
             found = classes.get(src)
@@ -317,7 +320,8 @@ class _Sweep:
                     unknown, same = True, False
                 elif found is not _S:
                     same = False
-        if self._owner(name) is None or name in self.single:
+        if (not name.startswith(self.prefix) and self._owner(name) is None) \
+                or name in self.single:  # (replica 0's copies: owned, the usual case)
             classes[name] = (_U if name in self.raced else self._combined(name, op)
                              or _shared_classes(data, op, identical))
             return
@@ -568,8 +572,7 @@ def const_ints(ir, src: str, cache: dict, depth: int = 0):
     if op == "Const":
         tensor = ir.attrs(src)["value"].tensor
         if tensor.dtype in (3, 9):  # int32, int64
-            from tensorflow.python.framework import tensor_util
-            value = [int(v) for v in tensor_util.MakeNdarray(tensor).reshape(-1)]
+            value = _int_values(tensor)
     elif op in _FOLDED and depth < 16:
         value = _fold(op, [const_ints(ir, part, cache, depth + 1) for part, _ in ir.inputs(src)])
     cache[src] = value
@@ -578,6 +581,31 @@ def const_ints(ir, src: str, cache: dict, depth: int = 0):
 
 _FOLDED = frozenset({"Identity", "Pack", "ConcatV2", "Range", "Add", "AddV2", "Sub", "Mul",
                      "FloorMod"})
+
+
+def _int_values(tensor) -> list[int]:
+    """The values of an int32 or int64 TensorProto, flattened, as tensor_util.MakeNdarray reads
+    them (the typed field padded with its last value, or zeros; or the raw bytes), read
+    straight from the proto: a graph has thousands of such Consts (shapes, axes). What the
+    shortcut does not cover (a count the values do not fit) goes through MakeNdarray."""
+    count = 1
+    for dim in tensor.tensor_shape.dim:
+        count *= dim.size
+    if count >= 0:
+        content = tensor.tensor_content
+        if content:
+            if len(content) == count * (4 if tensor.dtype == 3 else 8):
+                return np.frombuffer(content, np.int32 if tensor.dtype == 3 else np.int64).tolist()
+        else:
+            values = tensor.int_val if tensor.dtype == 3 else tensor.int64_val
+            if len(values) == count:
+                return list(values)
+            if not values:
+                return [0] * count
+            if len(values) < count:
+                return [*values, *[values[-1]] * (count - len(values))]
+    from tensorflow.python.framework import tensor_util
+    return [int(v) for v in tensor_util.MakeNdarray(tensor).reshape(-1)]
 
 
 def _fold(op: str, parts: list):

@@ -43,7 +43,7 @@ import numpy as np
 
 from graphxform import opdefs, replica_values
 from graphxform.errors import GraphxformError
-from graphxform.ir import parse_tensor
+from graphxform.ir import CONTROL_KEY, data_pairs, parse_tensor
 from graphxform.nodes import Builder, replica_prefix
 from graphxform.pipeline import Pass, PassResult
 from graphxform.replica_values import (BATCHED, COUNT, EXTREMES, IDENTICAL, MAX, MEAN, MIN, SUM,
@@ -110,7 +110,7 @@ class MergeFetches(Pass):
         # and gradients' insides, a variable's reads, checks and shapes last
         merge.unmerged.sort(key=lambda name: (
             ir.op(first + name) in _PLUMBING_OPS or gradient_scope(name) is not None,
-            any(dst.startswith(first) for dst, _ in ir.consumers(first + name))))
+            _read_in_replica(ir, first + name, first)))
         _restore_collection_names(ir, set(originals))
         return PassResult(modified=True, summary={"merged": dict(merge.counts),
                                                   "unmerged": merge.unmerged})
@@ -179,6 +179,13 @@ def _recompute(ir, build, first: str, unmerged: list) -> set:
         inexact.discard(name)
         done.add(name)
     return done
+
+
+def _read_in_replica(ir, node: str, first: str) -> bool:
+    """Whether a node named ``first`` + something reads an output of ``node`` (what
+    ``ir.consumers`` lists, without listing them)."""
+    return any(dst.startswith(first) and (len(keys) > 1 or CONTROL_KEY not in keys)
+               for dst, keys in data_pairs(ir.g._succ[node]))
 
 
 def _served(ir, first: str, src: str, inexact) -> str | None:
@@ -307,16 +314,24 @@ class _Merge:
             copies = self._copies(name, only_first)
             if len(copies) > 1 and self._merged(name, copies, values[0], dtypes[0]):
                 return
-        waits = []
+        inputs = [first]
         if effect:
-            waits = ["^" + c for c in (copies or self._copies(name, only_first))[1:]]
+            inputs += ["^" + c for c in (copies or self._copies(name, only_first))[1:]]
         if len(dtypes) == 1:
-            self._add(self.groups, "Identity", {"T": dtypes[0]}, name, [first] + waits)
+            self._identity(name, dtypes[0], inputs)
             identical = values[0] == IDENTICAL or copies == [first]
         else:
             outputs, identical = self._outputs(name, only_first, values, dtypes)
-            self._add(self.groups, "IdentityN", {"T": tuple(dtypes)}, name, outputs + waits)
+            self._add(self.groups, "IdentityN", {"T": tuple(dtypes)}, name,
+                      outputs + inputs[1:])
         self._served(name, "identical" if identical else None)
+
+    def _identity(self, name: str, dtype: int, inputs: list) -> None:
+        """``_add`` of an Identity (most of the nodes served), without its generic steps."""
+        group = self.groups.get(("Identity", dtype))
+        if group is None:
+            group = self.groups["Identity", dtype] = ("Identity", {"T": dtype}, [])
+        group[2].append((name, inputs, ""))
 
     def _tower(self, name: str, dtypes: list, effect: bool) -> bool:
         """Serve ``name`` from the pieces of the batch its tower's part is made of, merged by
@@ -383,6 +398,12 @@ class _Merge:
         type cannot be told. Ops whose outputs are fixed by their OpDef are read once."""
         op = self.ir.g._node[name]["op"]
         signature = self._signatures.get(op)
+        if type(signature) is tuple and len(signature) == 1:  # the usual: one output
+            dtype = signature[0]
+            if type(dtype) is int:
+                return [dtype]
+            found = self.ir.attrs(name).get(dtype)
+            return None if found is None else [found.type]
         if signature is None:
             found = opdefs.op_def(self.ir, op)
             fixed = found is not None and not any(a.number_attr or a.type_list_attr
@@ -430,9 +451,11 @@ class _Merge:
 
     def _served(self, name: str, how: str | None) -> None:
         """Count how ``name`` is served; None: from replica 0 without knowing it is right."""
-        self.counts[how or "replica_0"] += 1
         if how is None:
+            how = "replica_0"
             self.unmerged.append(name)
+        counts = self.counts
+        counts[how] = counts.get(how, 0) + 1
 
     def axis(self) -> str:
         if self._axis is None:

@@ -394,6 +394,55 @@ def test_builder_ops_adds_nodes_like_one_op_call_each():
         Builder(bulk, "p").ops("NoOp", [("x", ["^nope"], "")])
 
 
+INPUT_LISTS = {
+    "one plain": ["a"], "one port": ["c:1"], "one control": ["^a"],
+    "plain then controls": ["a", "b", "^c", "^d"], "ports": ["a", "c:2", "b", "^d"],
+    "a node twice": ["a", "a"], "data and control from one node": ["a", "^a"],
+    "control before data": ["^a", "b"], "a control twice": ["^a", "^b", "^a", "^c"],
+    "controls only": ["^a", "^b", "^c", "^d", "^e"],
+    "more plain inputs than the table": [f"op{i}" for i in range(70)] + ["^a"],
+}
+
+
+@pytest.mark.parametrize("case", sorted(INPUT_LISTS))
+def test_added_nodes_are_linked_as_the_loader_links_them(case):
+    """add_node and add_nodes link a new node's inputs (in bulk where they are the usual
+    kind) as the loader links a NodeDef's, and its NodeDef holds them unless the edges must
+    say (a node feeding it twice, a control input before data)."""
+    from tensorflow.core.framework import node_def_pb2
+    from tensorflow.core.protobuf import meta_graph_pb2
+    from graphxform.nodes import Builder
+    inputs = INPUT_LISTS[case]
+
+    def sources(*more):
+        meta = meta_graph_pb2.MetaGraphDef()
+        for name in ["a", "b", "c", "d", "e", *(f"op{i}" for i in range(70))]:
+            meta.graph_def.node.add(name=name, op="NoOp")
+        meta.graph_def.node.extend(more)
+        return metagraph.from_metagraph(meta)
+
+    loaded = sources(node_def_pb2.NodeDef(name="new", op="Foo", input=inputs))
+    for add in (lambda ir: ir.add_node("new", "Foo", inputs),
+                lambda ir: Builder(ir, "p").ops("NoOp", [("new", inputs, "")])):
+        ir = sources()
+        add(ir)
+        assert ir.g._pred["new"] == loaded.g._pred["new"]
+        assert all(ir.g._succ[src]["new"] == keys for src, keys in ir.g._pred["new"].items())
+        dirty = case in ("a node twice", "data and control from one node",
+                         "control before data", "a control twice")
+        assert ir.is_dirty("new") == dirty
+        assert emitted_inputs(ir)["new"] == ir.edge_inputs("new") == loaded.edge_inputs("new")
+
+
+def test_add_nodes_links_a_row_to_an_earlier_row_not_a_later_one():
+    from graphxform.nodes import Builder
+    ir = small_ir()
+    Builder(ir, "p").ops("NoOp", [("x", ["^a"], ""), ("y", ["^x", "^a"], "")])
+    assert ir.control_inputs("y") == ["x", "a"] and ir.control_consumers("x") == ["y"]
+    with pytest.raises(GraphxformError, match="'v' has input 'w'"):
+        Builder(ir, "p").ops("NoOp", [("v", ["^w", "^a"], ""), ("w", [], "")])
+
+
 def test_copies_emit_once_even_when_a_replica_is_not_together():
     """Emit writes a replica's copies as one run where its first copy is; if they were not
     together in graph order (nothing in the IR does that), each is still written once."""

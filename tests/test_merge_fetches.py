@@ -425,3 +425,38 @@ def test_every_original_name_survives(name, strategy):
     missing = [n for n in original.nodes()
                if n not in ir and not (saver_scope and n.startswith(saver_scope))]
     assert missing == []
+
+
+INT_TENSORS = {
+    "int32 values": (np.int32, [[1, -2], [3, 4]], "typed"),
+    "int64 values": (np.int64, [2 ** 40, -1, 0], "typed"),
+    "int32 bytes": (np.int32, [[5, 6, 7], [8, 9, 10]], "bytes"),
+    "int64 bytes": (np.int64, [7, -8], "bytes"),
+    "one value repeated": (np.int32, [3, 3, 3, 3], "last"),
+    "zeros": (np.int64, [0, 0, 0], "none"),
+    "scalar": (np.int32, 7, "typed"),
+    "empty": (np.int32, np.zeros([0, 2], np.int32), "typed"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(INT_TENSORS))
+def test_int_constants_read_as_make_ndarray_reads_them(case):
+    """replica_values reads int32 and int64 Consts straight from the proto: the same values as
+    tensor_util.MakeNdarray, whichever field holds them."""
+    from tensorflow.core.framework import tensor_pb2, tensor_shape_pb2
+    from tensorflow.python.framework import tensor_util
+    dtype, value, field = INT_TENSORS[case]
+    array = np.asarray(value, dtype)
+    tensor = tensor_pb2.TensorProto(dtype=3 if dtype == np.int32 else 9)
+    tensor.tensor_shape.CopyFrom(tensor_shape_pb2.TensorShapeProto(
+        dim=[tensor_shape_pb2.TensorShapeProto.Dim(size=d) for d in array.shape]))
+    values = tensor.int_val if dtype == np.int32 else tensor.int64_val
+    if field == "bytes":
+        tensor.tensor_content = array.tobytes()
+    elif field == "typed":
+        values.extend(array.reshape(-1).tolist())
+    elif field == "last":
+        values.append(int(array.reshape(-1)[0]))
+    expected = [int(v) for v in tensor_util.MakeNdarray(tensor).reshape(-1)]
+    assert expected == array.reshape(-1).tolist()
+    assert replica_values._int_values(tensor) == expected
