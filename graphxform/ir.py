@@ -250,14 +250,14 @@ class Replica:
     __slots__ = ("mapping", "prefix", "device", "plans", "bases", "names", "copies", "touched",
                  "outside", "unchecked")
 
-    def __init__(self, mapping: dict, prefix: str, device, plans: list, bases: list,
-                 outside: list = (), unchecked: list = ()):
+    def __init__(self, mapping: dict, names: list, prefix: str, device, plans: list,
+                 bases: list, outside: list = (), unchecked: list = ()):
         self.mapping = mapping  # original -> copy name (of replica 0's copy for first_only ones)
+        self.names = names  # per original: its copy's name, made or not
         self.prefix = prefix
         self.device = device  # every copy's device; None: the original's, or per copy
         self.plans = plans  # per original (see _copy_plan), most shared by every prefix
         self.bases = bases  # per original: the node data each copy started from
-        self.names = list(mapping.values())  # per original: its copy's name, made or not
         self.copies = []  # per original: its copy's node data, None where not made
         # originals whose copy changed in place (node data, its own NodeDef) or went away;
         # copies whose in-edges changed are in GraphIR._dirty instead
@@ -750,11 +750,11 @@ class GraphIR:
     def remove_nodes(self, names: Iterable[str], safe: bool = True) -> None:
         """Remove a set of nodes at once; with ``safe`` refuse while a node outside the set
         still consumes one of them."""
-        names = set(names)
-        order = list(names)
+        order = list(dict.fromkeys(names))  # in the caller's order: graph order, for replicate
+        names = set(order)
         node_table, succ, pred, protos = self.g._node, self.g._succ, self.g._pred, self._protos
         users = list(map(succ.__getitem__, order))
-        leaving = [k for k, inside in enumerate(map(names.issuperset, users)) if not inside]
+        leaving = _indices_not(map(names.issuperset, users))
         if safe and leaving:
             name = order[leaving[0]]
             outside = next(dst for dst in users[leaving[0]] if dst not in names)
@@ -762,25 +762,23 @@ class GraphIR:
         # networkx's remove_nodes_from unlinks every edge from both ends; only the edges that
         # leave the set need unlinking at the far end (replicate removes whole training steps),
         # so the rest is a few sweeps over the names at C speed
-        sources = list(map(pred.__getitem__, order))
         for k in leaving:
             for dst in users[k]:
                 if dst not in names:
                     del pred[dst][order[k]]
                     self._touch(dst)
-        for k, inside in enumerate(map(names.issuperset, sources)):
-            if not inside:
-                for src in sources[k]:
-                    if src not in names:
-                        del succ[src][order[k]]
-        for table in (succ, pred):
-            collections.deque(map(table.__delitem__, order), maxlen=0)
+        sources = list(map(pred.pop, order))
+        for k in _indices_not(map(names.issuperset, sources)):
+            for src in sources[k]:
+                if src not in names:
+                    del succ[src][order[k]]
+        collections.deque(map(succ.__delitem__, order), maxlen=0)
         removed = list(map(node_table.pop, order))
         self._by_op = None
         collections.deque(map(protos.pop, order, itertools.repeat(None)), maxlen=0)
-        for data in removed:
-            if type(data) is BorrowedNode:
-                data._touched()
+        borrowed = map(operator.is_, map(type, removed), itertools.repeat(BorrowedNode))
+        for data in itertools.compress(removed, borrowed):
+            data._touched()
         self._dirty.difference_update(names)
         self._unverified.difference_update(names)
         self._rewired.difference_update(names)
@@ -902,27 +900,32 @@ class GraphIR:
         names = list(names)
         first_only = set(first_only)
         devices = [None] * len(prefixes) if devices is None else list(devices)
-        mappings = [dict(zip(names, map(prefix.__add__, names))) for prefix in prefixes]
-        clash = self._copy_clash(names, prefixes, mappings)
+        clash = self._copy_clash(names, prefixes)
         if clash is not None:
             raise GraphxformError(f"cannot copy to '{clash}': it already exists")
+        mappings = []
         with paused_gc():
             unchecked = list(itertools.compress(range(len(names)),
                                                 map(self._unverified.__contains__, names)))
             shape = _CopyShape(self, names, set(names), created_by, originals_go)
-            for k, (prefix, device, mapping) in enumerate(zip(prefixes, devices, mappings)):
+            for k, (prefix, device) in enumerate(zip(prefixes, devices)):
                 if k == 1 and first_only:
                     shape = shape.without(first_only, prefixes[0])
-                replica = Replica(mapping, prefix, device, shape.plans, shape.bases,
+                # each replica's names are made just before its copies: still in the cache
+                # when the graph's tables hash them
+                news = list(map(prefix.__add__, names))
+                mapping = dict(zip(names, news))
+                replica = Replica(mapping, news, prefix, device, shape.plans, shape.bases,
                                   shape.extra, unchecked)
                 if k >= 1 and first_only:
                     mapping.update((name, mappings[0][name]) for name in first_only)
+                mappings.append(mapping)
                 self._copy_replica(shape, replica)
         if hasattr(nx, "_clear_cache"):
             nx._clear_cache(self.g)
         return mappings
 
-    def _copy_clash(self, names: list, prefixes: list, mappings: list) -> str | None:
+    def _copy_clash(self, names: list, prefixes: list) -> str | None:
         """The first copy name that is taken already or that two copies would share. When no
         node name starts with a prefix and no prefix starts another, none can be: that is
         one sweep over the names instead of a lookup per copy."""
@@ -931,7 +934,7 @@ class GraphIR:
                 and not any(b.startswith(a) for a in prefixes for b in prefixes if a != b)
                 and not any(map(str.startswith, self.g._node, itertools.repeat(starts)))):
             return None
-        new_names = [new for mapping in mappings for new in mapping.values()]
+        new_names = [prefix + name for prefix in prefixes for name in names]
         if not self.g._node.keys().isdisjoint(new_names):
             return next(new for new in new_names if new in self.g._node)
         if len(set(new_names)) < len(new_names):
@@ -1030,6 +1033,11 @@ def _reached(adjacency: dict, sources) -> set[str]:
                 seen.add(node)
                 stack.append(node)
     return seen
+
+
+def _indices_not(flags) -> list[int]:
+    """The indices at which ``flags`` (an iterable of bools) is false, swept at C speed."""
+    return list(itertools.compress(itertools.count(), map(operator.not_, flags)))
 
 
 def data_pairs(adjacent: dict):
