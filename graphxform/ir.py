@@ -277,9 +277,9 @@ class Replica:
 class _CopyShape:
     """What every copy of a set of originals takes from them, read once for all prefixes:
     per original its plan (see ``_copy_plan``), the node data to start from, its inputs with
-    their key dicts (by name in ``preds``, by index in ``ins``), its consumers that are copied
-    too with theirs (by index, ``outs``); the inputs from outside the set (which gain a
-    consumer per copy); which copies start dirty."""
+    their key dicts (its pred dict in ``srcs``, which copying leaves alone; by index in
+    ``ins``), its consumers that are copied too with theirs (by index, ``outs``); the inputs
+    from outside the set (which gain a consumer per copy); which copies start dirty."""
 
     def __init__(self, ir: "GraphIR", names: list, copied: set, created_by: str | None,
                  take_over: bool = False):
@@ -290,7 +290,7 @@ class _CopyShape:
         srcs, users = list(map(pred.__getitem__, names)), list(map(succ.__getitem__, names))
         self.bases = [{"op": data["op"], "device": data["device"], "origin": data["origin"],
                        "created_by": created_by or data["created_by"]} for data in datas]
-        self.preds = list(zip(map(list, srcs), map(list, map(dict.values, srcs))))
+        self.srcs = srcs
         inside = list(map(copied.issuperset, srcs))
         # neighbours by index: an original's position in ``names``, an input from outside
         # the set's in ``extra`` after them (a replica renames them all with one list)
@@ -304,7 +304,8 @@ class _CopyShape:
                         position[src] = len(names) + len(self.extra)
                         self.extra.append(src)
         at = position.__getitem__
-        self.ins = [(list(map(at, nodes)), keys) for nodes, (_, keys) in zip(srcs, self.preds)]
+        self.ins = list(zip(map(list, map(map, itertools.repeat(at), srcs)),
+                            map(list, map(dict.values, srcs))))
         self.outs = [(list(map(at, dsts)), list(dsts.values())) if dsts.keys() <= copied else
                      ([at(d) for d in dsts if d in copied],  # others keep reading the original
                       [keys for d, keys in dsts.items() if d in copied])
@@ -345,9 +346,9 @@ class _CopyShape:
         other.outside = [(src, keys, k) for src, keys, k in self.outside
                          if self.names[k] not in first_only]
         other.dirty = [name for name in self.dirty if name not in first_only]
-        for k, (name, (srcs, keys)) in enumerate(zip(self.names, self.preds)):
+        for k, (name, srcs) in enumerate(zip(self.names, self.srcs)):
             if name not in first_only and not first_only.isdisjoint(srcs):
-                other.outside += [(src, keyed, k) for src, keyed in zip(srcs, keys)
+                other.outside += [(src, keyed, k) for src, keyed in srcs.items()
                                   if src in first_only]
                 original, snapshot, texts, colocation, _ = self.plans[k]
                 if texts is not None:
@@ -1085,10 +1086,10 @@ def _copy_plan(proto, name: str, copied: set, dirty: bool, inputs_copied: bool,
     colocation = None
     attr = proto.attr
     if "_class" in attr:
-        targets = colocation_targets(attr["_class"])
-        if any(node in copied for _, node in targets):
-            colocation = [(item, node.encode() if node in copied else None)
-                          for item, node in targets]
+        marked = [(item, item[5:] if node is not None and node in copied else None)
+                  for item, node in colocation_targets(attr["_class"])]
+        if any(node is not None for _, node in marked):
+            colocation = marked
             del snapshot.attr["_class"]
     return name, snapshot, texts, colocation, inputs_copied
 
