@@ -49,51 +49,43 @@ class DropInSaver(Pass):
                             dtype=types_pb2.DT_STRING, shape=[])
         names = build.const(scope + "SaveV2/tensor_names", keys, np.object_)
         slices = build.const(scope + "SaveV2/shape_and_slices", specs, np.object_)
-        values, reads = [], _Runs(build)
+        values = []
         for k, var in enumerate(variables):
             if var.name in shards:
-                reads.flush()
                 values.append(self._concat(build, f"{scope}concat_{k}", var, shards[var.name]))
                 continue
             source = var.name if var.name in shared else replica_prefix(0) + var.name
             source = centres.get(var.name, source)
             if var.kind == "resource":
-                read = f"{scope}read_{k}"
-                reads.add("ReadVariableOp", [(read, [source], ir.node(source)["device"])],
-                          dtype=var.dtype)
-                values.append(read)
+                values.append(build.op(f"{scope}read_{k}", "ReadVariableOp", [source],
+                                       device=ir.node(source)["device"], dtype=var.dtype))
             else:
                 values.append(source)
-        reads.flush()
         dtypes = [v.dtype for v in variables]
         save = build.op(scope + "SaveV2", "SaveV2", [filename, names, slices] + values,
                         dtypes=dtypes)
         done = build.op(scope + "control_dependency", "Identity", [filename, "^" + save], T=types_pb2.DT_STRING)
         restore = build.op(scope + "RestoreV2", "RestoreV2", [filename, names, slices],
                            dtypes=dtypes)
-        prefixes = [replica_prefix(i) for i in range(len(ctx.devices))]
-        assigns, writes = [], _Runs(build)
+        assigns = []
         for k, var in enumerate(variables):
-            value = f"{restore}:{k}"
             if var.name in shards:
-                writes.flush()
-                targets = [(shard, self._slice(build, f"{scope}slice_{k}_{j}", value, var,
-                                               offset, rows))
+                targets = [(shard, self._slice(build, f"{scope}slice_{k}_{j}", f"{restore}:{k}",
+                                               var, offset, rows))
                            for j, (shard, offset, rows) in enumerate(shards[var.name])]
             elif var.name in shared:
-                targets = [(var.name, value)]
+                targets = [(var.name, f"{restore}:{k}")]
             else:
-                targets = [(prefix + var.name, value) for prefix in prefixes]
+                targets = [(replica_prefix(i) + var.name, f"{restore}:{k}")
+                           for i in range(len(ctx.devices))]
             if var.name in centres:
-                targets.append((centres[var.name], value))
+                targets.append((centres[var.name], f"{restore}:{k}"))
             rows = [(f"{scope}assign_{k}_{i}", [target, value], ir.node(target)["device"])
                     for i, (target, value) in enumerate(targets)]
             if var.kind == "resource":
-                writes.add("AssignVariableOp", rows, dtype=var.dtype)
+                assigns += build.ops("AssignVariableOp", rows, dtype=var.dtype)
             else:
-                writes.add("Assign", rows, T=var.dtype)
-            assigns += [name for name, _, _ in rows]
-        writes.flush()
+                assigns += build.ops("Assign", rows, T=var.dtype)
         assigns += averaged.get("on_restore", [])  # a restored model starts a new round
         restore_all = build.op(scope + "restore_all", "NoOp", ["^" + a for a in assigns])
         # how many checkpoints the user's Saver keeps, as the input said (else TF's defaults)
@@ -129,29 +121,6 @@ class DropInSaver(Pass):
         begin = build.const(name + "/begin", [offset] + [0] * (rank - 1), np.int32)
         size = build.const(name + "/size", [rows] + [-1] * (rank - 1), np.int32)
         return build.op(name, "Slice", [tensor, begin, size], T=var.dtype, Index=3)
-
-
-class _Runs:
-    """Nodes to add in the order given, a variable's at a time: consecutive ones of one op
-    type and attrs (every variable's read or assigns, mostly) are added by one
-    ``Builder.ops`` call, so by one template rather than one lookup per variable. Anything
-    added otherwise in between must ``flush`` first, to keep the order."""
-
-    def __init__(self, build: Builder):
-        self.build, self.kind, self.rows = build, None, []
-
-    def add(self, op_type: str, rows: list, **attrs) -> None:
-        kind = (op_type, tuple(attrs.items()))
-        if kind != self.kind:
-            self.flush()
-            self.kind = kind
-        self.rows += rows
-
-    def flush(self) -> None:
-        if self.rows:
-            op_type, attrs = self.kind
-            self.build.ops(op_type, self.rows, **dict(attrs))
-            self.rows = []
 
 
 def _saved(saved: dict | None, candidates: dict) -> tuple[list, list, list]:
