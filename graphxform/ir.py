@@ -250,14 +250,14 @@ class Replica:
     __slots__ = ("mapping", "prefix", "device", "plans", "bases", "names", "copies", "touched",
                  "outside", "unchecked")
 
-    def __init__(self, mapping: dict, prefix: str, device, plans: list, bases: list,
-                 outside: list = (), unchecked: list = ()):
+    def __init__(self, mapping: dict, names: list, prefix: str, device, plans: list,
+                 bases: list, outside: list = (), unchecked: list = ()):
         self.mapping = mapping  # original -> copy name (of replica 0's copy for first_only ones)
+        self.names = names  # per original: its copy's name, made or not
         self.prefix = prefix
         self.device = device  # every copy's device; None: the original's, or per copy
         self.plans = plans  # per original (see _copy_plan), most shared by every prefix
         self.bases = bases  # per original: the node data each copy started from
-        self.names = list(mapping.values())  # per original: its copy's name, made or not
         self.copies = []  # per original: its copy's node data, None where not made
         # originals whose copy changed in place (node data, its own NodeDef) or went away;
         # copies whose in-edges changed are in GraphIR._dirty instead
@@ -277,9 +277,9 @@ class Replica:
 class _CopyShape:
     """What every copy of a set of originals takes from them, read once for all prefixes:
     per original its plan (see ``_copy_plan``), the node data to start from, its inputs with
-    their key dicts (by name in ``preds``, by index in ``ins``), its consumers that are copied
-    too with theirs (by index, ``outs``); the inputs from outside the set (which gain a
-    consumer per copy); which copies start dirty."""
+    their key dicts (its pred dict in ``srcs``, which copying leaves alone; by index in
+    ``ins``), its consumers that are copied too with theirs (by index, ``outs``); the inputs
+    from outside the set (which gain a consumer per copy); which copies start dirty."""
 
     def __init__(self, ir: "GraphIR", names: list, copied: set, created_by: str | None,
                  take_over: bool = False):
@@ -290,7 +290,7 @@ class _CopyShape:
         srcs, users = list(map(pred.__getitem__, names)), list(map(succ.__getitem__, names))
         self.bases = [{"op": data["op"], "device": data["device"], "origin": data["origin"],
                        "created_by": created_by or data["created_by"]} for data in datas]
-        self.preds = list(zip(map(list, srcs), map(list, map(dict.values, srcs))))
+        self.srcs = srcs
         inside = list(map(copied.issuperset, srcs))
         # neighbours by index: an original's position in ``names``, an input from outside
         # the set's in ``extra`` after them (a replica renames them all with one list)
@@ -304,7 +304,8 @@ class _CopyShape:
                         position[src] = len(names) + len(self.extra)
                         self.extra.append(src)
         at = position.__getitem__
-        self.ins = [(list(map(at, nodes)), keys) for nodes, (_, keys) in zip(srcs, self.preds)]
+        self.ins = list(zip(map(list, map(map, itertools.repeat(at), srcs)),
+                            map(list, map(dict.values, srcs))))
         self.outs = [(list(map(at, dsts)), list(dsts.values())) if dsts.keys() <= copied else
                      ([at(d) for d in dsts if d in copied],  # others keep reading the original
                       [keys for d, keys in dsts.items() if d in copied])
@@ -345,9 +346,9 @@ class _CopyShape:
         other.outside = [(src, keys, k) for src, keys, k in self.outside
                          if self.names[k] not in first_only]
         other.dirty = [name for name in self.dirty if name not in first_only]
-        for k, (name, (srcs, keys)) in enumerate(zip(self.names, self.preds)):
+        for k, (name, srcs) in enumerate(zip(self.names, self.srcs)):
             if name not in first_only and not first_only.isdisjoint(srcs):
-                other.outside += [(src, keyed, k) for src, keyed in zip(srcs, keys)
+                other.outside += [(src, keyed, k) for src, keyed in srcs.items()
                                   if src in first_only]
                 original, snapshot, texts, colocation, _ = self.plans[k]
                 if texts is not None:
@@ -725,11 +726,11 @@ class GraphIR:
     def remove_nodes(self, names: Iterable[str], safe: bool = True) -> None:
         """Remove a set of nodes at once; with ``safe`` refuse while a node outside the set
         still consumes one of them."""
-        names = set(names)
-        order = list(names)
+        order = list(dict.fromkeys(names))  # in the caller's order: graph order, for replicate
+        names = set(order)
         node_table, succ, pred, protos = self.g._node, self.g._succ, self.g._pred, self._protos
         users = list(map(succ.__getitem__, order))
-        leaving = [k for k, inside in enumerate(map(names.issuperset, users)) if not inside]
+        leaving = _indices_not(map(names.issuperset, users))
         if safe and leaving:
             name = order[leaving[0]]
             outside = next(dst for dst in users[leaving[0]] if dst not in names)
@@ -737,25 +738,23 @@ class GraphIR:
         # networkx's remove_nodes_from unlinks every edge from both ends; only the edges that
         # leave the set need unlinking at the far end (replicate removes whole training steps),
         # so the rest is a few sweeps over the names at C speed
-        sources = list(map(pred.__getitem__, order))
         for k in leaving:
             for dst in users[k]:
                 if dst not in names:
                     del pred[dst][order[k]]
                     self._touch(dst)
-        for k, inside in enumerate(map(names.issuperset, sources)):
-            if not inside:
-                for src in sources[k]:
-                    if src not in names:
-                        del succ[src][order[k]]
-        for table in (succ, pred):
-            collections.deque(map(table.__delitem__, order), maxlen=0)
+        sources = list(map(pred.pop, order))
+        for k in _indices_not(map(names.issuperset, sources)):
+            for src in sources[k]:
+                if src not in names:
+                    del succ[src][order[k]]
+        collections.deque(map(succ.__delitem__, order), maxlen=0)
         removed = list(map(node_table.pop, order))
         self._by_op = None
         collections.deque(map(protos.pop, order, itertools.repeat(None)), maxlen=0)
-        for data in removed:
-            if type(data) is BorrowedNode:
-                data._touched()
+        borrowed = map(operator.is_, map(type, removed), itertools.repeat(BorrowedNode))
+        for data in itertools.compress(removed, borrowed):
+            data._touched()
         self._dirty.difference_update(names)
         self._unverified.difference_update(names)
         self._rewired.difference_update(names)
@@ -877,27 +876,32 @@ class GraphIR:
         names = list(names)
         first_only = set(first_only)
         devices = [None] * len(prefixes) if devices is None else list(devices)
-        mappings = [dict(zip(names, map(prefix.__add__, names))) for prefix in prefixes]
-        clash = self._copy_clash(names, prefixes, mappings)
+        clash = self._copy_clash(names, prefixes)
         if clash is not None:
             raise GraphxformError(f"cannot copy to '{clash}': it already exists")
+        mappings = []
         with paused_gc():
             unchecked = list(itertools.compress(range(len(names)),
                                                 map(self._unverified.__contains__, names)))
             shape = _CopyShape(self, names, set(names), created_by, originals_go)
-            for k, (prefix, device, mapping) in enumerate(zip(prefixes, devices, mappings)):
+            for k, (prefix, device) in enumerate(zip(prefixes, devices)):
                 if k == 1 and first_only:
                     shape = shape.without(first_only, prefixes[0])
-                replica = Replica(mapping, prefix, device, shape.plans, shape.bases,
+                # each replica's names are made just before its copies: still in the cache
+                # when the graph's tables hash them
+                news = list(map(prefix.__add__, names))
+                mapping = dict(zip(names, news))
+                replica = Replica(mapping, news, prefix, device, shape.plans, shape.bases,
                                   shape.extra, unchecked)
                 if k >= 1 and first_only:
                     mapping.update((name, mappings[0][name]) for name in first_only)
+                mappings.append(mapping)
                 self._copy_replica(shape, replica)
         if hasattr(nx, "_clear_cache"):
             nx._clear_cache(self.g)
         return mappings
 
-    def _copy_clash(self, names: list, prefixes: list, mappings: list) -> str | None:
+    def _copy_clash(self, names: list, prefixes: list) -> str | None:
         """The first copy name that is taken already or that two copies would share. When no
         node name starts with a prefix and no prefix starts another, none can be: that is
         one sweep over the names instead of a lookup per copy."""
@@ -906,7 +910,7 @@ class GraphIR:
                 and not any(b.startswith(a) for a in prefixes for b in prefixes if a != b)
                 and not any(map(str.startswith, self.g._node, itertools.repeat(starts)))):
             return None
-        new_names = [new for mapping in mappings for new in mapping.values()]
+        new_names = [prefix + name for prefix in prefixes for name in names]
         if not self.g._node.keys().isdisjoint(new_names):
             return next(new for new in new_names if new in self.g._node)
         if len(set(new_names)) < len(new_names):
@@ -1086,6 +1090,11 @@ def _reached(adjacency: dict, sources) -> set[str]:
     return seen
 
 
+def _indices_not(flags) -> list[int]:
+    """The indices at which ``flags`` (an iterable of bools) is false, swept at C speed."""
+    return list(itertools.compress(itertools.count(), map(operator.not_, flags)))
+
+
 def data_pairs(adjacent: dict):
     """The (neighbour, key dict) pairs of ``adjacent`` (a node's pred or succ dict) that may
     hold a data edge: a node with many neighbours is often waited on or waits on many
@@ -1131,10 +1140,10 @@ def _copy_plan(proto, name: str, copied: set, dirty: bool, inputs_copied: bool,
     colocation = None
     attr = proto.attr
     if "_class" in attr:
-        targets = colocation_targets(attr["_class"])
-        if any(node in copied for _, node in targets):
-            colocation = [(item, node.encode() if node in copied else None)
-                          for item, node in targets]
+        marked = [(item, item[5:] if node is not None and node in copied else None)
+                  for item, node in colocation_targets(attr["_class"])]
+        if any(node is not None for _, node in marked):
+            colocation = marked
             del snapshot.attr["_class"]
     return name, snapshot, texts, colocation, inputs_copied
 

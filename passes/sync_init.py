@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from graphxform.errors import GraphxformError
-from graphxform.ir import colocation_targets, parse_tensor
+from graphxform.ir import BorrowedNode, parse_tensor
 from graphxform.passes.replicate import kept_single
 from graphxform.pipeline import Pass, PassResult
 
@@ -57,6 +57,7 @@ def _initial_value_subgraphs(ir, reads: dict, shared: set) -> set:
     replica's own)."""
     allowed = {(init, src) for init, (src, _) in reads.items()}
     node_table, succ, pred = ir.g._node, ir.g._succ, ir.g._pred
+    colocations = _colocations(ir)
     excluded = set(shared)
     while True:
         found, stack = set(), [src for src, _ in reads.values()]
@@ -69,18 +70,30 @@ def _initial_value_subgraphs(ir, reads: dict, shared: set) -> set:
                    for dst, keys in succ[name].items()):
                 found.add(name)
                 stack.extend(pred[name])
-        colocated = found & _colocation_targets(ir, skip=found)
+        colocated = _colocated_with(found, colocations)
         if not colocated:
             return found
         excluded |= colocated
 
 
-def _colocation_targets(ir, skip: set) -> set:
-    """The nodes that a node not in ``skip`` colocates with (``_class: loc:@name``)."""
-    targets, attrs_of = set(), ir.attrs
-    for name in ir.nodes():
-        if name not in skip:
-            attrs = attrs_of(name)
-            if "_class" in attrs:
-                targets.update(node for _, node in colocation_targets(attrs["_class"]) if node)
+def _colocations(ir) -> list[tuple[str, object]]:
+    """(node, its ``_class`` items) for every node that has them, read once for every round
+    of ``_initial_value_subgraphs`` (a node's attr map is its data's ``attr``, or
+    ``ir.attrs`` for a copy that borrows its original's)."""
+    found, attrs_of = [], ir.attrs
+    for name, data in ir.node_items():
+        attrs = attrs_of(name) if type(data) is BorrowedNode else data["attr"]
+        if "_class" in attrs:
+            found.append((name, attrs["_class"].list.s))
+    return found
+
+
+def _colocated_with(nodes: set, colocations: list) -> set:
+    """The nodes of ``nodes`` that a node outside them colocates with (``loc:@name``), found
+    by comparing each node's items with the items naming ``nodes`` as bytes."""
+    items = {b"loc:@" + name.encode(): name for name in nodes}
+    targets = set()
+    for name, listed in colocations:
+        if name not in nodes and not items.keys().isdisjoint(listed):
+            targets.update(items[item] for item in listed if item in items)
     return targets
