@@ -217,7 +217,6 @@ def _update_collections(ir, shared, replicas, first_only, initial_values) -> Non
     """Collections name every replica's copies; VariableDefs of replicas > 0 name replica 0's
     initial value when sync-init chose it (``initial_values``: their nodes)."""
     from tensorflow.core.framework import variable_pb2
-    prefixes = [replica_prefix(i) for i in range(replicas)]
     for key, col in ir.meta.collection_def.items():
         if key in VARIABLE_DEF_COLLECTIONS:
             out = []
@@ -227,7 +226,9 @@ def _update_collections(ir, shared, replicas, first_only, initial_values) -> Non
                     out.append(raw)
                     continue
                 synced = vd.initial_value_name.split(":")[0] in initial_values
-                out += _prefixed_variable_defs(vd, prefixes, prefixes[0] if synced else None)
+                for i in range(replicas):
+                    out.append(_prefixed_variable_def(
+                        vd, replica_prefix(i), replica_prefix(0) if synced else None))
             del col.bytes_list.value[:]
             col.bytes_list.value.extend(out)
         elif key in CONTEXT_COLLECTIONS:
@@ -239,54 +240,21 @@ def _update_collections(ir, shared, replicas, first_only, initial_values) -> Non
             col.node_list.value.extend(names)
 
 
-def _prefixed_variable_defs(vd, prefixes: list[str], initial_value_prefix: str | None) -> list:
-    """``_prefixed_variable_def`` for each of ``prefixes``, serialized once per prefix length
-    (the replicas' prefixes mostly share one): with a stand-in of as many DEL bytes where the
-    prefix goes, which each prefix then replaces, giving the same bytes (the lengths in them
-    are the same). Sound when the bytes hold no other DEL byte (a name or a length could):
-    then each run of them is one stand-in, since strings are apart; else each prefix's
-    VariableDef is made on its own."""
-    out, templates = [], {}
-    for prefix in prefixes:
-        size = len(prefix.encode())
-        if size not in templates:
-            stand_in = _STAND_IN * size
-            template, holes = _prefixed_variable_def(vd, stand_in, initial_value_prefix)
-            exact = template.count(_STAND_IN.encode()) == holes * size
-            templates[size] = (template, stand_in.encode()) if exact and size else None
-        if templates[size] is None:
-            out.append(_prefixed_variable_def(vd, prefix, initial_value_prefix)[0])
-        else:
-            template, stand_in = templates[size]
-            out.append(template.replace(stand_in, prefix.encode()))
-    return out
-
-
-_STAND_IN = "\x7f"
-
-
-def _prefixed_variable_def(vd, prefix: str, initial_value_prefix: str | None) -> tuple:
+def _prefixed_variable_def(vd, prefix: str, initial_value_prefix: str | None) -> bytes:
     """A VariableDef with every name in it prefixed (its initial value's with
-    ``initial_value_prefix`` if given), serialized, and how many strings got ``prefix``. Its
-    four node names are set directly (the generic walk costs more than the rest of the
-    collections together on large graphs); anything else that holds a name
-    (save_slice_info_def) goes through the generic walk."""
+    ``initial_value_prefix`` if given). Its four node names are set directly (the generic walk
+    costs more than the rest of the collections together on large graphs); anything else that
+    holds a name (save_slice_info_def) goes through the generic walk."""
     copy = type(vd)()
     copy.CopyFrom(vd)
-    holes = 0
     for field in _VARIABLE_DEF_NAMES:
         value = getattr(vd, field)
         if value:
             own = initial_value_prefix if field == "initial_value_name" else None
             setattr(copy, field, (own or prefix) + value)
-            holes += own is None
     if copy.HasField("save_slice_info_def"):
-        def rename(value: str) -> str:
-            nonlocal holes
-            holes += bool(value)
-            return prefix + value if value else value
-        _prefix_strings(copy.save_slice_info_def, rename)
-    return copy.SerializeToString(), holes
+        _prefix_strings(copy.save_slice_info_def, lambda s: prefix + s if s else s)
+    return copy.SerializeToString()
 
 
 _VARIABLE_DEF_NAMES = ("variable_name", "initial_value_name", "initializer_name", "snapshot_name")

@@ -70,29 +70,6 @@ def test_replicate_gives_each_legacy_loop_its_own_frame():
     assert any(f.startswith("replica_1/") for f in frames)
 
 
-@pytest.mark.parametrize("name", [
-    "dense/kernel",
-    "v" * 115,  # replica_0/ + 115 bytes + ":0": 127 bytes, whose length byte is a DEL
-    "odd\x7fname",  # a DEL byte in a name
-])
-@pytest.mark.parametrize("synced", [False, True])
-def test_replicated_variable_defs_equal_those_made_one_by_one(name, synced):
-    """The VariableDefs replicate writes from one stand-in template per prefix length are the
-    bytes each prefix's own VariableDef serializes to, also where the template holds a DEL
-    byte of its own (a name, a length), and for prefixes of different lengths."""
-    from tensorflow.core.framework import variable_pb2
-    from graphxform.passes.replicate import _prefixed_variable_def, _prefixed_variable_defs
-    vd = variable_pb2.VariableDef(variable_name=name + ":0", initial_value_name=name + "/iv:0",
-                                  initializer_name=name + "/Assign",
-                                  snapshot_name=name + "/read:0", is_resource=True)
-    vd.save_slice_info_def.full_name = name
-    vd.save_slice_info_def.full_shape.extend([4, 2])
-    prefixes = [f"replica_{i}/" for i in range(12)]
-    first = prefixes[0] if synced else None
-    assert _prefixed_variable_defs(vd, prefixes, first) == [
-        _prefixed_variable_def(vd, prefix, first)[0] for prefix in prefixes]
-
-
 def test_split_inputs():
     ir, t = run("mlp_sgd", [Replicate(), SplitInputs()])
     assert t["split-inputs"].summary["inputs"] == ["x", "y"]
