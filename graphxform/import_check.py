@@ -381,9 +381,9 @@ def _check_collections(ir: GraphIR) -> None:
     from tensorflow.core.framework import variable_pb2
     from tensorflow.core.protobuf import queue_runner_pb2
 
-    from graphxform import opdefs
     from graphxform.training import VARIABLE_DEF_COLLECTIONS, VARIABLE_OPS
     node_table = ir.g._node
+    outputs_of = _OutputCounts(ir)
 
     def resolve(key: str, name: str, variable: bool = False) -> None:
         node, _, port = name.partition(":")
@@ -393,19 +393,23 @@ def _check_collections(ir: GraphIR) -> None:
             problem = "no such node"
         elif variable and data["op"] not in VARIABLE_OPS:
             problem = f"its op is {data['op']}, not a variable op"
-        elif port and (not port.isdigit() or int(port) >= (opdefs.num_outputs(ir, node) or 0)):
+        elif port and (not port.isdigit() or int(port) >= (outputs_of(node) or 0)):
             problem = f"{data['op']} has no output {port}"
         if problem:
             raise GraphxformError(f"TensorFlow rejects the graph: collection '{clip(key)}' "
                                   f"names '{clip(name)}' ({problem}); import_meta_graph would "
                                   "fail")
 
+    resolved = set()  # VariableDefs already resolved (trainable_variables repeats variables')
     for key, col in sorted(ir.meta.collection_def.items()):
         if col.HasField("node_list"):
             for value in col.node_list.value:
                 resolve(key, value)
         elif key in VARIABLE_DEF_COLLECTIONS and col.HasField("bytes_list"):
             for raw in col.bytes_list.value:
+                if raw in resolved:  # the same bytes resolve the same
+                    continue
+                resolved.add(raw)
                 vd = variable_pb2.VariableDef.FromString(raw)
                 resolve(key, vd.variable_name, variable=True)
                 for name in (vd.initializer_name, vd.snapshot_name, vd.initial_value_name):
@@ -418,6 +422,28 @@ def _check_collections(ir: GraphIR) -> None:
                              runner.close_op_name, runner.cancel_op_name]:
                     if name:
                         resolve(key, name)
+
+
+class _OutputCounts:
+    """``opdefs.num_outputs(ir, node)``, read once per op type where the OpDef fixes the
+    count (most ops), once per node where attrs decide it."""
+
+    def __init__(self, ir: GraphIR):
+        self.ir, self.by_op = ir, {}
+
+    def __call__(self, node: str) -> int | None:
+        from graphxform import opdefs
+        op = self.ir.g._node[node]["op"]
+        count = self.by_op.get(op, _PER_NODE)
+        if count is _PER_NODE and op not in self.by_op:
+            found = opdefs.op_def(self.ir, op)
+            varies = found is None or any(arg.number_attr or arg.type_list_attr
+                                          for arg in found.output_arg)
+            count = self.by_op[op] = _PER_NODE if varies else len(found.output_arg)
+        return opdefs.num_outputs(self.ir, node) if count is _PER_NODE else count
+
+
+_PER_NODE = object()
 
 
 def _plans_targets(plans: list, by_plan: dict) -> tuple[list, dict, dict]:
