@@ -12,7 +12,9 @@ representative, as long as their inputs look the same to TF: the same node, a tw
 representative, or two nodes to which TF gives the same dtype, shape, resource handle data and
 constant value. So ``check``:
 
-1. finds the twins (``find_twins``);
+1. finds the twins (``find_twins``), and the nodes a pass made or rewired per replica that
+   are alike a node it imports in the same sense (``join_alike``: same op and attrs, inputs
+   that are the same node or twins of it), which are left out as twins are;
 2. imports every other node with TF's C importer, without Python op wrappers; a node that reads
    a twin reads its representative instead. Leaves that nothing reads through data are left
    out too, where TF could say nothing of them but whether an Identity's T is its input's
@@ -144,15 +146,10 @@ def join_alike(ir: GraphIR, twins: Twins, leaves: dict) -> int:
     it; control inputs count too, so that what reads the node in the import waits on what the
     node waits on (no cycle the graph lacks). Nodes alike are found by one key per node
     (``_Alike.key``), a node's inputs decided before it. The frontier and what the leaves
-    stand for stay imported; ``leaves`` then stand on what their input is alike. Returns how
-    many nodes were added."""
+    stand on (``find_leaves``) stay imported. Returns how many nodes were added."""
     alike = _Alike(ir, twins, leaves)
     alike.run()
-    found = alike.found
-    for name, (src, port, dtype) in leaves.items():
-        if src in found:
-            leaves[name] = (found[src], port, dtype)
-    return len(found)
+    return len(alike.found)
 
 
 class _Alike:
