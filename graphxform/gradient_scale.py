@@ -23,7 +23,7 @@ has float32's range and is not refused.
 
 from __future__ import annotations
 
-from graphxform.training import GRADIENTS_SCOPE, REPLICA_SCOPE, gradient_scope
+from graphxform.training import REPLICA_SCOPE, gradient_scope
 
 # ops whose output is linear in any one input the incoming gradient reaches (or, for shapes
 # and fills, does not depend on its values)
@@ -66,60 +66,13 @@ def nonlinear_custom_gradient(ir, closure, name_of=lambda name: name) -> tuple |
 def half_precision_gradient(ir, closure, name_of=lambda name: name) -> str | None:
     """The first node (by name) of a gradients scope in ``closure`` whose output is float16,
     or None. ``name_of`` as for ``nonlinear_custom_gradient``."""
-    node_table, in_gradients = ir.g._node, GRADIENTS_SCOPE.match
-    backward = [name for name in closure if in_gradients(name)]
-    pairs = [(name, node) for name, node in zip(backward, map(name_of, backward))
-             if node in node_table]
-    dtypes = first_output_dtypes(ir, [node for _, node in pairs])
-    return min((name for (name, _), dtype in zip(pairs, dtypes) if dtype == HALF), default=None)
-
-
-def first_output_dtypes(ir, nodes: list) -> list:
-    """``opdefs.output_dtype(ir, node, 0)`` of each of ``nodes``, with what the OpDef says
-    about output 0 read once per op type rather than once per node (a backward pass has
-    thousands of nodes of a few dozen ops): a fixed type, or the type attr that holds it. An
-    op whose first output is a list (its length, from attrs, could be 0), an unknown op, and a
-    node that lacks the type attr and its default go through ``output_dtype`` itself, so
-    every answer is the one it gives."""
     from graphxform.opdefs import output_dtype
-    node_table, attrs_of, rules, found = ir.g._node, ir.attrs, {}, []
-    for node in nodes:
-        op = node_table[node]["op"]
-        rule = rules.get(op)
-        if rule is None:
-            rule = rules[op] = _first_output_rule(ir, op)
-        fixed, attr, default = rule
-        if fixed:
-            found.append(default)
-            continue
-        if attr is not None:
-            attrs = attrs_of(node)
-            if attr in attrs:
-                found.append(attrs[attr].type)
-                continue
-            if default is not None:
-                found.append(default)
-                continue
-        found.append(output_dtype(ir, node, 0))
-    return found
-
-
-def _first_output_rule(ir, op: str) -> tuple:
-    """(fixed, type attr, dtype) for output 0 of ``op``: (True, None, its dtype or None)
-    where the OpDef fixes it; (False, attr, the attr's default or None) where an attr holds
-    it; (False, None, None) where ``output_dtype`` must be asked."""
-    from graphxform import opdefs
-    found = opdefs.op_def(ir, op)
-    if found is None or not found.output_arg:
-        return False, None, None
-    arg = found.output_arg[0]
-    if arg.number_attr or arg.type_list_attr:
-        return False, None, None
-    if arg.type or not arg.type_attr:
-        return True, None, arg.type or None
-    default = next((a.default_value.type for a in found.attr
-                    if a.name == arg.type_attr and a.HasField("default_value")), None)
-    return False, arg.type_attr, default
+    node_table = ir.g._node
+    for name in sorted(n for n in closure if gradient_scope(n) is not None):
+        node = name_of(name)
+        if node in node_table and output_dtype(ir, node, 0) == HALF:
+            return name
+    return None
 
 
 def _gradient_groups(closure) -> dict:
