@@ -12,7 +12,9 @@ representative, as long as their inputs look the same to TF: the same node, a tw
 representative, or two nodes to which TF gives the same dtype, shape, resource handle data and
 constant value. So ``check``:
 
-1. finds the twins (``find_twins``);
+1. finds the twins (``find_twins``), and the nodes a pass made or rewired per replica that
+   are alike a node it imports in the same sense (``join_alike``: same op and attrs, inputs
+   that are the same node or twins of it), which are left out as twins are;
 2. imports every other node with TF's C importer, without Python op wrappers; a node that reads
    a twin reads its representative instead. Leaves that nothing reads through data are left
    out too, where TF could say nothing of them but whether an Identity's T is its input's
@@ -36,6 +38,7 @@ is a fault in its representative, which is imported.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import operator
 import re
@@ -69,6 +72,7 @@ def check(ir: GraphIR, keep_until_exit: bool = False) -> dict:
         _check_collections(ir)
         twins = find_twins(ir)
         leaves = find_leaves(ir, twins.of)
+        join_alike(ir, twins, leaves)
         left_out = {**twins.of, **{leaf: src for leaf, (src, _, _) in leaves.items()}}
         whole = not left_out or any(rep is None for _, rep in twins.frontier)
         if not whole:
@@ -127,6 +131,159 @@ def find_twins(ir: GraphIR) -> Twins:
                 present = rep is not replica and node_table.get(rep.names[k]) is rep.copies[k]
                 twins.frontier.append((name, rep.names[k] if present else None))
     return twins
+
+
+def join_alike(ir: GraphIR, twins: Twins, leaves: dict) -> int:
+    """Add to ``twins.of`` the nodes made or rewired per replica that TF sees as a node it
+    imports: a pass's nodes per replica (all-reduce's buckets, drop-in-saver's assigns to
+    each replica's variables) and copies rewired since made (an update that reads the reduced
+    gradient). Such a node is *alike* a node R that stays imported when both have the same
+    op, attrs and other NodeDef fields (``_same_fields``) and the same inputs as TF sees
+    them, each at the same ports: the same node, or a twin or alike node and its
+    representative. A node that reads no data is alike one with the same fields and control
+    inputs (each replica's Const of one value). What TF's importer checks of the node then
+    comes out as for R, by the module docstring's argument, so R is imported and stands for
+    it; control inputs count too, so that what reads the node in the import waits on what the
+    node waits on (no cycle the graph lacks). Nodes alike are found by one key per node
+    (``_Alike.key``), a node's inputs decided before it. The frontier and what the leaves
+    stand on (``find_leaves``) stay imported. Returns how many nodes were added."""
+    alike = _Alike(ir, twins, leaves)
+    alike.run()
+    return len(alike.found)
+
+
+class _Alike:
+    """The search of ``join_alike``: every candidate decided once, its inputs first."""
+
+    def __init__(self, ir: GraphIR, twins: Twins, leaves: dict):
+        self.ir, self.of = ir, twins.of  # found nodes join twins.of as they are found
+        self.kept = {name for pair in twins.frontier for name in pair if name is not None}
+        self.kept.update(src for src, _, _ in leaves.values())
+        self.leaves = leaves
+        self.found = {}  # node -> the imported node it is alike
+        self.by_key = {}  # key (see ``key``) -> the imported nodes with that key
+        self.pending = set()  # candidates not decided yet
+
+    def run(self) -> None:
+        """Decide every candidate, the candidates it reads through data first (a cycle's
+        are read undecided: as themselves)."""
+        candidates = self.candidates()
+        pending, pred, place = self.pending, self.ir.g._pred, self._place
+        for name in candidates:
+            if name not in pending:
+                continue
+            if pending.isdisjoint(pred[name]):  # most: reads no undecided candidate
+                pending.discard(name)
+                place(name)
+                continue
+            stack, opened = [name], set()
+            while stack:
+                top = stack[-1]
+                if top not in pending:
+                    stack.pop()
+                    continue
+                if top not in opened and not pending.isdisjoint(pred[top]):
+                    opened.add(top)
+                    stack.extend(src for src in pred[top]
+                                 if src in pending and src not in opened)
+                    continue
+                stack.pop()
+                pending.discard(top)
+                place(top)
+
+    def candidates(self) -> list[str]:
+        """The passes' own nodes (not leaves) and the copies changed since made, which are
+        no representatives of twins (those are unchanged), own nodes in graph order."""
+        node_table, of, leaves = self.ir.g._node, self.of, self.leaves
+        found = [name for name in self.ir._protos
+                 if name not in of and name not in leaves
+                 and type(node_table.get(name, BorrowedNode)) is not BorrowedNode]
+        changed = set(self.ir._dirty)
+        for replica in self.ir.replicas():
+            changed.update(replica.mapping[orig] for orig in replica.touched)
+        found += sorted(name for name in changed if type(node_table.get(name)) is BorrowedNode
+                        and name not in of)
+        self.pending = set(found)
+        return found
+
+    def _place(self, name: str) -> None:
+        """``name`` is alike the first imported node with its key and fields, or imported."""
+        key = self.key(name)
+        others = self.by_key.get(key)
+        if others is None:
+            self.by_key[key] = [name]
+            return
+        if name not in self.kept:
+            for other in others[:4]:  # more with one key and other fields: imported
+                if _same_fields(self.ir, name, other):
+                    self.found[name] = self.of[name] = other
+                    return
+        others.append(name)
+
+    def key(self, name: str):
+        """What TF sees ``name`` read: its op and, per input's key dict (which holds the
+        ports, one dict shared by every pair of nodes joined alike; control inputs too, so
+        that whatever reads the node in the import waits on what it waits on), the node as
+        TF sees it; for a node that reads no data, its attrs too."""
+        of_get = self.of.get
+        op = self.ir.g._node[name]["op"]
+        pred = self.ir.g._pred[name]
+        read = frozenset([(of_get(src, src), id(keys)) for src, keys in pred.items()])
+        if any(keys is not CONTROL_KEYS for keys in pred.values()):
+            return op, read
+        attr = _fields_of(self.ir, name).attr
+        return op, read, tuple(sorted((key, value.SerializeToString(deterministic=True))
+                                      for key, value in attr.items()))
+
+
+# the NodeDef fields a node's emit writes of its own (the rest come from its NodeDef)
+_WRITTEN_FIELDS = frozenset({"name", "op", "input", "device", "attr"})
+
+
+def _same_fields(ir: GraphIR, name: str, other: str) -> bool:
+    """Whether TF reads the same NodeDef fields but name, device and inputs for both nodes:
+    op, attrs and any other field. A copy that borrows its original's NodeDef is read from
+    the snapshot, which lacks a ``_class`` naming copied nodes: colocation is no concern of
+    TF's importer here (its check is off; ``_check_colocation`` checks every node's)."""
+    node_table = ir.g._node
+    if node_table[name]["op"] != node_table[other]["op"]:
+        return False
+    mine, theirs = _fields_of(ir, name), _fields_of(ir, other)
+    if mine is theirs:
+        return True
+    if not _same_attrs(mine.attr, theirs.attr):
+        return False
+    return all(getattr(mine, field) == getattr(theirs, field) for field in _other_fields()
+               if mine.HasField(field) or theirs.HasField(field))  # reading one makes it
+
+
+@functools.cache
+def _other_fields() -> tuple[str, ...]:
+    """The NodeDef fields besides those emit writes of each node's own (debug info, full
+    type)."""
+    from tensorflow.core.framework import node_def_pb2
+    return tuple(field.name for field in node_def_pb2.NodeDef.DESCRIPTOR.fields
+                 if field.name not in _WRITTEN_FIELDS)
+
+
+def _same_attrs(mine, theirs) -> bool:
+    """Whether two attr maps hold the same values (``==`` on the maps goes through Python's
+    generic Mapping comparison, several times slower)."""
+    if len(mine) != len(theirs):
+        return False
+    for key in mine:
+        if key not in theirs or theirs[key] != mine[key]:
+            return False
+    return True
+
+
+def _fields_of(ir: GraphIR, name: str):
+    """The NodeDef that holds ``name``'s attrs and other fields: its own, or the snapshot a
+    copy borrows."""
+    data = ir.g._node[name]
+    if type(data) is BorrowedNode:
+        return data._proto if data._proto is not None else data._plan[1]
+    return ir._protos[name]
 
 
 # ops whose acceptance TF decides from their attrs and their data inputs' dtypes alone, with the
@@ -381,9 +538,9 @@ def _check_collections(ir: GraphIR) -> None:
     from tensorflow.core.framework import variable_pb2
     from tensorflow.core.protobuf import queue_runner_pb2
 
-    from graphxform import opdefs
     from graphxform.training import VARIABLE_DEF_COLLECTIONS, VARIABLE_OPS
     node_table = ir.g._node
+    outputs_of = _OutputCounts(ir)
 
     def resolve(key: str, name: str, variable: bool = False) -> None:
         node, _, port = name.partition(":")
@@ -393,19 +550,23 @@ def _check_collections(ir: GraphIR) -> None:
             problem = "no such node"
         elif variable and data["op"] not in VARIABLE_OPS:
             problem = f"its op is {data['op']}, not a variable op"
-        elif port and (not port.isdigit() or int(port) >= (opdefs.num_outputs(ir, node) or 0)):
+        elif port and (not port.isdigit() or int(port) >= (outputs_of(node) or 0)):
             problem = f"{data['op']} has no output {port}"
         if problem:
             raise GraphxformError(f"TensorFlow rejects the graph: collection '{clip(key)}' "
                                   f"names '{clip(name)}' ({problem}); import_meta_graph would "
                                   "fail")
 
+    resolved = set()  # VariableDefs already resolved (trainable_variables repeats variables')
     for key, col in sorted(ir.meta.collection_def.items()):
         if col.HasField("node_list"):
             for value in col.node_list.value:
                 resolve(key, value)
         elif key in VARIABLE_DEF_COLLECTIONS and col.HasField("bytes_list"):
             for raw in col.bytes_list.value:
+                if raw in resolved:  # the same bytes resolve the same
+                    continue
+                resolved.add(raw)
                 vd = variable_pb2.VariableDef.FromString(raw)
                 resolve(key, vd.variable_name, variable=True)
                 for name in (vd.initializer_name, vd.snapshot_name, vd.initial_value_name):
@@ -418,6 +579,28 @@ def _check_collections(ir: GraphIR) -> None:
                              runner.close_op_name, runner.cancel_op_name]:
                     if name:
                         resolve(key, name)
+
+
+class _OutputCounts:
+    """``opdefs.num_outputs(ir, node)``, read once per op type where the OpDef fixes the
+    count (most ops), once per node where attrs decide it."""
+
+    def __init__(self, ir: GraphIR):
+        self.ir, self.by_op = ir, {}
+
+    def __call__(self, node: str) -> int | None:
+        from graphxform import opdefs
+        op = self.ir.g._node[node]["op"]
+        count = self.by_op.get(op, _PER_NODE)
+        if count is _PER_NODE and op not in self.by_op:
+            found = opdefs.op_def(self.ir, op)
+            varies = found is None or any(arg.number_attr or arg.type_list_attr
+                                          for arg in found.output_arg)
+            count = self.by_op[op] = _PER_NODE if varies else len(found.output_arg)
+        return opdefs.num_outputs(self.ir, node) if count is _PER_NODE else count
+
+
+_PER_NODE = object()
 
 
 def _plans_targets(plans: list, by_plan: dict) -> tuple[list, dict, dict]:

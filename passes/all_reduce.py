@@ -33,6 +33,7 @@ device (the broadcast inside the worker). Sparse gathers stay in the flat group.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import numpy as np
 
@@ -188,15 +189,15 @@ def gradient_stages(ir, gradients: list) -> list[list]:
     while remaining:
         updates = [named(u) for var, _ in remaining for u in var.updates if named(u) in ir]
         after = ir.descendants(updates) if updates else set()
-        ready = [(var, grad) for var, grad in remaining
-                 if not any(named(parse_tensor(t)[0]) in after for t in grad.tensors)]
-        if not ready:
+        is_ready = [not any(named(parse_tensor(t)[0]) in after for t in grad.tensors)
+                    for _, grad in remaining]
+        if not any(is_ready):
             raise ContractError(
                 f"variable '{remaining[0][0].name}': its gradient is computed after its own "
                 "update runs, so no reduction of it across replicas can come before that "
                 "update; compute the gradient before applying it")
-        stages.append(ready)
-        remaining = [pair for pair in remaining if pair not in ready]
+        stages.append(list(itertools.compress(remaining, is_ready)))
+        remaining = [pair for pair, ready in zip(remaining, is_ready) if not ready]
     return stages
 
 

@@ -127,10 +127,11 @@ def _sum_selected_means(ir, build, devices: list, losses: list, classes) -> list
     from graphxform.replica_spread import SPLIT_SCOPE
     from graphxform.selections import selection_mask
     first = replica_prefix(0)
-    splits = {n for n in ir.nodes_of({"Split"}) if n.startswith(SPLIT_SCOPE)}
+    splits = functools.cache(  # a sweep of the graph, only where a Mean averages a selection
+        lambda: {n for n in ir.nodes_of({"Split"}) if n.startswith(SPLIT_SCOPE)})
     means = list(dict.fromkeys(  # a mask of the weights selects as many on every replica
         mean for loss in losses for mean, _ in loss_means(ir, tensor_name(*loss))
-        if averaged_selection(ir, mean) is not None and not splits.isdisjoint(
+        if averaged_selection(ir, mean) is not None and not splits().isdisjoint(
             ir.value_sources(selection_mask(ir, averaged_selection(ir, mean))[0]))))
     for k, mean in enumerate(means):
         gather = averaged_selection(ir, mean)

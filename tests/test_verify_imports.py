@@ -124,6 +124,44 @@ def test_a_cycle_through_a_twin_is_rejected(transformed):
         verify.check_imports(transformed)
 
 
+PER_REPLICA = "allreduce/bucket_0/replica_2/"  # all-reduce's nodes of replica 2
+REWIRED = "replica_2/GradientDescent/update_dense0/kernel/ResourceApplyGradientDescent"
+
+
+def test_what_a_pass_makes_or_rewires_per_replica_is_left_out_as_alike(transformed):
+    """all-reduce's nodes of replica 2, and replica 2's update now reading its reduced
+    gradient, are alike replica 0's (import_check.join_alike): left out of the import."""
+    twins = import_check.find_twins(transformed)
+    leaves = import_check.find_leaves(transformed, twins.of)
+    assert REWIRED not in twins.of
+    assert import_check.join_alike(transformed, twins, leaves) > 0
+    assert twins.of[PER_REPLICA + "reduce"] == "allreduce/bucket_0/replica_0/reduce"
+    assert twins.of[REWIRED] == REWIRED.replace("replica_2/", "replica_0/")
+    info = verify.check_imports(transformed)
+    assert not info["whole"]
+    assert info["imported"] + info["twins"] + info["leaves"] == len(transformed)
+
+
+ALIKE_BREAKS = {
+    "wrong attr type": lambda ir: set_attr_int(ir, PER_REPLICA + "grad_1", "T"),
+    "dtype mismatch": lambda ir: ir.set_input(PER_REPLICA + "grad_1", 0, PER_REPLICA + "sizes"),
+    "shape contradiction": lambda ir: set_const(ir, PER_REPLICA + "shape_1", [999, 7]),
+    "rewired update reads another dtype": lambda ir: ir.set_input(REWIRED, 2,
+                                                                  PER_REPLICA + "sizes"),
+    "cycle": lambda ir: ir.add_control_input(PER_REPLICA + "concat", PER_REPLICA + "grad_1"),
+}
+
+
+@pytest.mark.parametrize("broken", sorted(ALIKE_BREAKS))
+def test_a_broken_node_a_pass_made_per_replica_is_rejected(transformed, broken):
+    """What a pass made for replica 2 (or rewired there) is left out of the import where it
+    is alike replica 0's; broken, it is no longer alike (or a node it reads is not), and TF
+    rejects it."""
+    ALIKE_BREAKS[broken](transformed)
+    with pytest.raises(GraphxformError, match="TensorFlow rejects the graph"):
+        verify.check_imports(transformed)
+
+
 def test_colocation_with_a_missing_node_is_rejected(transformed):
     value = transformed.node("split_inputs/x/split")["attr"]["_class"]
     value.list.s.append(b"loc:@nowhere")
