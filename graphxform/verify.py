@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from graphxform import opdefs
 from graphxform.errors import GraphxformError
-from graphxform.ir import CONTROL_KEY, CONTROL_KEYS, GraphIR, data_pairs
+from graphxform.ir import CONTROL_KEY, CONTROL_KEYS, SINGLE_EDGE_PORTS, GraphIR
 
 LOOP_BACK_OPS = {"NextIteration", "RefNextIteration"}
 
@@ -20,14 +20,12 @@ def structural_errors(ir: GraphIR, limit: int = 10, nodes=None, new_edges=None) 
     ``new_edges`` (the nodes that gained in-edges, those edges' sources) only cycles through
     such edges. Returns up to ``limit`` messages."""
     g = ir.g
-    checked = g if nodes is None else [n for n in nodes if n in g]
-    errors = []
+    checked = g._node if nodes is None else [n for n in nodes if n in g._node]
     counts = _OutputCounts(ir)
-    for name in checked:
-        errors += _input_errors(g, name, counts)
-        if len(errors) >= limit:
-            return errors[:limit]
-    unknown = sorted({g._node[n]["op"] for n, count in counts.items() if count is None})
+    errors = _input_errors(g, checked, counts, limit)
+    if len(errors) >= limit:
+        return errors[:limit]
+    unknown = sorted(counts.unknown)
     errors += [f"unknown op type {op}" for op in unknown[: limit - len(errors)]]
     if not errors:
         if nodes is None:
@@ -40,56 +38,91 @@ def structural_errors(ir: GraphIR, limit: int = 10, nodes=None, new_edges=None) 
 
 
 _VARIES = -1  # an op whose output count depends on its attrs
-_UNREAD = object()
+_UNKNOWN = float("inf")  # the bound of an op with no OpDef: any port passes (reported apart)
 
 
 class _OutputCounts(dict):
-    """Node name -> how many outputs it has (None: unknown op), read once per node; an op
-    whose output count does not depend on attrs (most) is read once per op type."""
+    """Op type -> the bound a data edge's source port must stay under: the op's output count
+    when its attrs do not change it (most ops; read once per op type), ``_VARIES`` when they
+    do (then ``of_node`` reads the node's own count, once per node), ``_UNKNOWN`` for an op
+    with no OpDef (those ops are kept in ``unknown``)."""
 
     def __init__(self, ir: GraphIR):
         super().__init__()
         self.ir = ir
-        self.by_op = {}
+        self.unknown = set()
+        self.by_node = {}
 
-    def __missing__(self, name: str):
-        op = self.ir.g._node[name]["op"]
-        count = self.by_op.get(op, _UNREAD)
+    def __missing__(self, op: str):
+        found = opdefs.op_def(self.ir, op)
+        if found is None:
+            self.unknown.add(op)
+            bound = _UNKNOWN
+        elif any(arg.number_attr or arg.type_list_attr for arg in found.output_arg):
+            bound = _VARIES
+        else:
+            bound = len(found.output_arg)
+        self[op] = bound
+        return bound
+
+    def of_node(self, name: str) -> int | None:
+        """The output count of ``name`` (None when its op is unknown)."""
+        count = self.by_node.get(name, _UNREAD)
         if count is _UNREAD:
-            count = self.by_op[op] = _count_by_op(self.ir, op)
-        if count == _VARIES:
-            count = opdefs.num_outputs(self.ir, name)
-        self[name] = count
+            bound = self[self.ir.g._node[name]["op"]]
+            count = self.by_node[name] = (None if bound == _UNKNOWN else bound
+                                          if bound != _VARIES else
+                                          opdefs.num_outputs(self.ir, name))
         return count
 
 
-def _count_by_op(ir: GraphIR, op: str) -> int | None:
-    """The output count of every ``op`` node, ``_VARIES`` when attrs say, None when unknown."""
-    found = opdefs.op_def(ir, op)
-    if found is None:
-        return None
-    if any(arg.number_attr or arg.type_list_attr for arg in found.output_arg):
-        return _VARIES
-    return len(found.output_arg)
+_UNREAD = object()
 
 
-def _input_errors(g, name: str, counts: _OutputCounts) -> list[str]:
-    """What is wrong with ``name``'s data inputs."""
-    errors, ports = [], []
-    for src, keyed in data_pairs(g._pred[name]):
-        if keyed is CONTROL_KEYS:
-            continue
-        for key, edge in keyed.items():
-            if key == CONTROL_KEY:
+def _input_errors(g, names, counts: _OutputCounts, limit: int) -> list[str]:
+    """What is wrong with the data inputs of ``names`` (up to about ``limit`` messages): a
+    source port past its node's outputs, ports not dense. One loop over every checked node's
+    in-edges, which is most of what the check costs."""
+    pred, node_table = g._pred, g._node
+    single_ports = SINGLE_EDGE_PORTS
+    errors = []
+    for name in names:
+        ports = []
+        for src, keyed in pred[name].items():
+            if keyed is CONTROL_KEYS:
                 continue
-            ports.append(key)
-            count = counts[src]
-            if count is not None and edge["src_port"] >= count:
-                errors.append(f"node '{name}' reads {src}:{edge['src_port']}, but "
-                              f"{src} ({g._node[src]['op']}) has {count} output(s)")
-    if ports and sorted(ports) != list(range(len(ports))):
-        errors.append(f"node '{name}' has data inputs at ports {sorted(ports)} (not dense)")
+            single = single_ports.get(id(keyed))
+            if single is not None:  # one plain data edge: (dst_port, src_port)
+                ports.append(single[0])
+                if single[1] >= counts[node_table[src]["op"]]:
+                    errors += _port_error(counts, node_table, name, src, single[1])
+                continue
+            for key, edge in keyed.items():
+                if key == CONTROL_KEY:
+                    continue
+                ports.append(key)
+                if edge["src_port"] >= counts[node_table[src]["op"]]:
+                    errors += _port_error(counts, node_table, name, src, edge["src_port"])
+        if len(ports) > 1:
+            if sorted(ports) != list(range(len(ports))):
+                errors.append(f"node '{name}' has data inputs at ports {sorted(ports)} "
+                              "(not dense)")
+        elif ports and ports[0] != 0:
+            errors.append(f"node '{name}' has data inputs at ports {ports} (not dense)")
+        if len(errors) >= limit:
+            break
     return errors
+
+
+def _port_error(counts: _OutputCounts, node_table, name: str, src: str,
+                src_port: int) -> list[str]:
+    """The message for ``name`` reading ``src``:``src_port`` past its outputs (none when
+    ``src``'s op has as many outputs as its attrs say and the port is among them)."""
+    count = counts.of_node(src)
+    if count is None or src_port < count:
+        return []
+    return [f"node '{name}' reads {src}:{src_port}, but {src} ({node_table[src]['op']}) has "
+            f"{count} output(s)"]
 
 
 def _cycle_candidates(g, heads, tails) -> set | None:
