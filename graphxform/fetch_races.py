@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from graphxform.ir import SHAPE_ONLY_OPS, GraphIR, parse_tensor
+from graphxform.ir import CONTROL_KEY, CONTROL_KEYS, SHAPE_ONLY_OPS, GraphIR, parse_tensor
 
 # ops whose output depends on their input's shape alone (the input's value orders nothing)
 _SHAPE_READERS = SHAPE_ONLY_OPS | {"ZerosLike", "OnesLike", "VariableShape"}
@@ -320,8 +320,9 @@ def runs_before(ir: GraphIR, a: str, b: str) -> bool:
 def _value_sources(ir: GraphIR, targets: list, source_of: dict | None = None) -> dict:
     """{node: the first of ``targets`` whose value depends on it} (``GraphIR.value_sources``
     of each, in one sweep); ``source_of``: such a dict to extend (its nodes are not swept
-    again)."""
+    again). Which target claims a node does not depend on the order a sweep takes."""
     source_of = {} if source_of is None else source_of
+    node_table, pred = ir.g._node, ir.g._pred
     for target in targets:
         if target in source_of:
             continue
@@ -329,10 +330,11 @@ def _value_sources(ir: GraphIR, targets: list, source_of: dict | None = None) ->
         stack = [target]
         while stack:
             node = stack.pop()
-            if ir.op(node) in _SHAPE_READERS:
+            if node_table[node]["op"] in _SHAPE_READERS:
                 continue
-            for src, _ in ir.inputs(node):
-                if src not in source_of:
+            for src, keys in pred[node].items():
+                if src not in source_of and keys is not CONTROL_KEYS and (
+                        len(keys) > 1 or CONTROL_KEY not in keys):  # a data input
                     source_of[src] = target
                     stack.append(src)
     return source_of
@@ -399,47 +401,68 @@ def _ordered_after(ir: GraphIR, closure: set, marked: list):
     for name in marked:
         if name not in nodes:
             nodes |= ir.ancestors(name)
-    succ = {}
-    for name in nodes:
-        controls = set(ir.control_consumers(name))
-        succ[name] = [dst for dst in ir.successors(name) if dst in nodes
-                      and (dst in controls or ir.op(dst) not in _SHAPE_READERS)]
-    if any(ir.op(name) in ("NextIteration", "RefNextIteration") for name in nodes):
-        import networkx as nx
-        order = nx.DiGraph()
-        order.add_nodes_from(nodes)
-        order.add_edges_from((a, b) for a, targets in succ.items() for b in targets)
-        condensed = nx.condensation(order)
-        component = condensed.graph["mapping"]
-        sweep, after = list(nx.topological_sort(condensed)), condensed.successors
-    else:
-        component = {name: name for name in nodes}
-        sweep, after = _topological(succ), succ.__getitem__
     index = {name: i for i, name in enumerate(dict.fromkeys(marked))}
+    node_table = ir.g._node
+    # the nodes only whose control inputs order them (a shape read's data input does not)
+    shape_readers = {n for n in nodes if node_table[n]["op"] in _SHAPE_READERS}
+    if any(node_table[n]["op"] in ("NextIteration", "RefNextIteration") for n in nodes):
+        return _ordered_after_loops(ir, nodes, shape_readers, index)
+    mask = {}
+    for name, i in index.items():
+        mask[name] = mask.get(name, 0) | 1 << i
+    _carry_masks(ir.g, nodes, shape_readers, mask)
+    return lambda a, b: a != b and bool(mask.get(b, 0) >> index[a] & 1)
+
+
+def _ordering_successors(succ: dict, name: str, nodes: set, shape_readers: set) -> list:
+    """The nodes of ``nodes`` that ``name`` orders: those it feeds, shape reads only through
+    a control edge."""
+    return [dst for dst, keys in succ[name].items() if dst in nodes
+            and (dst not in shape_readers or CONTROL_KEY in keys)]
+
+
+def _carry_masks(g, nodes: set, shape_readers: set, mask: dict) -> None:
+    """OR each node's ``mask`` into every node it orders (``_ordering_successors``), taking
+    the acyclic ``nodes`` in topological order (Kahn's: a node is taken once every node
+    ordering it was)."""
+    pred, succ = g._pred, g._succ
+    waiting = {}
+    for name in nodes:
+        if name in shape_readers:
+            waiting[name] = sum(1 for src, keys in pred[name].items()
+                                if src in nodes and CONTROL_KEY in keys)
+        else:
+            waiting[name] = len(pred[name].keys() & nodes)
+    ready = [name for name, count in waiting.items() if not count]
+    while ready:
+        name = ready.pop()
+        here = mask.get(name, 0)
+        for dst, keys in succ[name].items():
+            if dst in nodes and (dst not in shape_readers or CONTROL_KEY in keys):
+                if here:
+                    mask[dst] = mask.get(dst, 0) | here
+                left = waiting[dst] = waiting[dst] - 1
+                if not left:
+                    ready.append(dst)
+
+
+def _ordered_after_loops(ir: GraphIR, nodes: set, shape_readers: set, index: dict):
+    """``_ordered_after`` where ``nodes`` hold a legacy while loop: over the condensation of
+    their strongly connected components."""
+    import networkx as nx
+    order = nx.DiGraph()
+    order.add_nodes_from(nodes)
+    succ = ir.g._succ
+    order.add_edges_from((a, b) for a in nodes
+                         for b in _ordering_successors(succ, a, nodes, shape_readers))
+    condensed = nx.condensation(order)
+    component = condensed.graph["mapping"]
     mask = {}
     for name, i in index.items():
         mask[component[name]] = mask.get(component[name], 0) | 1 << i
-    for c in sweep:
+    for c in nx.topological_sort(condensed):
         here = mask.get(c, 0)
         if here:
-            for dst in after(c):
+            for dst in condensed.successors(c):
                 mask[dst] = mask.get(dst, 0) | here
     return lambda a, b: a != b and bool(mask.get(component[b], 0) >> index[a] & 1)
-
-
-def _topological(succ: dict) -> list:
-    """The nodes of the acyclic graph ``succ`` ({node: successors}) in topological order."""
-    waiting = dict.fromkeys(succ, 0)
-    for targets in succ.values():
-        for dst in targets:
-            waiting[dst] += 1
-    ready = [name for name, count in waiting.items() if not count]
-    found = []
-    while ready:
-        name = ready.pop()
-        found.append(name)
-        for dst in succ[name]:
-            waiting[dst] -= 1
-            if not waiting[dst]:
-                ready.append(dst)
-    return found
