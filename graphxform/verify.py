@@ -182,13 +182,14 @@ def _cycle_errors(ir: GraphIR, within: set | None = None) -> list[str]:
                 pending[dst] -= 1
     ready = [n for n, count in pending.items() if count == 0]
     seen = 0
+    whole = within is None  # then every node is pending
     while ready:
         node = ready.pop()
         seen += 1
         if node in back:
             continue
         for dst in succ[node]:
-            if dst in pending:
+            if whole or dst in pending:
                 left = pending[dst] = pending[dst] - 1
                 if not left:
                     ready.append(dst)
