@@ -24,7 +24,7 @@ from graphxform import opdefs
 from graphxform.errors import ContractError
 from graphxform.fetch_races import runs_before
 from graphxform.functions import WHILE_OPS, called_nodes, random_in_function
-from graphxform.ir import GraphIR, parse_tensor, tensor_name
+from graphxform.ir import GraphIR, parse_tensor, paused_gc, tensor_name
 from graphxform.nodes import replica_prefix
 from graphxform.replica_spread import (CROSS_REPLICA_OPS, SPLIT_SCOPE, ReplicaSpread,
                                        combines_every_replica)
@@ -38,6 +38,11 @@ def check_input(ir: GraphIR, tg: TrainingGraph) -> None:
     """What is refused on the input graph, before any pass, when the batch will be split: a
     step whose loss mixes the examples of its batch (graphxform/batch_mixing.py says why), or
     reads state the step updates from the batch, or applies gradients another op stored."""
+    with paused_gc():  # its walks keep states and sets of thousands of nodes
+        _check_input(ir, tg)
+
+
+def _check_input(ir: GraphIR, tg: TrainingGraph) -> None:
     from graphxform import towers
     from graphxform.batch_mixing import mixing_in
     sources = tg.batch_sources

@@ -20,7 +20,7 @@ import re
 
 from graphxform import input_pipeline, opdefs
 from graphxform.errors import GraphxformError
-from graphxform.ir import GraphIR, parse_tensor, tensor_name
+from graphxform.ir import GraphIR, parse_tensor, paused_gc, tensor_name
 
 VARIABLE_OPS = {"VarHandleOp", "VariableV2", "Variable"}
 PLACEHOLDER_OPS = {"Placeholder", "PlaceholderWithDefault"}
@@ -270,6 +270,11 @@ class TrainingGraph:
 def analyze(ir: GraphIR, train_op=None) -> TrainingGraph:
     """Analyse ``ir``; ``train_op`` (a name, a comma-separated list or a list of names, each an
     op or a tensor) overrides the 'train_op' collection."""
+    with paused_gc():  # it keeps a record per variable and sets of the step's nodes
+        return _analyze(ir, train_op)
+
+
+def _analyze(ir: GraphIR, train_op) -> TrainingGraph:
     saver_scope = _saver_scope(ir)
     runs = {}
     step_names = find_steps(ir, train_op, runs)
