@@ -49,6 +49,7 @@ session.run of its own after the steps, one of the orders one device may take.""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 from graphxform.ir import CONTROL_KEY, CONTROL_KEYS, SHAPE_ONLY_OPS, GraphIR, parse_tensor
 
@@ -150,7 +151,7 @@ _EARLY, _OPTIMIZER, _LATE, _OTHER = range(4)
 def step_orders(ir: GraphIR, tg) -> list[Order]:
     """The pairs of each step, per variable, that nothing orders (as ``races`` finds them, but
     every pair), each as (before, after) in the order the module's docstring chooses."""
-    created = {name: i for i, name in enumerate(ir.nodes())}
+    created = dict(zip(ir.nodes(), itertools.count()))
     return [o for step in tg.steps for o in _run_orders(ir, tg, step, {}, created)]
 
 
@@ -258,7 +259,8 @@ def _run_orders(ir: GraphIR, tg, step, extra: dict, created: dict) -> list[Order
     run = set(step.closure)
     for write in extra:
         run |= ir.ancestors(write) | {write}
-    updates = {var: [u for u in v.updates if u in run and u in ir]
+    node_table = ir.g._node
+    updates = {var: [u for u in v.updates if u in run and u in node_table]
                for var, v in tg.variables.items()}
     for write, variables in extra.items():
         for var in variables:
