@@ -412,8 +412,24 @@ def _ordered_after(ir: GraphIR, closure: set, marked: list):
     mask = {}
     for name, i in index.items():
         mask[name] = mask.get(name, 0) | 1 << i
-    _carry_masks(ir.g, nodes, shape_readers, mask)
+    # only what a marked node reaches can carry a mark: the sweep takes those alone (a third
+    # of a transformer's step is not: constants, shapes, the input)
+    reached = _reached_within(ir.g._succ, index, nodes)
+    _carry_masks(ir.g, reached, shape_readers & reached, mask)
     return lambda a, b: a != b and bool(mask.get(b, 0) >> index[a] & 1)
+
+
+def _reached_within(adjacency: dict, sources, within: set) -> set:
+    """``sources`` and the nodes of ``within`` reached from them through ``adjacency``
+    without leaving ``within``; a level at a time, in set operations at C speed."""
+    reached = set(sources)
+    level = set(reached)
+    while level:
+        level = set().union(*map(adjacency.__getitem__, level))
+        level &= within
+        level -= reached
+        reached |= level
+    return reached
 
 
 def _ordering_successors(succ: dict, name: str, nodes: set, shape_readers: set) -> list:
