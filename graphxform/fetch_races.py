@@ -52,6 +52,7 @@ import dataclasses
 import itertools
 
 from graphxform.ir import CONTROL_KEY, CONTROL_KEYS, SHAPE_ONLY_OPS, GraphIR, parse_tensor
+from graphxform.verify import reached_within
 
 # ops whose output depends on their input's shape alone (the input's value orders nothing)
 _SHAPE_READERS = SHAPE_ONLY_OPS | {"ZerosLike", "OnesLike", "VariableShape"}
@@ -414,22 +415,9 @@ def _ordered_after(ir: GraphIR, closure: set, marked: list):
         mask[name] = mask.get(name, 0) | 1 << i
     # only what a marked node reaches can carry a mark: the sweep takes those alone (a third
     # of a transformer's step is not: constants, shapes, the input)
-    reached = _reached_within(ir.g._succ, index, nodes)
+    reached = reached_within(ir.g._succ, index, nodes)
     _carry_masks(ir.g, reached, shape_readers & reached, mask)
     return lambda a, b: a != b and bool(mask.get(b, 0) >> index[a] & 1)
-
-
-def _reached_within(adjacency: dict, sources, within: set) -> set:
-    """``sources`` and the nodes of ``within`` reached from them through ``adjacency``
-    without leaving ``within``; a level at a time, in set operations at C speed."""
-    reached = set(sources)
-    level = set(reached)
-    while level:
-        level = set().union(*map(adjacency.__getitem__, level))
-        level &= within
-        level -= reached
-        reached |= level
-    return reached
 
 
 def _ordering_successors(succ: dict, name: str, nodes: set, shape_readers: set) -> list:

@@ -141,8 +141,8 @@ def _cycle_candidates(g, heads, tails) -> set | None:
         else:
             up = _next_level(g._pred, up, up_seen)
     if not down:
-        return _closure(g._pred, tails, within=down_seen)
-    return _closure(g._succ, heads, within=up_seen)
+        return reached_within(g._pred, tails, within=down_seen)
+    return reached_within(g._succ, heads, within=up_seen)
 
 
 def _next_level(adj, level: set, seen: set, within: set | None = None) -> set:
@@ -156,8 +156,9 @@ def _next_level(adj, level: set, seen: set, within: set | None = None) -> set:
     return found
 
 
-def _closure(adj, seeds, within: set) -> set:
-    """``seeds`` and every node reached from them through ``adj`` without leaving ``within``."""
+def reached_within(adj, seeds, within: set) -> set:
+    """``seeds`` and every node reached from them through ``adj`` (a graph's succ or pred)
+    without leaving ``within``, a level at a time in set operations at C speed."""
     seen = set(seeds)
     level = set(seen)
     while level:
