@@ -619,7 +619,10 @@ class GraphIR:
             copies.update(name for name, copy in picked
                           if copy is not None and node_table.get(name) is copy)
         self._unverified_copies = []
-        return Changes(copies, rewired & node_table.keys(), sources & node_table.keys())
+        linked_to = rewired & node_table.keys()
+        # the first time, every node gained its edges: the same set twice
+        linked_from = linked_to if sources is rewired else sources & node_table.keys()
+        return Changes(copies, linked_to, linked_from)
 
     def replicas(self) -> list:
         """Every ``Replica`` made so far, in order: what the copies borrow and which of them
