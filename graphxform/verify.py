@@ -191,9 +191,22 @@ def _cycle_errors(ir: GraphIR, within: set | None = None) -> list[str]:
         for dst in succ[node]:
             if dst in pending:
                 pending[dst] -= 1
-    ready = [n for n, count in pending.items() if count == 0]
     seen = 0
     whole = within is None  # then every node is pending
+    # a graph TF wrote is mostly in topological order already: one sweep in graph order (which
+    # reads memory in order) takes most of it, Kahn's stack what the sweep had to pass by
+    passed = []
+    for node in pending:
+        if pending[node]:
+            passed.append(node)
+            continue
+        seen += 1
+        if node in back:
+            continue
+        for dst in succ[node]:
+            if whole or dst in pending:
+                pending[dst] -= 1
+    ready = [n for n in passed if pending[n] == 0]
     while ready:
         node = ready.pop()
         seen += 1
