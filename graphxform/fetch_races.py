@@ -430,26 +430,38 @@ def _ordering_successors(succ: dict, name: str, nodes: set, shape_readers: set) 
 def _carry_masks(g, nodes: set, shape_readers: set, mask: dict) -> None:
     """OR each node's ``mask`` into every node it orders (``_ordering_successors``), taking
     the acyclic ``nodes`` in topological order (Kahn's: a node is taken once every node
-    ordering it was)."""
+    ordering it was). A graph TF wrote is mostly in topological order already: one sweep in
+    graph order (which reads memory in order) takes most nodes, Kahn's stack the rest."""
     pred, succ = g._pred, g._succ
     waiting = {}
-    for name in nodes:
+    for name in g._node:
+        if name not in nodes:
+            continue
         if name in shape_readers:
             waiting[name] = sum(1 for src, keys in pred[name].items()
                                 if src in nodes and CONTROL_KEY in keys)
         else:
             waiting[name] = len(pred[name].keys() & nodes)
-    ready = [name for name, count in waiting.items() if not count]
-    while ready:
-        name = ready.pop()
+
+    def take(name: str, ready: list | None) -> None:
         here = mask.get(name, 0)
         for dst, keys in succ[name].items():
             if dst in nodes and (dst not in shape_readers or CONTROL_KEY in keys):
                 if here:
                     mask[dst] = mask.get(dst, 0) | here
                 left = waiting[dst] = waiting[dst] - 1
-                if not left:
+                if not left and ready is not None:
                     ready.append(dst)
+
+    passed = []
+    for name, count in waiting.items():
+        if count:
+            passed.append(name)
+        else:
+            take(name, None)
+    ready = [name for name in passed if not waiting[name]]
+    while ready:
+        take(ready.pop(), ready)
 
 
 def _ordered_after_loops(ir: GraphIR, nodes: set, shape_readers: set, index: dict):
