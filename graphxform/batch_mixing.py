@@ -209,10 +209,18 @@ class _Flow:
         self.selected = set()  # per-example nodes holding the rows a mask of the batch keeps
         self.lengths = {}  # (node, port) -> the count its length is, where the batch's values
         # decide it (_value_sized), carried through ops that keep the length (_carry_length)
+        self.inputs_of = {}  # node -> ir.inputs(node), which working out its state reads thrice
+
+    def inputs(self, name: str) -> list:
+        """``ir.inputs(name)``, read once per node (the list is shared: never change it)."""
+        found = self.inputs_of.get(name)
+        if found is None:
+            found = self.inputs_of[name] = self.ir.inputs(name)
+        return found
 
     def run(self, target: str) -> dict:
         """States of ``target`` and its data ancestors, each worked out after its inputs."""
-        ir, states = self.ir, self.states
+        states = self.states
         stack, expanded = [target], set()
         while stack:
             name = stack[-1]
@@ -222,13 +230,13 @@ class _Flow:
                 stack.pop()
                 states[name] = self._scaled(name, self._state(name))
                 if type(states[name]) is int and any(
-                        src in self.selected for src, _ in ir.inputs(name)):
+                        src in self.selected for src, _ in self.inputs(name)):
                     self.selected.add(name)  # a selection's rows, carried on
                 elif self.lengths and type(states[name]) is not int:
                     _carry_length(self, name)
             else:
                 expanded.add(name)
-                stack.extend(src for src, _ in ir.inputs(name)
+                stack.extend(src for src, _ in self.inputs(name)
                              if src not in states and src not in expanded)
         return states
 
@@ -239,7 +247,7 @@ class _Flow:
             return self.seeds[name][0]
         ir = self.ir
         op = ir.op(name)
-        inputs = ir.inputs(name)
+        inputs = self.inputs(name)
         found = [_port(self.states.get(src, UNKNOWN), port) for src, port in inputs]
         if op in _SHAPE_RULES:
             return _SHAPE_RULES[op](self, name, found)
@@ -320,7 +328,7 @@ class _Flow:
             return state
         if state == UNKNOWN or isinstance(state, (Mixed, Curved)):
             return state
-        inputs = self.ir.inputs(name)
+        inputs = self.inputs(name)
         n = _Node(self, name, self.ir.op(name), inputs,
                   [_port(self.states.get(src, UNKNOWN), port) for src, port in inputs])
         degree = _degree(n, state, [self.degree(src, port) for src, port in inputs])

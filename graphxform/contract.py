@@ -26,7 +26,7 @@ from graphxform import opdefs
 from graphxform.errors import ContractError
 from graphxform.fetch_races import runs_before
 from graphxform.functions import WHILE_OPS, called_nodes, random_in_function
-from graphxform.ir import CONTROL_KEY, GraphIR, data_pairs, parse_tensor, tensor_name
+from graphxform.ir import CONTROL_KEY, GraphIR, data_pairs, parse_tensor, paused_gc, tensor_name
 from graphxform.nodes import replica_prefix
 from graphxform.replica_spread import (CROSS_REPLICA_OPS, SPLIT_SCOPE, ReplicaSpread,
                                        combines_every_replica)
@@ -40,6 +40,11 @@ def check_input(ir: GraphIR, tg: TrainingGraph) -> None:
     """What is refused on the input graph, before any pass, when the batch will be split: a
     step whose loss mixes the examples of its batch (graphxform/batch_mixing.py says why), or
     reads state the step updates from the batch, or applies gradients another op stored."""
+    with paused_gc():  # its walks keep states and sets of thousands of nodes
+        _check_input(ir, tg)
+
+
+def _check_input(ir: GraphIR, tg: TrainingGraph) -> None:
     from graphxform import towers
     from graphxform.batch_mixing import mixing_in
     sources = tg.batch_sources
@@ -69,21 +74,22 @@ def _check_selected_means(ir: GraphIR, tg: TrainingGraph) -> None:
     sources = set(tg.batch_sources)
     if not sources:
         return
+    from graphxform.selections import RowSelections
+    selections = RowSelections(ir, sources)
     for step in tg.steps:
         for loss in ([step.loss] if step.loss else []) + list(step.towers):
-            _check_selected_mean(ir, step, loss, sources, exact=loss == step.loss)
+            _check_selected_mean(ir, step, loss, selections, exact=loss == step.loss)
 
 
-def _check_selected_mean(ir: GraphIR, step, loss: str, sources: set, exact: bool) -> None:
+def _check_selected_mean(ir: GraphIR, step, loss: str, selections, exact: bool) -> None:
     """Refuse an average over a selection unless global-denominators makes its count the whole
     batch's (``exact``: it does so for a step's loss, not for towers' losses): a division by
     the count of the selection itself, or a Mean over all its axes (graphxform/selections.py);
     that pass refuses what it then finds is not a mask of the examples."""
-    from graphxform.selections import (averaged_selection, loss_means, selected_rows,
-                                       selection_counted)
+    from graphxform.selections import averaged_selection, loss_means, selection_counted
     terms = loss_means(ir, loss)
     for mean, counted in terms + _means_off_the_terms(ir, loss, {m for m, _ in terms}):
-        selection = selected_rows(ir, counted, sources)
+        selection = selections.of(counted)
         if selection is None or exact and (mean, counted) in terms and (
                 averaged_selection(ir, mean) if ir.op(mean) == "Mean" else
                 selection_counted(ir, ir.inputs(mean)[1][0])) is not None:
@@ -104,9 +110,9 @@ def _means_off_the_terms(ir: GraphIR, loss: str, terms: set) -> list:
     multiple of them (``terms``), as (Mean, its input): a mean over a selection's rows
     sliced or summed over its columns, which no pass makes the whole batch's."""
     from graphxform.nodes import const_value
-    found = []
+    found, node_table = [], ir.g._node
     for node in ir.ancestors(parse_tensor(loss)[0]):
-        if ir.op(node) != "Mean" or node in terms or gradient_scope(node):
+        if node_table[node]["op"] != "Mean" or node in terms or gradient_scope(node):
             continue
         axes = const_value(ir, ir.input(node, 1)[0])
         if axes is None or 0 in axes.reshape(-1).tolist() or (axes < 0).any():
@@ -270,8 +276,11 @@ def _check_distributed_already(ir: GraphIR, tg: TrainingGraph) -> None:
     hand; splitting it again is not what its code says. The passes read it as something else
     (its queue as an input pipeline), so refuse here, naming the op. (What graphxform made, in
     a graph it transformed, replicate refuses with its own reason.)"""
+    aggregating = {op for op in ir.op_types() if _AGGREGATING.search(op)}
+    if not aggregating:
+        return
     for step in tg.steps:
-        found = sorted(n for n in step.closure if _AGGREGATING.search(ir.op(n))
+        found = sorted(n for n in step.closure if ir.op(n) in aggregating
                        and not ir.node(n).get("created_by"))
         if found:
             raise ContractError(

@@ -49,8 +49,10 @@ session.run of its own after the steps, one of the orders one device may take.""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
-from graphxform.ir import SHAPE_ONLY_OPS, GraphIR, parse_tensor
+from graphxform.ir import CONTROL_KEY, CONTROL_KEYS, SHAPE_ONLY_OPS, GraphIR, parse_tensor
+from graphxform.verify import reached_within
 
 # ops whose output depends on their input's shape alone (the input's value orders nothing)
 _SHAPE_READERS = SHAPE_ONLY_OPS | {"ZerosLike", "OnesLike", "VariableShape"}
@@ -150,7 +152,7 @@ _EARLY, _OPTIMIZER, _LATE, _OTHER = range(4)
 def step_orders(ir: GraphIR, tg) -> list[Order]:
     """The pairs of each step, per variable, that nothing orders (as ``races`` finds them, but
     every pair), each as (before, after) in the order the module's docstring chooses."""
-    created = {name: i for i, name in enumerate(ir.nodes())}
+    created = dict(zip(ir.nodes(), itertools.count()))
     return [o for step in tg.steps for o in _run_orders(ir, tg, step, {}, created)]
 
 
@@ -258,7 +260,8 @@ def _run_orders(ir: GraphIR, tg, step, extra: dict, created: dict) -> list[Order
     run = set(step.closure)
     for write in extra:
         run |= ir.ancestors(write) | {write}
-    updates = {var: [u for u in v.updates if u in run and u in ir]
+    node_table = ir.g._node
+    updates = {var: [u for u in v.updates if u in run and u in node_table]
                for var, v in tg.variables.items()}
     for write, variables in extra.items():
         for var in variables:
@@ -320,8 +323,9 @@ def runs_before(ir: GraphIR, a: str, b: str) -> bool:
 def _value_sources(ir: GraphIR, targets: list, source_of: dict | None = None) -> dict:
     """{node: the first of ``targets`` whose value depends on it} (``GraphIR.value_sources``
     of each, in one sweep); ``source_of``: such a dict to extend (its nodes are not swept
-    again)."""
+    again). Which target claims a node does not depend on the order a sweep takes."""
     source_of = {} if source_of is None else source_of
+    node_table, pred = ir.g._node, ir.g._pred
     for target in targets:
         if target in source_of:
             continue
@@ -329,10 +333,11 @@ def _value_sources(ir: GraphIR, targets: list, source_of: dict | None = None) ->
         stack = [target]
         while stack:
             node = stack.pop()
-            if ir.op(node) in _SHAPE_READERS:
+            if node_table[node]["op"] in _SHAPE_READERS:
                 continue
-            for src, _ in ir.inputs(node):
-                if src not in source_of:
+            for src, keys in pred[node].items():
+                if src not in source_of and keys is not CONTROL_KEYS and (
+                        len(keys) > 1 or CONTROL_KEY not in keys):  # a data input
                     source_of[src] = target
                     stack.append(src)
     return source_of
@@ -399,47 +404,83 @@ def _ordered_after(ir: GraphIR, closure: set, marked: list):
     for name in marked:
         if name not in nodes:
             nodes |= ir.ancestors(name)
-    succ = {}
-    for name in nodes:
-        controls = set(ir.control_consumers(name))
-        succ[name] = [dst for dst in ir.successors(name) if dst in nodes
-                      and (dst in controls or ir.op(dst) not in _SHAPE_READERS)]
-    if any(ir.op(name) in ("NextIteration", "RefNextIteration") for name in nodes):
-        import networkx as nx
-        order = nx.DiGraph()
-        order.add_nodes_from(nodes)
-        order.add_edges_from((a, b) for a, targets in succ.items() for b in targets)
-        condensed = nx.condensation(order)
-        component = condensed.graph["mapping"]
-        sweep, after = list(nx.topological_sort(condensed)), condensed.successors
-    else:
-        component = {name: name for name in nodes}
-        sweep, after = _topological(succ), succ.__getitem__
     index = {name: i for i, name in enumerate(dict.fromkeys(marked))}
+    node_table = ir.g._node
+    # the nodes only whose control inputs order them (a shape read's data input does not)
+    shape_readers = {n for n in nodes if node_table[n]["op"] in _SHAPE_READERS}
+    if any(node_table[n]["op"] in ("NextIteration", "RefNextIteration") for n in nodes):
+        return _ordered_after_loops(ir, nodes, shape_readers, index)
+    mask = {}
+    for name, i in index.items():
+        mask[name] = mask.get(name, 0) | 1 << i
+    # only what a marked node reaches can carry a mark: the sweep takes those alone (a third
+    # of a transformer's step is not: constants, shapes, the input)
+    reached = reached_within(ir.g._succ, index, nodes)
+    _carry_masks(ir.g, reached, shape_readers & reached, mask)
+    return lambda a, b: a != b and bool(mask.get(b, 0) >> index[a] & 1)
+
+
+def _ordering_successors(succ: dict, name: str, nodes: set, shape_readers: set) -> list:
+    """The nodes of ``nodes`` that ``name`` orders: those it feeds, shape reads only through
+    a control edge."""
+    return [dst for dst, keys in succ[name].items() if dst in nodes
+            and (dst not in shape_readers or CONTROL_KEY in keys)]
+
+
+def _carry_masks(g, nodes: set, shape_readers: set, mask: dict) -> None:
+    """OR each node's ``mask`` into every node it orders (``_ordering_successors``), taking
+    the acyclic ``nodes`` in topological order (Kahn's: a node is taken once every node
+    ordering it was). A graph TF wrote is mostly in topological order already: one sweep in
+    graph order (which reads memory in order) takes most nodes, Kahn's stack the rest."""
+    pred, succ = g._pred, g._succ
+    waiting = {}
+    for name in g._node:
+        if name not in nodes:
+            continue
+        if name in shape_readers:
+            waiting[name] = sum(1 for src, keys in pred[name].items()
+                                if src in nodes and CONTROL_KEY in keys)
+        else:
+            waiting[name] = len(pred[name].keys() & nodes)
+
+    def take(name: str, ready: list | None) -> None:
+        here = mask.get(name, 0)
+        for dst, keys in succ[name].items():
+            if dst in nodes and (dst not in shape_readers or CONTROL_KEY in keys):
+                if here:
+                    mask[dst] = mask.get(dst, 0) | here
+                left = waiting[dst] = waiting[dst] - 1
+                if not left and ready is not None:
+                    ready.append(dst)
+
+    passed = []
+    for name, count in waiting.items():
+        if count:
+            passed.append(name)
+        else:
+            take(name, None)
+    ready = [name for name in passed if not waiting[name]]
+    while ready:
+        take(ready.pop(), ready)
+
+
+def _ordered_after_loops(ir: GraphIR, nodes: set, shape_readers: set, index: dict):
+    """``_ordered_after`` where ``nodes`` hold a legacy while loop: over the condensation of
+    their strongly connected components."""
+    import networkx as nx
+    order = nx.DiGraph()
+    order.add_nodes_from(nodes)
+    succ = ir.g._succ
+    order.add_edges_from((a, b) for a in nodes
+                         for b in _ordering_successors(succ, a, nodes, shape_readers))
+    condensed = nx.condensation(order)
+    component = condensed.graph["mapping"]
     mask = {}
     for name, i in index.items():
         mask[component[name]] = mask.get(component[name], 0) | 1 << i
-    for c in sweep:
+    for c in nx.topological_sort(condensed):
         here = mask.get(c, 0)
         if here:
-            for dst in after(c):
+            for dst in condensed.successors(c):
                 mask[dst] = mask.get(dst, 0) | here
     return lambda a, b: a != b and bool(mask.get(component[b], 0) >> index[a] & 1)
-
-
-def _topological(succ: dict) -> list:
-    """The nodes of the acyclic graph ``succ`` ({node: successors}) in topological order."""
-    waiting = dict.fromkeys(succ, 0)
-    for targets in succ.values():
-        for dst in targets:
-            waiting[dst] += 1
-    ready = [name for name, count in waiting.items() if not count]
-    found = []
-    while ready:
-        name = ready.pop()
-        found.append(name)
-        for dst in succ[name]:
-            waiting[dst] -= 1
-            if not waiting[dst]:
-                ready.append(dst)
-    return found

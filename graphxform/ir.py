@@ -53,6 +53,10 @@ class FrozenDict(dict):
 CONTROL_EDGE = FrozenDict(control=True)
 CONTROL_KEYS = FrozenDict({CONTROL_KEY: CONTROL_EDGE})  # key dict of a control-only pair
 _DATA_KEYS = {}  # (dst_port, src_port) -> key dict of a pair joined by that one data edge
+# the id of each key dict of _DATA_KEYS -> its (dst_port, src_port): most data edges share one,
+# so a reader gets an edge's ports with one lookup (they live as long as the module, and so
+# keep their ids)
+SINGLE_EDGE_PORTS = {}
 
 
 # What GraphIR.take_changes returns: the nodes to check, and the edges that could close a
@@ -66,6 +70,7 @@ def data_keys(dst_port: int, src_port: int) -> FrozenDict:
     if keys is None:
         edge = FrozenDict(src_port=src_port, dst_port=dst_port)
         keys = _DATA_KEYS[(dst_port, src_port)] = FrozenDict({dst_port: edge})
+        SINGLE_EDGE_PORTS[id(keys)] = (dst_port, src_port)
     return keys
 
 
@@ -466,8 +471,13 @@ class GraphIR:
     def inputs(self, name: str) -> list[tuple[str, int]]:
         """Data inputs as (src, src_port), in dst_port order."""
         found = []
-        pred = self.g._pred[name]
-        for src, edges in data_pairs(pred):
+        for src, edges in self.g._pred[name].items():
+            if edges is CONTROL_KEYS:
+                continue
+            ports = SINGLE_EDGE_PORTS.get(id(edges))
+            if ports is not None:  # the usual one data edge between the two
+                found.append((ports[0], src, ports[1]))
+                continue
             for key, data in edges.items():
                 if key != CONTROL_KEY:
                     found.append((key, src, data["src_port"]))
@@ -610,7 +620,10 @@ class GraphIR:
             copies.update(name for name, copy in picked
                           if copy is not None and node_table.get(name) is copy)
         self._unverified_copies = []
-        return Changes(copies, rewired & node_table.keys(), sources & node_table.keys())
+        linked_to = rewired & node_table.keys()
+        # the first time, every node gained its edges: the same set twice
+        linked_from = linked_to if sources is rewired else sources & node_table.keys()
+        return Changes(copies, linked_to, linked_from)
 
     def replicas(self) -> list:
         """Every ``Replica`` made so far, in order: what the copies borrow and which of them

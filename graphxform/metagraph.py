@@ -220,9 +220,14 @@ def _link_inputs(texts, dst: str, succ: dict, pred: dict, source) -> None:
     all sharing one key dict."""
     texts = list(texts)
     port = 0
+    dst_pred = pred[dst]
     for text in texts:
         if text[0] == "^":
             break
+        if ":" not in text and text in succ and text not in dst_pred:  # most: 'x', new pair
+            succ[text][dst] = dst_pred[text] = data_keys(port, 0)
+            port += 1
+            continue
         src, src_port = (text, 0) if ":" not in text else parse_tensor(text)
         edge = None
         if src_port == 0 and text[-2:] == ":0":  # written 'x:0'; kept so emit gives it back
@@ -233,7 +238,6 @@ def _link_inputs(texts, dst: str, succ: dict, pred: dict, source) -> None:
         return
     rest = texts[port:]
     controls = dict.fromkeys(map(_after_caret, rest), CONTROL_KEYS)
-    dst_pred = pred[dst]
     if len(set(map(_first_char, rest))) > 1 or not dst_pred.keys().isdisjoint(controls):
         _link_rest(rest, dst, succ, pred, port, source)  # unusual order, or data and control
         return

@@ -124,23 +124,40 @@ def selected_rows(ir, counted: str, sources: set, any_size: bool = False):
     reach ``counted`` through ops that keep rows; with ``any_size``, also any op whose
     output's length the batch's values decide (tf.unique of the labels); None when there is
     none."""
-    seen, stack = set(), [counted]
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        op = ir.op(node)
-        if op in _GATHERS:
-            mask = mask_of(ir, ir.inputs(node)[1][0], through=_INDEX_OPS)
-            if mask is not None and not sources.isdisjoint(ir.value_sources(mask[0])):
-                return node
-        if any_size and op in VALUE_SIZED_OPS:
-            if not sources.isdisjoint(ir.value_sources(node)):
-                return node
-        elif op in _ROWS_KEPT:
-            stack.extend(src for src, _ in ir.inputs(node))
-    return None
+    return RowSelections(ir, sources, any_size).of(counted)
+
+
+class RowSelections:
+    """``selected_rows`` for many tensors of one graph and batch (a loss's every mean): the
+    walks up from them share most of the graph (a transformer's 96 layer-norm means all reach
+    the embedding), so the nodes a walk that found nothing went through are kept, and later
+    walks stop there: nothing they reach is such a gather either. A walk that finds one ends
+    there, and the nodes it saw are not kept (it saw only part of what they reach)."""
+
+    def __init__(self, ir, sources: set, any_size: bool = False):
+        self.ir, self.sources, self.any_size = ir, sources, any_size
+        self.found_nothing = set()
+
+    def of(self, counted: str):
+        ir, sources = self.ir, self.sources
+        seen, stack = set(), [counted]
+        while stack:
+            node = stack.pop()
+            if node in seen or node in self.found_nothing:
+                continue
+            seen.add(node)
+            op = ir.op(node)
+            if op in _GATHERS:
+                mask = mask_of(ir, ir.inputs(node)[1][0], through=_INDEX_OPS)
+                if mask is not None and not sources.isdisjoint(ir.value_sources(mask[0])):
+                    return node
+            if self.any_size and op in VALUE_SIZED_OPS:
+                if not sources.isdisjoint(ir.value_sources(node)):
+                    return node
+            elif op in _ROWS_KEPT:
+                stack.extend(src for src, _ in ir.inputs(node))
+        self.found_nothing |= seen
+        return None
 
 
 def what_is_counted(ir, node: str, prefix: str = "") -> str:

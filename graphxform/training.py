@@ -20,7 +20,7 @@ import re
 
 from graphxform import input_pipeline, opdefs
 from graphxform.errors import GraphxformError
-from graphxform.ir import GraphIR, parse_tensor, tensor_name
+from graphxform.ir import GraphIR, parse_tensor, paused_gc, tensor_name
 
 VARIABLE_OPS = {"VarHandleOp", "VariableV2", "Variable"}
 PLACEHOLDER_OPS = {"Placeholder", "PlaceholderWithDefault"}
@@ -270,9 +270,16 @@ class TrainingGraph:
 def analyze(ir: GraphIR, train_op=None) -> TrainingGraph:
     """Analyse ``ir``; ``train_op`` (a name, a comma-separated list or a list of names, each an
     op or a tensor) overrides the 'train_op' collection."""
+    with paused_gc():  # it keeps a record per variable and sets of the step's nodes
+        return _analyze(ir, train_op)
+
+
+def _analyze(ir: GraphIR, train_op) -> TrainingGraph:
     saver_scope = _saver_scope(ir)
-    step_names = find_steps(ir, train_op)
-    closures = {name: ir.ancestors(parse_tensor(name)[0]) for name in step_names}
+    runs = {}
+    step_names = find_steps(ir, train_op, runs)
+    closures = {name: runs.get(parse_tensor(name)[0]) or ir.ancestors(parse_tensor(name)[0])
+                for name in step_names}
     closure = set().union(*closures.values()) if closures else set()
     train_op = parse_tensor(step_names[0])[0] if step_names else None
     var_defs = _variable_defs(ir)
@@ -322,11 +329,12 @@ def analyze(ir: GraphIR, train_op=None) -> TrainingGraph:
                          steps=steps, pipeline=pipeline, max_min_nodes=extremes)
 
 
-def find_steps(ir: GraphIR, given=None) -> list[str]:
+def find_steps(ir: GraphIR, given=None, runs: dict | None = None) -> list[str]:
     """The names the user runs to train, in run order. ``given``: names from --train-op (a list
     or a comma-separated string). By default every entry of the 'train_op' collection that no
     other entry runs (tf_slim's collection also lists the optimizer's own op, which its
-    ``train_op/control_dependency`` runs)."""
+    ``train_op/control_dependency`` runs). ``runs``: a dict to fill with {node: its
+    ancestors} of the nodes whose ancestors it found (the steps' closures among them)."""
     if given:
         names = given.split(",") if isinstance(given, str) else list(given)
         names = [n.strip() for n in names if n.strip()]
@@ -349,7 +357,8 @@ def find_steps(ir: GraphIR, given=None) -> list[str]:
             "on this file too): give the op to run with --train-op")
     names = [_runner_of(ir, n) for n in names]
     nodes = [parse_tensor(n)[0] for n in names]
-    runs = {node: ir.ancestors(node) for node in dict.fromkeys(nodes)}
+    runs = {} if runs is None else runs
+    runs.update((node, ir.ancestors(node)) for node in dict.fromkeys(nodes))
     run_by_other = set()
     for node, ancestors in runs.items():
         run_by_other |= ancestors - {node}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from graphxform import opdefs
 from graphxform.errors import GraphxformError
-from graphxform.ir import CONTROL_KEY, CONTROL_KEYS, GraphIR, data_pairs
+from graphxform.ir import CONTROL_KEY, CONTROL_KEYS, SINGLE_EDGE_PORTS, GraphIR
 
 LOOP_BACK_OPS = {"NextIteration", "RefNextIteration"}
 
@@ -20,14 +20,12 @@ def structural_errors(ir: GraphIR, limit: int = 10, nodes=None, new_edges=None) 
     ``new_edges`` (the nodes that gained in-edges, those edges' sources) only cycles through
     such edges. Returns up to ``limit`` messages."""
     g = ir.g
-    checked = g if nodes is None else [n for n in nodes if n in g]
-    errors = []
+    checked = g._node if nodes is None else _in_graph(g._node, nodes)
     counts = _OutputCounts(ir)
-    for name in checked:
-        errors += _input_errors(g, name, counts)
-        if len(errors) >= limit:
-            return errors[:limit]
-    unknown = sorted({g._node[n]["op"] for n, count in counts.items() if count is None})
+    errors = _input_errors(g, checked, counts, limit)
+    if len(errors) >= limit:
+        return errors[:limit]
+    unknown = sorted(counts.unknown)
     errors += [f"unknown op type {op}" for op in unknown[: limit - len(errors)]]
     if not errors:
         if nodes is None:
@@ -39,57 +37,102 @@ def structural_errors(ir: GraphIR, limit: int = 10, nodes=None, new_edges=None) 
     return errors
 
 
+def _in_graph(node_table: dict, nodes) -> list:
+    """The nodes of ``nodes`` still in the graph. Where they are a large share of it (every
+    node, after loading), in graph order: the nodes' dicts were made in that order, and
+    reading them so reads memory in order, about twice as fast as a set's order, which is
+    its hashes'; the few a pass changed are taken as they come."""
+    if isinstance(nodes, (set, frozenset)) and len(nodes) * 10 >= len(node_table):
+        return [name for name in node_table if name in nodes]
+    return [name for name in nodes if name in node_table]
+
+
 _VARIES = -1  # an op whose output count depends on its attrs
-_UNREAD = object()
+_UNKNOWN = float("inf")  # the bound of an op with no OpDef: any port passes (reported apart)
 
 
 class _OutputCounts(dict):
-    """Node name -> how many outputs it has (None: unknown op), read once per node; an op
-    whose output count does not depend on attrs (most) is read once per op type."""
+    """Op type -> the bound a data edge's source port must stay under: the op's output count
+    when its attrs do not change it (most ops; read once per op type), ``_VARIES`` when they
+    do (then ``of_node`` reads the node's own count, once per node), ``_UNKNOWN`` for an op
+    with no OpDef (those ops are kept in ``unknown``)."""
 
     def __init__(self, ir: GraphIR):
         super().__init__()
         self.ir = ir
-        self.by_op = {}
+        self.unknown = set()
+        self.by_node = {}
 
-    def __missing__(self, name: str):
-        op = self.ir.g._node[name]["op"]
-        count = self.by_op.get(op, _UNREAD)
+    def __missing__(self, op: str):
+        found = opdefs.op_def(self.ir, op)
+        if found is None:
+            self.unknown.add(op)
+            bound = _UNKNOWN
+        elif any(arg.number_attr or arg.type_list_attr for arg in found.output_arg):
+            bound = _VARIES
+        else:
+            bound = len(found.output_arg)
+        self[op] = bound
+        return bound
+
+    def of_node(self, name: str) -> int | None:
+        """The output count of ``name`` (None when its op is unknown)."""
+        count = self.by_node.get(name, _UNREAD)
         if count is _UNREAD:
-            count = self.by_op[op] = _count_by_op(self.ir, op)
-        if count == _VARIES:
-            count = opdefs.num_outputs(self.ir, name)
-        self[name] = count
+            bound = self[self.ir.g._node[name]["op"]]
+            count = self.by_node[name] = (None if bound == _UNKNOWN else bound
+                                          if bound != _VARIES else
+                                          opdefs.num_outputs(self.ir, name))
         return count
 
 
-def _count_by_op(ir: GraphIR, op: str) -> int | None:
-    """The output count of every ``op`` node, ``_VARIES`` when attrs say, None when unknown."""
-    found = opdefs.op_def(ir, op)
-    if found is None:
-        return None
-    if any(arg.number_attr or arg.type_list_attr for arg in found.output_arg):
-        return _VARIES
-    return len(found.output_arg)
+_UNREAD = object()
 
 
-def _input_errors(g, name: str, counts: _OutputCounts) -> list[str]:
-    """What is wrong with ``name``'s data inputs."""
-    errors, ports = [], []
-    for src, keyed in data_pairs(g._pred[name]):
-        if keyed is CONTROL_KEYS:
-            continue
-        for key, edge in keyed.items():
-            if key == CONTROL_KEY:
+def _input_errors(g, names, counts: _OutputCounts, limit: int) -> list[str]:
+    """What is wrong with the data inputs of ``names`` (up to about ``limit`` messages): a
+    source port past its node's outputs, ports not dense. One loop over every checked node's
+    in-edges, which is most of what the check costs."""
+    pred, node_table = g._pred, g._node
+    single_ports = SINGLE_EDGE_PORTS
+    errors = []
+    for name in names:
+        ports = []
+        for src, keyed in pred[name].items():
+            if keyed is CONTROL_KEYS:
                 continue
-            ports.append(key)
-            count = counts[src]
-            if count is not None and edge["src_port"] >= count:
-                errors.append(f"node '{name}' reads {src}:{edge['src_port']}, but "
-                              f"{src} ({g._node[src]['op']}) has {count} output(s)")
-    if ports and sorted(ports) != list(range(len(ports))):
-        errors.append(f"node '{name}' has data inputs at ports {sorted(ports)} (not dense)")
+            single = single_ports.get(id(keyed))
+            if single is not None:  # one plain data edge: (dst_port, src_port)
+                ports.append(single[0])
+                if single[1] >= counts[node_table[src]["op"]]:
+                    errors += _port_error(counts, node_table, name, src, single[1])
+                continue
+            for key, edge in keyed.items():
+                if key == CONTROL_KEY:
+                    continue
+                ports.append(key)
+                if edge["src_port"] >= counts[node_table[src]["op"]]:
+                    errors += _port_error(counts, node_table, name, src, edge["src_port"])
+        if len(ports) > 1:
+            if sorted(ports) != list(range(len(ports))):
+                errors.append(f"node '{name}' has data inputs at ports {sorted(ports)} "
+                              "(not dense)")
+        elif ports and ports[0] != 0:
+            errors.append(f"node '{name}' has data inputs at ports {ports} (not dense)")
+        if len(errors) >= limit:
+            break
     return errors
+
+
+def _port_error(counts: _OutputCounts, node_table, name: str, src: str,
+                src_port: int) -> list[str]:
+    """The message for ``name`` reading ``src``:``src_port`` past its outputs (none when
+    ``src``'s op has as many outputs as its attrs say and the port is among them)."""
+    count = counts.of_node(src)
+    if count is None or src_port < count:
+        return []
+    return [f"node '{name}' reads {src}:{src_port}, but {src} ({node_table[src]['op']}) has "
+            f"{count} output(s)"]
 
 
 def _cycle_candidates(g, heads, tails) -> set | None:
@@ -108,8 +151,8 @@ def _cycle_candidates(g, heads, tails) -> set | None:
         else:
             up = _next_level(g._pred, up, up_seen)
     if not down:
-        return _closure(g._pred, tails, within=down_seen)
-    return _closure(g._succ, heads, within=up_seen)
+        return reached_within(g._pred, tails, within=down_seen)
+    return reached_within(g._succ, heads, within=up_seen)
 
 
 def _next_level(adj, level: set, seen: set, within: set | None = None) -> set:
@@ -123,8 +166,9 @@ def _next_level(adj, level: set, seen: set, within: set | None = None) -> set:
     return found
 
 
-def _closure(adj, seeds, within: set) -> set:
-    """``seeds`` and every node reached from them through ``adj`` without leaving ``within``."""
+def reached_within(adj, seeds, within: set) -> set:
+    """``seeds`` and every node reached from them through ``adj`` (a graph's succ or pred)
+    without leaving ``within``, a level at a time in set operations at C speed."""
     seen = set(seeds)
     level = set(seen)
     while level:
@@ -136,33 +180,56 @@ def _cycle_errors(ir: GraphIR, within: set | None = None) -> list[str]:
     """Kahn's algorithm over the graph (or the nodes ``within``) minus while-loop back edges,
     counting each node's distinct inputs (several edges between two nodes wait together)."""
     g = ir.g
-    pred, succ = g._pred, g._succ
+    pred = g._pred
     if within is None:
         pending = dict(zip(pred, map(len, pred.values())))
         back = set(ir.nodes_of(LOOP_BACK_OPS))
+        after = g._succ
     else:
-        pending = {n: len(pred[n].keys() & within) for n in within}
+        pending, after = _edges_within(pred, within)
         back = {n for n in within if g._node[n]["op"] in LOOP_BACK_OPS}
     for node in back:
-        for dst in succ[node]:
-            if dst in pending:
-                pending[dst] -= 1
-    ready = [n for n, count in pending.items() if count == 0]
+        for dst in after[node]:
+            pending[dst] -= 1
     seen = 0
+    # a graph TF wrote is mostly in topological order already: one sweep in graph order (which
+    # reads memory in order) takes most of it, Kahn's stack what the sweep had to pass by
+    passed = []
+    for node in pending:
+        if pending[node]:
+            passed.append(node)
+            continue
+        seen += 1
+        if node in back:
+            continue
+        for dst in after[node]:
+            pending[dst] -= 1
+    ready = [n for n in passed if pending[n] == 0]
     while ready:
         node = ready.pop()
         seen += 1
         if node in back:
             continue
-        for dst in succ[node]:
-            if dst in pending:
-                left = pending[dst] = pending[dst] - 1
-                if not left:
-                    ready.append(dst)
+        for dst in after[node]:
+            left = pending[dst] = pending[dst] - 1
+            if not left:
+                ready.append(dst)
     if seen == len(pending):
         return []
     stuck = sorted(n for n, count in pending.items() if count > 0)
     return ["cycle not through a while-loop back edge, among: " + ", ".join(stuck[:5])]
+
+
+def _edges_within(pred: dict, within: set) -> tuple[dict, dict]:
+    """Per node of ``within``: how many of its inputs are in ``within``, and which nodes of
+    ``within`` it feeds. Read from the inputs' side: a ResNet's batch-norm updates each feed
+    hundreds of gradient ops outside ``within`` but read a handful of nodes."""
+    inside = {n: pred[n].keys() & within for n in within}
+    after = {n: [] for n in within}
+    for dst, srcs in inside.items():
+        for src in srcs:
+            after[src].append(dst)
+    return {n: len(srcs) for n, srcs in inside.items()}, after
 
 
 def check_structure(ir: GraphIR, changed_only: bool = False) -> None:

@@ -63,3 +63,27 @@ def test_a_mean_over_the_rows_of_a_selection_alone_is_refused(run_cli, tmp_path,
     assert "averages ('Mean') over the elements that 'boolean_mask_1/GatherV2'" in err
     assert "the exact forms are tf.reduce_mean over every axis of the selection" in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_the_walks_for_several_means_share_what_found_nothing_and_still_find_a_selection():
+    """selections.RowSelections keeps the nodes a walk that found no selection went through;
+    a later walk that passes them on its way to a masked selection still finds it, and one
+    that found a selection keeps nothing (it saw only part of what it reaches)."""
+    import tensorflow as tf
+    from graphxform import metagraph, selections
+    tf1 = tf.compat.v1
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [None, 4], name="x")
+        shared = tf.nn.relu(tf.matmul(x, tf1.get_variable("w", [4, 4])), name="shared")
+        plain = tf.identity(shared * 2.0, name="plain")
+        picked = tf.boolean_mask(shared, x[:, 0] > 0)
+        tf.add(picked, tf.reduce_sum(plain), name="masked")
+        ir = metagraph.from_metagraph(tf1.train.export_meta_graph(graph=g))
+    gather = selections.selected_rows(ir, "masked", {"x"})
+    assert gather is not None and ir.op(gather) == "GatherV2"
+    walks = selections.RowSelections(ir, {"x"})
+    assert walks.of("plain") is None and "shared" in walks.found_nothing
+    assert walks.of("masked") == gather  # past 'shared', which found nothing
+    assert gather not in walks.found_nothing and "masked" not in walks.found_nothing
+    assert walks.of("plain") is None and walks.of("masked") == gather

@@ -21,6 +21,50 @@ def test_missing_output_port_is_reported():
     assert any("x:3" in e and "1 output" in e for e in errors)
 
 
+def attr_values(**values):
+    from tensorflow.core.framework import attr_value_pb2
+    return {key: attr_value_pb2.AttrValue(**value) for key, value in values.items()}
+
+
+def test_a_read_past_the_outputs_its_attrs_give_is_reported():
+    """Split's outputs are as many as its num_split says: read per node, not per op."""
+    ir = metagraph.load(fixture_path("mlp_sgd"))
+    ir.add_node("split", "Split", ["Const", "dense0/Relu"],
+                attr=attr_values(num_split={"i": 2}, T={"type": 1}))
+    ir.add_node("second", "Identity", ["split:1"], attr=attr_values(T={"type": 1}))
+    assert verify.structural_errors(ir) == []
+    ir.add_node("third", "Identity", ["split:2"], attr=attr_values(T={"type": 1}))
+    assert verify.structural_errors(ir) == [
+        "node 'third' reads split:2, but split (Split) has 2 output(s)"]
+
+
+def test_a_data_input_from_an_op_without_outputs_is_reported():
+    ir = metagraph.load(fixture_path("mlp_sgd"))
+    ir.add_node("nothing", "NoOp")
+    ir.add_node("reads_nothing", "Identity", ["nothing"], attr=attr_values(T={"type": 1}))
+    assert verify.structural_errors(ir) == [
+        "node 'reads_nothing' reads nothing:0, but nothing (NoOp) has 0 output(s)"]
+
+
+def test_ports_left_with_a_gap_are_reported():
+    ir = metagraph.load(fixture_path("mlp_sgd"))
+    ir.add_node("shape", "Shape", ["dense0/MatMul"], attr=attr_values(T={"type": 1}))
+    ir.add_node("sum", "AddV2", ["shape", "shape"], attr=attr_values(T={"type": 3}))
+    assert verify.structural_errors(ir) == []  # one pair, two data edges
+    ir.add_node("also", "AddV2", ["dense0/Relu", "dense1/add"], attr=attr_values(T={"type": 1}))
+    ir.remove_node("dense0/Relu", safe=False)
+    errors = verify.structural_errors(ir)
+    assert "node 'also' has data inputs at ports [1] (not dense)" in errors
+
+
+def test_a_read_of_an_unknown_op_is_reported_once():
+    ir = metagraph.load(fixture_path("mlp_sgd"))
+    ir.add_node("mystery", "NoSuchOp")
+    for k in range(2):
+        ir.add_node(f"reader{k}", "Identity", ["mystery:3"], attr=attr_values(T={"type": 1}))
+    assert verify.structural_errors(ir) == ["unknown op type NoSuchOp"]
+
+
 def test_cycle_outside_while_loop_is_reported():
     ir = metagraph.load(fixture_path("mlp_sgd"))
     ir.add_control_input("dense0/MatMul", "loss")
