@@ -1,0 +1,58 @@
+"""Classic TF1 tutorial code (TF's own models), built as the tutorials build it.
+
+The PTB word LM (ptb_word_lm.py) bakes its batch size into the graph and averages its
+sequence loss over the batch with ``tf.reduce_sum(crossent, axis=[0]) / tf.reduce_sum(
+weights, axis=[0])`` (tf.contrib.seq2seq.sequence_loss). TF folds the static shape of that
+Sum's input into its gradient's Tile multiples (``gradients/Sum_grad/Tile/multiples``, the
+global batch), which split-inputs left whole: TF then rejected the replicas' gradient
+("Cannot reshape a tensor with 20 elements to shape [10]"), a refusal of a graph that
+transforms exactly."""
+
+import numpy as np
+import pytest
+
+BATCH, STEPS, VOCAB = 4, 3, 6
+
+
+def export_ptb_like(path, reduce="sum"):
+    """A fixed batch of token ids, an embedding, per-token cross entropy reshaped to
+    [batch, steps], summed (or averaged) over axis 0 and divided by the weights' sum."""
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+    graph = tf.Graph()
+    with graph.as_default():
+        tf1.set_random_seed(1)
+        ids = tf1.placeholder(tf.int32, [BATCH, STEPS], name="input_data")
+        targets = tf1.placeholder(tf.int32, [BATCH, STEPS], name="targets")
+        embedding = tf1.get_variable("embedding", [VOCAB, 8])
+        softmax_w = tf1.get_variable("softmax_w", [8, VOCAB])
+        h = tf.reshape(tf.nn.embedding_lookup(embedding, ids), [-1, 8])
+        logits = tf.matmul(tf.tanh(h), softmax_w)
+        weights = tf.ones([BATCH, STEPS])
+        crossent = tf.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=tf.reshape(targets, [-1]), logits=logits) * tf.reshape(weights, [-1])
+        crossent = tf.reshape(crossent, [BATCH, STEPS])
+        if reduce == "sum":
+            loss = tf.reduce_sum(crossent, axis=[0]) / (tf.reduce_sum(weights, axis=[0]) + 1e-12)
+        else:
+            loss = tf.reduce_mean(crossent, axis=[0])
+        cost = tf.reduce_sum(loss, name="cost")
+        tvars = tf1.trainable_variables()
+        grads, _ = tf.clip_by_global_norm(tf.gradients(cost, tvars), 5.0)
+        train = tf1.train.GradientDescentOptimizer(1.0).apply_gradients(
+            zip(grads, tvars), global_step=tf1.train.get_or_create_global_step())
+        tf1.add_to_collection("train_op", train)
+        tf1.train.export_meta_graph(str(path), graph=graph)
+    tokens = np.random.RandomState(0).randint(0, VOCAB, size=(32, STEPS + 1)).astype(np.int32)
+    np.savez(str(path) + ".npz", input_data=tokens[:, :-1], targets=tokens[:, 1:])
+    return str(path)
+
+
+@pytest.mark.parametrize("reduce", ["sum"])
+@pytest.mark.parametrize("replicas", [2, 4])
+def test_a_sequence_loss_over_a_fixed_batch_trains_like_one_device(run_cli, tmp_path, reduce,
+                                                                     replicas):
+    model = export_ptb_like(tmp_path / "m.meta", reduce)
+    code, out, err = run_cli("verify", model, "--strategy", "allreduce", "--replicas", replicas,
+                             "--feeds", model + ".npz", "--batch-size", BATCH, "--steps", 3)
+    assert code == 0 and "PASS" in out, out + err
