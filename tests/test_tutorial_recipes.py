@@ -6,7 +6,9 @@ weights, axis=[0])`` (tf.contrib.seq2seq.sequence_loss). TF folds the static sha
 Sum's input into its gradient's Tile multiples (``gradients/Sum_grad/Tile/multiples``, the
 global batch), which split-inputs left whole: TF then rejected the replicas' gradient
 ("Cannot reshape a tensor with 20 elements to shape [10]"), a refusal of a graph that
-transforms exactly."""
+transforms exactly. And ``tf.reduce_sum(tf.reduce_mean(losses, axis=0))`` (a mean over the
+batch summed over timesteps or outputs, fixed batch or not) was refused by `check`'s losses
+rule, which took the outer Sum for a sum over the batch."""
 
 import numpy as np
 import pytest
@@ -48,11 +50,28 @@ def export_ptb_like(path, reduce="sum"):
     return str(path)
 
 
-@pytest.mark.parametrize("reduce", ["sum"])
+@pytest.mark.parametrize("reduce", ["sum", "mean"])
 @pytest.mark.parametrize("replicas", [2, 4])
 def test_a_sequence_loss_over_a_fixed_batch_trains_like_one_device(run_cli, tmp_path, reduce,
                                                                      replicas):
     model = export_ptb_like(tmp_path / "m.meta", reduce)
     code, out, err = run_cli("verify", model, "--strategy", "allreduce", "--replicas", replicas,
                              "--feeds", model + ".npz", "--batch-size", BATCH, "--steps", 3)
+    assert code == 0 and "PASS" in out, out + err
+
+
+def test_a_sum_of_means_over_the_batch_is_a_mean(run_cli, tmp_path):
+    import tensorflow as tf
+    from conftest import export_classifier
+    tf1 = tf.compat.v1
+
+    def build(x, y):
+        w = tf1.get_variable("w", [8, 3])
+        target = tf.one_hot(y, 3)
+        cost = tf.reduce_sum(tf.reduce_mean(tf.square(tf.matmul(x, w) - target), axis=0),
+                             name="cost")
+        return tf1.train.GradientDescentOptimizer(0.1).minimize(cost, name="train")
+    model = export_classifier(tmp_path / "m.meta", build)
+    code, out, err = run_cli("verify", model, "--strategy", "allreduce", "--replicas", 2,
+                             "--feeds", model + ".npz", "--batch-size", 16, "--steps", 3)
     assert code == 0 and "PASS" in out, out + err
