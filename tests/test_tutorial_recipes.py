@@ -75,3 +75,50 @@ def test_a_sum_of_means_over_the_batch_is_a_mean(run_cli, tmp_path):
     code, out, err = run_cli("verify", model, "--strategy", "allreduce", "--replicas", 2,
                              "--feeds", model + ".npz", "--batch-size", 16, "--steps", 3)
     assert code == 0 and "PASS" in out, out + err
+
+
+def export_mnist_convolutional(path):
+    """tensorflow/models/image/mnist/convolutional.py: fixed-size placeholders, a Reshape to
+    the batch's static shape, L2 regularisers added to the loss, MomentumOptimizer on
+    ``exponential_decay(0.01, batch * BATCH_SIZE, train_size, 0.95)`` with ``batch`` the step
+    counter, and ``train_prediction`` fetched with every step (its error rate is printed).
+    train_size and BATCH_SIZE are multiples of the slice's size: merge-fetches took them for
+    constants folded from the batch, so the learning rate, every updated variable and every
+    fetch reading them were unknown, and train_prediction gave replica 0's rows alone."""
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+    batch_size, train_size = 8, 32
+    graph = tf.Graph()
+    with graph.as_default():
+        tf1.set_random_seed(1)
+        data = tf1.placeholder(tf.float32, (batch_size, 4, 4, 1), name="train_data")
+        labels = tf1.placeholder(tf.int64, (batch_size,), name="train_labels")
+        conv_w = tf.Variable(tf1.truncated_normal([3, 3, 1, 4], stddev=0.1, seed=1))
+        fc_w = tf.Variable(tf1.truncated_normal([2 * 2 * 4, 10], stddev=0.1, seed=1))
+        fc_b = tf.Variable(tf.constant(0.1, shape=[10]))
+        conv = tf.nn.relu(tf.nn.conv2d(data, conv_w, strides=[1, 1, 1, 1], padding="SAME"))
+        pool = tf.nn.max_pool(conv, ksize=[1, 2, 2, 1], strides=[1, 2, 2, 1], padding="SAME")
+        shape = pool.get_shape().as_list()
+        reshape = tf.reshape(pool, [shape[0], shape[1] * shape[2] * shape[3]])
+        logits = tf.matmul(reshape, fc_w) + fc_b
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=labels, logits=logits)) + 5e-4 * (tf.nn.l2_loss(fc_w) + tf.nn.l2_loss(fc_b))
+        batch = tf.Variable(0, dtype=tf.float32)
+        learning_rate = tf1.train.exponential_decay(0.01, batch * batch_size, train_size, 0.95,
+                                                    staircase=True)
+        train = tf1.train.MomentumOptimizer(learning_rate, 0.9).minimize(loss, global_step=batch)
+        tf.nn.softmax(logits, name="train_prediction")
+        tf1.add_to_collection("train_op", train)
+        tf1.train.export_meta_graph(str(path), graph=graph)
+    images = np.random.RandomState(0).rand(32, 4, 4, 1).astype(np.float32)
+    np.savez(str(path) + ".npz", train_data=images,
+             train_labels=(images[:, 0, 0, 0] * 10).astype(np.int64))
+    return str(path)
+
+
+def test_a_fixed_batch_s_predictions_are_the_whole_batch_s(run_cli, tmp_path):
+    model = export_mnist_convolutional(tmp_path / "m.meta")
+    code, out, err = run_cli("verify", model, "--strategy", "allreduce", "--replicas", 2,
+                             "--feeds", model + ".npz", "--batch-size", 8, "--steps", 3,
+                             "--fetch", "train_prediction:0")
+    assert code == 0 and "PASS" in out and "replica 0's" not in out, out + err
