@@ -231,7 +231,7 @@ def _slice_constants(ir, copies: list, tg, replicas: int) -> dict:
     size = min(sizes) // replicas
     found = {}
     from_batch = functools.cache(lambda: ir.data_descendants(
-        [n for n in ir.nodes_of({"Split", "SplitV"}) if n.startswith(SPLIT_SCOPE)]))
+        [n for n in ir.nodes_of({"Split", "SparseSplit"}) if n.startswith(SPLIT_SCOPE)]))
     node_table = ir.g._node
     for name in copies:
         if node_table[name]["op"] != "Const":
