@@ -38,10 +38,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 
 import numpy as np
 
-from graphxform import opdefs, replica_values
+from graphxform import opdefs, replica_values, training
 from graphxform.errors import GraphxformError
 from graphxform.ir import CONTROL_KEY, data_pairs, parse_tensor
 from graphxform.nodes import Builder, replica_prefix
@@ -49,6 +50,8 @@ from graphxform.pipeline import Pass, PassResult
 from graphxform.replica_values import (BATCHED, COUNT, EXTREMES, IDENTICAL, MAX, MEAN, MIN, SUM,
                                        UNKNOWN)
 from graphxform.training import gradient_scope
+
+SPLIT_SCOPE = "split_inputs/"  # passes/split_inputs.py's scope: the slices of the batch
 
 SCOPE = "merge_fetches/"
 _FLOATS = frozenset({1, 2, 8, 14, 18, 19})  # float double complex64 bfloat16 complex128 half
@@ -227,6 +230,8 @@ def _slice_constants(ir, copies: list, tg, replicas: int) -> dict:
     from tensorflow.python.framework import tensor_util
     size = min(sizes) // replicas
     found = {}
+    from_batch = functools.cache(lambda: ir.data_descendants(
+        [n for n in ir.nodes_of({"Split", "SparseSplit"}) if n.startswith(SPLIT_SCOPE)]))
     node_table = ir.g._node
     for name in copies:
         if node_table[name]["op"] != "Const":
@@ -238,10 +243,31 @@ def _slice_constants(ir, copies: list, tg, replicas: int) -> dict:
         if tensor.dtype not in _REALS:
             continue
         values = tensor_util.MakeNdarray(tensor).reshape(-1)[:1]
-        if (dims and dims[0] == size) or (
-                values.size and values[0] >= size and values[0] % size == 0):
+        if ((dims and dims[0] == size) or (
+                values.size and values[0] >= size and values[0] % size == 0)) \
+                and _meets_the_batch(ir, name, from_batch):
             found[(name, 0)] = replica_values.UNKNOWN
     return found
+
+
+def _meets_the_batch(ir, name: str, from_batch) -> bool:
+    """Whether what ``name`` computes reaches, through data edges, a node computed from the
+    batch other than a variable's write: a value that never does is the same on every replica
+    as on one device (a learning-rate schedule's ``decay_steps``, convolutional.py's ``batch *
+    BATCH_SIZE``), whatever multiple of the slice's size it happens to be."""
+    seen, stack = {name}, [name]
+    while stack:
+        node = stack.pop()
+        for dst, _ in ir.consumers(node):
+            if dst in seen:
+                continue
+            seen.add(dst)
+            if training.is_mutating_op(ir.op(dst)):
+                continue  # a variable written with the single-device value
+            if dst in from_batch():
+                return True
+            stack.append(dst)
+    return False
 
 
 def _losses_as_means(values, losses: set, forced: dict) -> None:

@@ -238,7 +238,7 @@ def rebatch_constants(ir, build, splits: list[str], lengths: set[int],
     static shape (or size) of an input of its forward op computed from the batch becomes a
     live Shape (Size) of the replica's tensor. Of the
     rest: integer shapes whose leading entry is the batch (``Shape``, ``shape_as_tensor``, a
-    Mean gradient's Tile multiples, a Reshape of the batch to it, a random draw of one value
+    Sum or Mean gradient's Tile multiples, a Reshape of the batch to it, a random draw of one value
     per example, the size of a Slice that keeps the batch's whole axis), ``Size`` scalars that are a
     multiple of it, a Mean gradient's divisor where that Mean averages over axis 0, and filled
     tensors (``zeros_like`` of a batch) whose leading dimension is the batch. Each rewritten
@@ -512,7 +512,8 @@ def _rebatched(ir, name: str, value, lengths: set, replicas: int, from_batch: se
         if value.ndim == 1 and value.size and value[0] in lengths and (
                 FOLDED_SHAPE.match(leaf) or _reshapes_the_batch(ir, name, from_batch)
                 or _fills_a_batch(ir, name) or _draws_for_the_batch(ir, name, from_batch)
-                or _slices_the_batch(ir, name, value, from_batch)):
+                or _slices_the_batch(ir, name, value, from_batch)
+                or _tiles_a_reduced_batch(ir, name, value, from_batch)):
             return (np.concatenate([[value[0] // replicas], value[1:]]).astype(value.dtype),
                     replica_values.BATCH_SHAPE)
         if multiple and FOLDED_SIZE.match(leaf):
@@ -549,6 +550,21 @@ def _slices_the_batch(ir, name: str, value, from_batch: set) -> bool:
         if src in from_batch and shape and len(shape) == value.size and shape[0] == value[0]:
             return True
     return False
+
+
+def _tiles_a_reduced_batch(ir, name: str, value, from_batch: set) -> bool:
+    """Whether ``name`` is the Tile multiples of the gradient of a Sum or Mean over axis 0 of
+    a tensor computed from the batch (``tf.reduce_sum(losses, axis=[0])``, the PTB model's
+    sequence loss): TF folded the batch's static shape divided by the kept one, so its leading
+    entry is the batch's length."""
+    forward = _forward_op(ir, name)
+    if forward is None or ir.op(forward) not in {"Sum", "Mean"}:
+        return False
+    src, src_port = ir.input(forward, 0)
+    shape = _recorded_shape(ir, src, src_port)
+    return (src in from_batch and shape is not None and len(shape) == value.size
+            and shape[0] == value[0]
+            and any(ir.op(dst) == "Tile" and port == 1 for dst, port in ir.consumers(name)))
 
 
 def _fills_a_batch(ir, name: str) -> bool:
