@@ -38,8 +38,6 @@ def kind(ir: GraphIR, node: str, depth: int = 0) -> str:
         consts = [_constant(ir, src) for src, _ in inputs]
         if any(consts) and not all(consts):
             return kind(ir, inputs[consts.index(False)][0], depth + 1)
-    if op == "Sum" and _mean_over_the_batch(ir, inputs[0][0]):
-        return MEAN  # summed over what a mean over the batch kept (timesteps, features)
     if op in _SUM_OPS:
         return SUM
     if op in _ADD_OPS:
@@ -75,18 +73,6 @@ def sum_of_ratios_of_totals(ir: GraphIR, copy: str) -> bool:
     total = values.of(*inputs[0]) in (SUM_CLASS, MEAN_CLASS) or \
         reduces_the_batch_axis(ir, inputs[0][0])  # shaped by the longest length: unclassed
     return total and values.of(*inputs[1]) == SAME
-
-
-def _mean_over_the_batch(ir: GraphIR, node: str) -> bool:
-    """Whether ``node`` is (through pass-through ops) a Mean over constant axes that include
-    0, the batch's: ``tf.reduce_sum(tf.reduce_mean(losses, axis=0))`` is a mean."""
-    from graphxform.nodes import const_value
-    node = _through(ir, node)
-    inputs = ir.inputs(node)
-    if ir.op(node) != "Mean" or len(inputs) != 2:
-        return False
-    axes = const_value(ir, inputs[1][0])
-    return axes is not None and 0 in axes.reshape(-1).tolist()
 
 
 def _through(ir: GraphIR, node: str) -> str:
