@@ -840,7 +840,7 @@ def reduces_the_batch_axis(ir: GraphIR, node: str) -> bool:
             axes = const_value(ir, inputs[1][0])
             dims = opdefs.recorded_dims(ir, *inputs[0])
             return axes is not None and 0 in axes.reshape(-1).tolist() and \
-                dims is not None and len(dims) >= 2
+                dims is not None and len(dims) >= 2 and _axis_0_unmoved(ir, inputs[0][0])
         if op not in _BY_CONSTANTS or not inputs:
             return False
         varying = [src for src, _ in inputs if const_value(ir, src) is None]
@@ -848,6 +848,40 @@ def reduces_the_batch_axis(ir: GraphIR, node: str) -> bool:
             return False
         node = varying[0]
     return False
+
+
+def _axis_0_unmoved(ir: GraphIR, node: str, limit: int = 64) -> bool:
+    """Whether no Transpose on ``node``'s elementwise way back moved another axis to axis 0.
+    The rules above take axis 0 for the batch's, as it is where the batch comes in; a
+    time-major loss (``tf.transpose(per_example)``, [time, batch]) summed over axis 0 is a sum
+    over time per example, which taken for a total of the batch would make each replica
+    divide by the whole batch's total. Follows the axis through Transposes (dynamic_rnn's
+    pair cancels) and elementwise ops, up to the first op of another kind."""
+    from graphxform.nodes import const_value
+    from graphxform.replica_values import ELEMENTWISE_OPS, ELEMENTWISE_UNARY_OPS, \
+        LINEAR_UNARY_OPS
+    through = set(ELEMENTWISE_OPS) | set(ELEMENTWISE_UNARY_OPS) | set(LINEAR_UNARY_OPS) | \
+        {"Cast"}
+    stack, seen = [(node, 0)], set()
+    while stack and len(seen) < limit:
+        name, axis = stack.pop()
+        if (name, axis) in seen:
+            continue
+        seen.add((name, axis))
+        op, inputs = ir.op(name), ir.inputs(name)
+        if op in ("Transpose", "ConjugateTranspose") and len(inputs) == 2:
+            perm = const_value(ir, inputs[1][0])
+            if perm is None:
+                return False
+            perm = perm.reshape(-1).tolist()
+            if axis >= len(perm):
+                return False
+            stack.append((inputs[0][0], perm[axis]))
+        elif op in through:
+            stack += [(src, axis) for src, _ in inputs if const_value(ir, src) is None]
+        elif axis != 0:
+            return False
+    return all(axis == 0 for _, axis in stack)  # what the limit left unread
 
 
 def _constant_denominator(ir: GraphIR, node: str):

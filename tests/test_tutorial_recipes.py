@@ -130,3 +130,40 @@ def test_a_fixed_batch_s_predictions_are_the_whole_batch_s(run_cli, tmp_path):
                              "--feeds", model + ".npz", "--batch-size", 8, "--steps", 3,
                              "--fetch", "train_prediction:0")
     assert code == 0 and "PASS" in out and "replica 0's" not in out, out + err
+
+
+def export_time_major_lengths(path):
+    """The NMT tutorial's layout (time-major, [time, batch]): each example's masked squared
+    error summed over time (axis 0) and divided by its own length (the mask summed over axis
+    0), averaged over the batch. Both Sums reduce axis 0, which here is time, not the batch:
+    global-denominators took the lengths for a total of the batch per timestep and divided
+    every example by the whole batch's (verify 0.37, apply exiting 0)."""
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+    graph = tf.Graph()
+    with graph.as_default():
+        tf1.set_random_seed(1)
+        x = tf1.placeholder(tf.float32, [None, 3, 4], name="x")
+        y = tf1.placeholder(tf.float32, [None, 3], name="y")
+        mask = tf1.placeholder(tf.float32, [None, 3], name="mask")
+        w = tf1.get_variable("w", [4, 1])
+        pred = tf.reshape(tf.matmul(tf.reshape(x, [-1, 4]), w), [-1, 3])
+        per_step = tf.transpose(tf.square(pred - y) * mask)  # [time, batch]
+        lengths = tf.reduce_sum(tf.transpose(mask), axis=0) + 1.0
+        loss = tf.reduce_mean(tf.reduce_sum(per_step, axis=0) / lengths, name="loss")
+        train = tf1.train.GradientDescentOptimizer(0.05).minimize(
+            loss, global_step=tf1.train.get_or_create_global_step())
+        tf1.add_to_collection("train_op", train)
+        tf1.train.export_meta_graph(str(path), graph=graph)
+    rng = np.random.RandomState(0)
+    np.savez(str(path) + ".npz", x=rng.randn(64, 3, 4).astype(np.float32),
+             y=rng.randn(64, 3).astype(np.float32),
+             mask=(rng.rand(64, 3) > 0.3).astype(np.float32))
+    return str(path)
+
+
+def test_a_time_major_length_is_each_example_s_not_the_batch_s(run_cli, tmp_path):
+    model = export_time_major_lengths(tmp_path / "m.meta")
+    code, out, err = run_cli("verify", model, "--strategy", "allreduce", "--replicas", 2,
+                             "--feeds", model + ".npz", "--batch-size", 8, "--steps", 3)
+    assert code == 0 and "PASS" in out, out + err
