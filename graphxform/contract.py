@@ -761,6 +761,7 @@ def batch_denominators(ir: GraphIR, loss: tuple, classes,
     that do depend on a variable instead (a mean of the model's own outputs under
     stop_gradient), which no pass can make global."""
     from graphxform.replica_values import BATCHED, loss_divisions
+    from graphxform.selections import of_the_batch
     found = []
     sources = None  # the batch's splits, found when a division asks
     for node in loss_divisions(ir, loss):
@@ -773,24 +774,13 @@ def batch_denominators(ir: GraphIR, loss: tuple, classes,
                                  stop=lambda n: combines_every_replica(ir, n))
         if (ir.op(bottom[0]) not in CROSS_REPLICA_OPS
                 and opdefs.output_dtype(ir, *bottom) in _FLOATS
-                and (not reads.isdisjoint(sources)
-                     or _sized_by_the_batch(ir, reads, sources) is not None
-                     or _drawn_per_example(ir, reads, sources))
+                and (of_the_batch(ir, reads, sources)
+                     or _sized_by_the_batch(ir, reads, sources) is not None)
                 and any(ir.op(n) in VARIABLE_OPS for n in reads) == reading_variables
                 and classes().of(*bottom) not in BATCHED
                 and not _rows_of_the_batch(ir, *bottom)):
             found.append(tensor_name(*bottom))
     return found
-
-
-def _drawn_per_example(ir: GraphIR, reads: set, sources: set) -> bool:
-    """Whether ``reads`` (a divisor's value sources) hold a random draw shaped by the batch:
-    a mask drawn per example (random-network-distillation's predictor trains on a random
-    subset, ``reduce_sum(mask * loss) / maximum(reduce_sum(mask), 1)``) totals the batch's
-    examples as a fed mask does, though only its shape reads the batch."""
-    from graphxform.training import RANDOM_OPS
-    return any(ir.op(n) in RANDOM_OPS and not ir.ancestors(n).isdisjoint(sources)
-               for n in reads)
 
 
 def _sized_by_the_batch(ir: GraphIR, reads: set, sources: set, skip=lambda n: False):
