@@ -1391,9 +1391,28 @@ def _first_entry_numbers_examples(flow: _Flow, src: str, port: int) -> bool:
     else:
         return False
     first, port = _through(ir, *ir.input(src, 0))
-    while ir.op(first) in ("Tile", "BroadcastTo") and port == 0:
+    while (ir.op(first) in ("Tile", "BroadcastTo") or _adds_axes(flow, first)) and port == 0:
         first, port = _through(ir, *ir.input(first, 0))
     return _counts_examples(flow, first, port)
+
+
+def _adds_axes(flow: _Flow, src: str) -> bool:
+    """Whether ``src`` is a strided slice that keeps every axis whole and only inserts new ones
+    after the first (``tf.range(batch)[:, None]``, as Dopamine stacks it beside the actions):
+    each row keeps its values and its place."""
+    ir = flow.ir
+    if ir.op(src) != "StridedSlice":
+        return False
+    begin, end, strides = (flow.ints(*ir.input(src, k)) for k in (1, 2, 3))
+    if begin is None or end is None or strides is None:
+        return False
+    masks = {key: (ir.attrs(src)[key].i if key in ir.attrs(src) else 0) for key in (
+        "begin_mask", "end_mask", "ellipsis_mask", "new_axis_mask", "shrink_axis_mask")}
+    if masks["ellipsis_mask"] or masks["shrink_axis_mask"] or masks["new_axis_mask"] & 1:
+        return False
+    return all(masks["new_axis_mask"] & (1 << k) or (
+        (masks["begin_mask"] & (1 << k) or begin[k] == 0) and masks["end_mask"] & (1 << k)
+        and strides[k] == 1) for k in range(len(begin)))
 
 
 def _scatter_nd(n: _Node):

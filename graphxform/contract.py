@@ -770,6 +770,7 @@ def batch_denominators(ir: GraphIR, loss: tuple, classes,
     that do depend on a variable instead (a mean of the model's own outputs under
     stop_gradient), which no pass can make global."""
     from graphxform.replica_values import BATCHED, loss_divisions
+    from graphxform.selections import of_the_batch
     found = []
     sources = None  # the batch's splits, found when a division asks
     for node in loss_divisions(ir, loss):
@@ -782,7 +783,7 @@ def batch_denominators(ir: GraphIR, loss: tuple, classes,
                                  stop=lambda n: combines_every_replica(ir, n))
         if (ir.op(bottom[0]) not in CROSS_REPLICA_OPS
                 and opdefs.output_dtype(ir, *bottom) in _FLOATS
-                and (not reads.isdisjoint(sources)
+                and (of_the_batch(ir, reads, sources)
                      or _sized_by_the_batch(ir, reads, sources) is not None)
                 and any(ir.op(n) in VARIABLE_OPS for n in reads) == reading_variables
                 and classes().of(*bottom) not in BATCHED

@@ -119,6 +119,16 @@ def value_sized_family(op: str) -> str:
     return next((family for family in UNSUMMED_COUNTS if op.startswith(family)), op)
 
 
+def of_the_batch(ir, reads: set, sources: set) -> bool:
+    """Whether value sources ``reads`` hold the batch: one of ``sources`` (its splits), or a
+    random draw shaped by it, a mask drawn per example (random-network-distillation trains its
+    predictor on a random subset of the batch), whose values only its shape takes from the
+    batch."""
+    from graphxform.training import RANDOM_OPS
+    return not reads.isdisjoint(sources) or any(
+        ir.op(n) in RANDOM_OPS and not ir.ancestors(n).isdisjoint(sources) for n in reads)
+
+
 def selected_rows(ir, counted: str, sources: set, any_size: bool = False):
     """A gather by the indices tf.where finds in a mask computed from the batch, whose rows
     reach ``counted`` through ops that keep rows; with ``any_size``, also any op whose
@@ -149,7 +159,7 @@ class RowSelections:
             op = ir.op(node)
             if op in _GATHERS:
                 mask = mask_of(ir, ir.inputs(node)[1][0], through=_INDEX_OPS)
-                if mask is not None and not sources.isdisjoint(ir.value_sources(mask[0])):
+                if mask is not None and of_the_batch(ir, ir.value_sources(mask[0]), sources):
                     return node
             if self.any_size and op in VALUE_SIZED_OPS:
                 if not sources.isdisjoint(ir.value_sources(node)):

@@ -192,10 +192,18 @@ def gradient_stages(ir, gradients: list) -> list[list]:
         is_ready = [not any(named(parse_tensor(t)[0]) in after for t in grad.tensors)
                     for _, grad in remaining]
         if not any(is_ready):
+            var, grad = remaining[0]
+            nodes = {named(parse_tensor(t)[0]) for t in grad.tensors}
+            first = next(((v, u) for v, _ in remaining for u in v.updates
+                          if named(u) in ir and nodes & ir.descendants([named(u)])),
+                         (var, var.updates[0] if var.updates else "?"))
+            whose = f"its own update '{first[1]}'" if first[0] is var else \
+                f"'{first[1]}', an update of variable '{first[0].name}',"
             raise ContractError(
-                f"variable '{remaining[0][0].name}': its gradient is computed after its own "
-                "update runs, so no reduction of it across replicas can come before that "
-                "update; compute the gradient before applying it")
+                f"variable '{var.name}': its gradient is computed after {whose} runs, so no "
+                "reduction of it across replicas can come before "
+                "that update; compute the gradients before any update of a variable they "
+                "train")
         stages.append(list(itertools.compress(remaining, is_ready)))
         remaining = [pair for pair, ready in zip(remaining, is_ready) if not ready]
     return stages

@@ -125,14 +125,15 @@ def _sum_selected_means(ir, build, devices: list, losses: list, classes) -> list
     from graphxform.contract import ContractError
     from graphxform.selections import averaged_selection, loss_means
     from graphxform.replica_spread import SPLIT_SCOPE
-    from graphxform.selections import selection_mask
+    from graphxform.selections import of_the_batch, selection_mask
     first = replica_prefix(0)
     splits = functools.cache(  # a sweep of the graph, only where a Mean averages a selection
         lambda: {n for n in ir.nodes_of({"Split"}) if n.startswith(SPLIT_SCOPE)})
     means = list(dict.fromkeys(  # a mask of the weights selects as many on every replica
         mean for loss in losses for mean, _ in loss_means(ir, tensor_name(*loss))
-        if averaged_selection(ir, mean) is not None and not splits().isdisjoint(
-            ir.value_sources(selection_mask(ir, averaged_selection(ir, mean))[0]))))
+        if averaged_selection(ir, mean) is not None and of_the_batch(
+            ir, ir.value_sources(selection_mask(ir, averaged_selection(ir, mean))[0]),
+            splits())))
     for k, mean in enumerate(means):
         gather = averaged_selection(ir, mean)
         if not _selected_by_a_batch_mask(ir, classes(), gather):

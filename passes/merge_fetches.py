@@ -172,12 +172,14 @@ def _recompute(ir, build, first: str, unmerged: list) -> set:
                 or (opdefs.is_stateful(ir, op) and op not in _READS)
                 or replica_values.REBATCHED_ATTR in ir.attrs(copy)):
             continue
-        inputs = [_served(ir, first, src, inexact) for src, _ in ir.inputs(copy)]
+        inputs = [_whole_input(ir, src, port) or _served(ir, first, src, inexact)
+                  for src, port in ir.inputs(copy)]
         waits = [_served(ir, first, src, ()) for src in ir.control_inputs(copy)]
         if None in inputs or None in waits:
             continue
         ports = [port for _, port in ir.inputs(copy)]
-        build.replace_like(name, copy, [f"{src}:{port}" for src, port in zip(inputs, ports)]
+        build.replace_like(name, copy, [src if ":" in src else f"{src}:{port}"
+                                        for src, port in zip(inputs, ports)]
                            + ["^" + src for src in waits], device=ir.node(name)["device"])
         inexact.discard(name)
         done.add(name)
@@ -189,6 +191,17 @@ def _read_in_replica(ir, node: str, first: str) -> bool:
     ``ir.consumers`` lists, without listing them)."""
     return any(dst.startswith(first) and (len(keys) > 1 or CONTROL_KEY not in keys)
                for dst, keys in data_pairs(ir.g._succ[node]))
+
+
+def _whole_input(ir, src: str, port: int) -> str | None:
+    """The whole batch, as ``node:port``, where ``src:port`` is replica 0's part of split-inputs'
+    Split of an input (a placeholder's rows): one device read the input itself, so an op run
+    again reads it whole (the variance of a fed tensor, PPO's explained variance of the
+    returns). Else None."""
+    if port != 0 or ir.op(src) != "Split" or ir.node(src).get("created_by") != "split-inputs":
+        return None
+    whole, whole_port = ir.input(src, 1)
+    return f"{whole}:{whole_port}"
 
 
 def _served(ir, first: str, src: str, inexact) -> str | None:

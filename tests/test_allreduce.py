@@ -655,3 +655,28 @@ def test_chained_optimizers_reduce_each_stage_before_its_update(run_cli, tmp_pat
     code, out, err = run_cli("verify", "--replicas", 2, model, "--feeds", model + ".npz",
                              "--batch-size", 16, "--steps", 3)
     assert code == 0 and "PASS" in out, out + err
+
+
+def test_a_gradient_computed_after_another_variables_write_names_that_write(run_cli, tmp_path):
+    """PopArt's ART step rescales the value head's trainable kernel (an assign from the batch's
+    statistics) before the loss whose gradients train the torso is computed: no gradient can be
+    reduced before that write. The refusal named the torso's kernel and 'its own update',
+    which it is not: it names the write the gradients wait on, and its variable."""
+    from conftest import export_classifier
+    import tensorflow as tf
+    from test_custom_training_code import dense
+    tf1 = tf.compat.v1
+
+    def build(x, y):
+        h = dense(x, 8, "torso", tf.nn.relu)
+        w = tf1.get_variable("head/kernel", [8, 1])
+        returns = tf.cast(y, tf.float32)
+        rescale = tf1.assign(w, w * (1.0 + 0.01 * tf.reduce_mean(returns)), name="art")
+        with tf.control_dependencies([rescale]):
+            value = tf.matmul(h, w.read_value())[:, 0]
+        return tf1.train.GradientDescentOptimizer(0.1).minimize(
+            tf.reduce_mean(tf.square(value - returns)))
+    model = export_classifier(tmp_path / "m.meta", build)
+    code, _, err = run_cli("apply", "--replicas", 2, model, "-o", tmp_path / "out.meta")
+    assert code == 1 and len(err.strip().splitlines()) == 1, err
+    assert "'art', an update of variable 'head/kernel', runs" in err, err

@@ -949,3 +949,31 @@ def test_a_cross_entropy_of_logits_summed_over_the_batch_is_refused(run_cli, tmp
     assert code == 1 and len(err.strip().splitlines()) == 1, err
     assert "'sparse_softmax_cross_entropy_loss/xentropy/xentropy' " \
            "(SparseSoftmaxCrossEntropyWithLogits) applies a non-linear function" in err
+
+
+def dopamine_chosen_q(shifted):
+    """Dopamine's C51/Rainbow picks each example's chosen action with tf.gather_nd of
+    ``tf.concat([tf.range(batch)[:, None], actions[:, None]], 1)``: the range made a column by
+    ``[:, None]`` (a StridedSlice adding an axis) still numbers each example (refused before as
+    picking by computed index). ``shifted``: the column is ``(tf.range(batch) + 1) % batch``,
+    the next example's row, which stays refused."""
+    import tensorflow as tf
+
+    def build(x, y):
+        q = tf.reshape(dense(x, 6, "q"), [-1, 3, 2])
+        rows = tf.range(tf.shape(q)[0])
+        rows = (rows + 1) % tf.shape(q)[0] if shifted else rows
+        chosen = tf.gather_nd(q, tf.concat([rows[:, None], tf.cast(y, tf.int32)[:, None]], 1))
+        return _step(_xent(y, chosen))
+    return build
+
+
+def test_a_gather_nd_of_each_examples_chosen_action_trains_like_one_device(run_cli, tmp_path):
+    _assert_verify_passes(run_cli, _export(tmp_path / "m.meta", dopamine_chosen_q(False)))
+
+
+def test_a_gather_nd_of_the_next_examples_row_is_refused(run_cli, tmp_path):
+    model = _export(tmp_path / "m.meta", dopamine_chosen_q(True))
+    code, _, err = run_cli("apply", "--replicas", 2, model, "-o", tmp_path / "out.meta")
+    assert code == 1 and len(err.strip().splitlines()) == 1, err
+    assert "'GatherNd'" in err and "by computed index" in err, err

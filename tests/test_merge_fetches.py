@@ -45,7 +45,9 @@ def fetch_graph():
         tf.reduce_max(logits, name="batch_max")  # the largest of the replicas' largest
         tf.split(logits, [1, 2], axis=1, name="halves")  # two outputs, each batch
         tf.pad(x, [[0, 0], [1, 2]], name="padded")  # the sides of each example: batch
-        tf.pad(x, [[1, 0], [0, 0]], name="padded_rows")  # a row more per slice: unknown
+        tf.pad(x, [[1, 0], [0, 0]], name="padded_rows")  # a row more per slice: run again
+        tf.multiply(x, tf.raw_ops.RandomUniform(shape=[4], dtype=tf.float32),
+                    name="dropped")  # an unseeded draw per replica: unknown
         bump = counter.assign_add(1.0, read_value=False, name="bump")  # an op without outputs
         with tf.control_dependencies([bump]):
             tf.identity(counter.read_value(), name="counter_after")  # runs the bump
@@ -128,11 +130,22 @@ def test_a_node_with_several_outputs_merges_each(single_and_transformed):
 
 def test_unknown_is_listed_and_served_from_replica_0(single_and_transformed):
     _, out, summary, start, feeds = single_and_transformed
-    assert "padded_rows" in summary["unmerged"] and "batch_max" not in summary["unmerged"]
-    assert out.op("padded_rows") == "Identity" and out.inputs("padded_rows") == [
-        ("replica_0/padded_rows", 0)]
+    assert "dropped" in summary["unmerged"] and "batch_max" not in summary["unmerged"]
+    assert out.op("dropped") == "Identity" and out.inputs("dropped") == [
+        ("replica_0/dropped", 0)]
+    got, _ = session_run(out, "dropped:0", feeds, restore=start)
+    assert got.shape[0] == len(feeds["x:0"]) // 2  # replica 0's slice
+
+
+def test_an_op_on_a_fed_placeholder_is_run_again_on_the_whole_batch(single_and_transformed):
+    """``tf.pad`` of the placeholder's rows: replica 0's copy reads its slice (split-inputs'
+    Split), so it was served from replica 0 (its slice and its padding); now run again on the
+    placeholder itself."""
+    single, out, summary, start, feeds = single_and_transformed
+    assert "padded_rows" not in summary["unmerged"] and out.op("padded_rows") == "Pad"
+    expected, _ = session_run(single, "padded_rows:0", feeds, restore=start)
     got, _ = session_run(out, "padded_rows:0", feeds, restore=start)
-    assert got.shape[0] == len(feeds["x:0"]) // 2 + 1  # replica 0's slice, and its padding
+    np.testing.assert_array_equal(got, expected)
 
 
 @pytest.mark.parametrize("recipe, fetches", [
@@ -460,3 +473,28 @@ def test_int_constants_read_as_make_ndarray_reads_them(case):
     expected = [int(v) for v in tensor_util.MakeNdarray(tensor).reshape(-1)]
     assert expected == array.reshape(-1).tolist()
     assert replica_values._int_values(tensor) == expected
+
+
+def test_a_statistic_of_a_fed_tensor_is_computed_again_from_the_whole_batch(run_cli, tmp_path):
+    """PPO's explained variance, ``1 - var(returns - values) / var(returns)``, fetched beside
+    the step with the returns fed: ``returns - mean(returns)`` reads the placeholder, and
+    replica 0's copy reads its slice of it (split-inputs' Split), so it was served from replica
+    0 alone (half the batch's figure, listed in apply's note); now it is run again on the
+    placeholder itself, whole."""
+    from conftest import export_classifier
+    import tensorflow as tf
+    from test_custom_training_code import dense
+    tf1 = tf.compat.v1
+
+    def build(x, y):
+        value = dense(x, 8, "vf")
+        tf.identity(1.0 - tf.math.reduce_variance(x - value) / tf.math.reduce_variance(x),
+                    name="explained_variance")
+        tf.identity(tf.math.reduce_std(x), name="x_std")
+        return tf1.train.GradientDescentOptimizer(0.1).minimize(
+            tf.reduce_mean(tf.square(x - value)))
+    model = export_classifier(tmp_path / "m.meta", build)
+    code, out, err = run_cli("verify", model, "--replicas", 2, "--feeds", model + ".npz",
+                             "--batch-size", 16, "--steps", 2, "--fetch", "explained_variance:0",
+                             "--fetch", "x_std:0")
+    assert code == 0 and "PASS" in out and "replica 0's copy" not in out, out + err
