@@ -51,3 +51,55 @@ def test_check_reads_a_negated_mean_as_a_mean(tmp_path):
     loss = losses.loss_tensors(ir)[0].split(":")[0]
     assert losses.kind(ir, "replica_0/" + loss) == losses.MEAN
     assert losses.check(ir).status == "ok", losses.check(ir).findings
+
+
+def export_word2vec(tmp_path, sampler: str) -> str:
+    """word2vec's sampled softmax, its candidates drawn by ``sampler`` (learned: the kernel
+    counts every batch's true classes and draws the next step's candidates from them)."""
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+    vocabulary = 50
+    graph = tf.Graph()
+    with graph.as_default():
+        tf1.set_random_seed(1)
+        inputs = tf1.placeholder(tf.int32, [None], name="train_inputs")
+        labels = tf1.placeholder(tf.int64, [None, 1], name="train_labels")
+        embeddings = tf1.Variable(tf1.random_uniform([vocabulary, 8], -1.0, 1.0), name="emb")
+        weights = tf1.Variable(tf1.truncated_normal([vocabulary, 8], stddev=0.3), name="sm_w")
+        biases = tf1.Variable(tf.zeros([vocabulary]), name="sm_b")
+        if sampler == "learned":
+            draw = tf.random.learned_unigram_candidate_sampler
+        else:
+            def draw(**args):
+                return tf.random.fixed_unigram_candidate_sampler(
+                    unigrams=list(range(1, vocabulary + 1)), **args)
+        sampled = draw(true_classes=labels, num_true=1, num_sampled=5, unique=True,
+                       range_max=vocabulary)
+        loss = tf.reduce_mean(tf.nn.sampled_softmax_loss(
+            weights=weights, biases=biases, labels=labels,
+            inputs=tf.nn.embedding_lookup(embeddings, inputs), num_sampled=5,
+            num_classes=vocabulary, sampled_values=sampled))
+        tf1.add_to_collection("train_op", tf1.train.GradientDescentOptimizer(1.0).minimize(loss))
+        path = str(tmp_path / "word2vec.meta")
+        tf1.train.export_meta_graph(path, graph=graph)
+    rng = np.random.RandomState(0)
+    classes = np.concatenate([rng.randint(0, 5, 32), rng.randint(40, 50, 32)])
+    np.savez(path + ".npz", train_inputs=rng.randint(0, vocabulary, 64).astype(np.int32),
+             train_labels=classes.reshape(64, 1).astype(np.int64))
+    return path
+
+
+def test_a_sampler_learning_from_the_batch_is_refused(run_cli, tmp_path):
+    """Each replica's copy would count its own slice's classes (verify FAILed by 1.0)."""
+    model = export_word2vec(tmp_path, "learned")
+    code, out, err = run_cli("apply", model, "--strategy", "allreduce", "--replicas", 2,
+                             "-o", tmp_path / "out.meta")
+    assert code != 0 and "'LearnedUnigramCandidateSampler' (LearnedUnigramCandidateSampler) " \
+        "learns its sampling distribution from the true classes" in err, out + err
+
+
+def test_a_seeded_fixed_sampler_trains_like_one_device(run_cli, tmp_path):
+    model = export_word2vec(tmp_path, "fixed")
+    code, out, err = run_cli("verify", model, "--strategy", "allreduce", "--replicas", 2,
+                             "--feeds", model + ".npz", "--batch-size", 16, "--steps", 3)
+    assert code == 0 and "PASS" in out, out + err
