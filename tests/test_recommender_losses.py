@@ -103,3 +103,69 @@ def test_a_seeded_fixed_sampler_trains_like_one_device(run_cli, tmp_path):
     code, out, err = run_cli("verify", model, "--strategy", "allreduce", "--replicas", 2,
                              "--feeds", model + ".npz", "--batch-size", 16, "--steps", 3)
     assert code == 0 and "PASS" in out, out + err
+
+
+def export_models_word2vec(tmp_path) -> str:
+    """tensorflow/models' tutorials/embedding/word2vec.py, forward() and nce_loss(): the
+    candidates from a seeded fixed_unigram_candidate_sampler, the true and sampled logits'
+    cross entropies summed over the batch and divided by the Python batch size. The sampler had
+    no rule in replica_values: the sampled logits were unknown, so summed-losses left the sum's
+    seed at 1 (each replica's gradient half one device's) and `check` refused the graph."""
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+    vocabulary, dim, samples, batch = 50, 8, 6, 16
+    graph = tf.Graph()
+    with graph.as_default():
+        tf1.set_random_seed(1)
+        examples = tf1.placeholder(tf.int32, [None], name="examples")
+        labels = tf1.placeholder(tf.int64, [None], name="labels")
+        emb = tf1.Variable(tf1.random_uniform([vocabulary, dim], -0.5 / dim, 0.5 / dim),
+                           name="emb")
+        sm_w_t = tf1.Variable(tf1.truncated_normal([vocabulary, dim], stddev=0.3),
+                              name="sm_w_t")
+        sm_b = tf1.Variable(tf.zeros([vocabulary]), name="sm_b")
+        global_step = tf1.Variable(0, name="global_step")
+        sampled_ids, _, _ = tf1.nn.fixed_unigram_candidate_sampler(
+            true_classes=tf.reshape(labels, [-1, 1]), num_true=1, num_sampled=samples,
+            unique=True, range_max=vocabulary, distortion=0.75,
+            unigrams=list(range(vocabulary, 0, -1)))
+        example_emb = tf.nn.embedding_lookup(emb, examples)
+        true_logits = tf.reduce_sum(example_emb * tf.nn.embedding_lookup(sm_w_t, labels), 1) \
+            + tf.nn.embedding_lookup(sm_b, labels)
+        sampled_logits = tf.matmul(example_emb, tf.nn.embedding_lookup(sm_w_t, sampled_ids),
+                                   transpose_b=True) \
+            + tf.reshape(tf.nn.embedding_lookup(sm_b, sampled_ids), [samples])
+        true_xent = tf.nn.sigmoid_cross_entropy_with_logits(
+            labels=tf.ones_like(true_logits), logits=true_logits)
+        sampled_xent = tf.nn.sigmoid_cross_entropy_with_logits(
+            labels=tf.zeros_like(sampled_logits), logits=sampled_logits)
+        loss = (tf.reduce_sum(true_xent) + tf.reduce_sum(sampled_xent)) / batch
+        optimizer = tf1.train.GradientDescentOptimizer(0.2)
+        tf1.add_to_collection("train_op", optimizer.minimize(
+            loss, global_step=global_step, gate_gradients=optimizer.GATE_NONE))
+        path = str(tmp_path / "word2vec_models.meta")
+        tf1.train.export_meta_graph(path, graph=graph)
+    rng = np.random.RandomState(0)
+    np.savez(path + ".npz", examples=rng.randint(0, vocabulary, 64).astype(np.int32),
+             labels=rng.randint(0, vocabulary, 64).astype(np.int64))
+    return path
+
+
+def test_a_seeded_sampler_draws_what_one_device_draws(run_cli, tmp_path):
+    model = export_models_word2vec(tmp_path)
+    code, out, err = run_cli("verify", model, "--strategy", "allreduce", "--replicas", 2,
+                             "--feeds", model + ".npz", "--batch-size", 16, "--steps", 3)
+    assert code == 0 and "PASS" in out, out + err
+
+
+def test_a_seeded_sampler_is_identical_in_every_replica(tmp_path):
+    from graphxform import metagraph, replica_values, strategies
+    ir = metagraph.load(export_models_word2vec(tmp_path))
+    strategies.transform(ir, "allreduce", devices=["/device:CPU:0", "/device:CPU:1"])
+    prefix = "replica_0/"
+    values = replica_values.classify(ir, prefix,
+                                     copies=replica_values.replica_copies(ir, prefix))
+    sampler = prefix + "FixedUnigramCandidateSampler"
+    assert [values.of(sampler, port) for port in range(3)] == [
+        replica_values.IDENTICAL, replica_values.BATCH, replica_values.IDENTICAL]
+    assert values.of(prefix + "truediv", 0) == replica_values.SUM
