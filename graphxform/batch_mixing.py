@@ -821,6 +821,8 @@ def _tile(n: _Node):
                        "tf.shape(x)[0], the rows of a pairwise matrix): it meets every example "
                        "with every other")
     multiples = n.ints(1)
+    if multiples is None and n.states[1] is None:  # tf.tile(q[:, None], [1, tf.shape(h)[1], 1])
+        return state if _entry(n, 1, state) == 1 else UNKNOWN
     return state if multiples and state < len(multiples) and multiples[state] == 1 else UNKNOWN
 
 

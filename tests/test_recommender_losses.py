@@ -169,3 +169,75 @@ def test_a_seeded_sampler_is_identical_in_every_replica(tmp_path):
     assert [values.of(sampler, port) for port in range(3)] == [
         replica_values.IDENTICAL, replica_values.BATCH, replica_values.IDENTICAL]
     assert values.of(prefix + "truediv", 0) == replica_values.SUM
+
+
+def _dense(x, units, name):
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+    with tf1.variable_scope(name):
+        kernel = tf1.get_variable("kernel", [x.shape[-1], units])
+        bias = tf1.get_variable("bias", [units], initializer=tf1.zeros_initializer())
+    return tf.matmul(x, kernel) + bias
+
+
+def export_din(tmp_path, dice: bool) -> str:
+    """Deep Interest Network (zhougr1993/DeepInterestNetwork): the candidate item's embedding
+    tiled over the user's history (``tf.tile(q, [1, tf.shape(h)[1], 1])``, the history padded
+    to the fed width), attention pooling under a sequence mask, then Dice, whose mean and
+    standard deviation are the current batch's (its train mode, by hand), or PReLU. The tile's
+    multiples were not constant, so batch_mixing lost the batch there and never saw Dice's
+    statistics: apply exited 0 and verify FAILed by 0.48."""
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+    items, width, dim = 30, 6, 8
+    graph = tf.Graph()
+    with graph.as_default():
+        tf1.set_random_seed(1)
+        item = tf1.placeholder(tf.int32, [None], name="i")
+        label = tf1.placeholder(tf.float32, [None], name="y")
+        history = tf1.placeholder(tf.int32, [None, None], name="hist_i")
+        lengths = tf1.placeholder(tf.int32, [None], name="sl")
+        table = tf1.get_variable("item_emb_w", [items, dim])
+        query = tf.nn.embedding_lookup(table, item)
+        keys = tf.nn.embedding_lookup(table, history)
+        queries = tf.tile(query[:, None, :], [1, tf.shape(keys)[1], 1])
+        scores = tf.reduce_sum(queries * keys, -1)
+        mask = tf.sequence_mask(lengths, tf.shape(keys)[1])
+        scores = tf.where(mask, scores, tf.ones_like(scores) * (-2 ** 32 + 1))
+        pooled = tf.reduce_sum(tf.nn.softmax(scores)[:, :, None] * keys, 1)
+        x = _dense(tf.concat([pooled, query], -1), 16, "f1")
+        alphas = tf1.get_variable("alpha", [16], initializer=tf1.constant_initializer(0.0))
+        if dice:
+            mean = tf.reduce_mean(x, axis=[0])
+            std = tf.sqrt(tf.reduce_mean(tf.square(x - mean) + 1e-9, axis=[0]))
+            p = tf.sigmoid((x - mean) / (std + 1e-9))
+            x = alphas * (1.0 - p) * x + p * x
+        else:
+            x = tf.maximum(0.0, x) + alphas * tf.minimum(0.0, x)
+        logits = tf.squeeze(_dense(x, 1, "f3"), -1)
+        loss = tf.reduce_mean(tf.nn.sigmoid_cross_entropy_with_logits(logits=logits,
+                                                                      labels=label))
+        tf1.add_to_collection("train_op", tf1.train.GradientDescentOptimizer(1.0).minimize(loss))
+        path = str(tmp_path / "din.meta")
+        tf1.train.export_meta_graph(path, graph=graph)
+    rng = np.random.RandomState(0)
+    np.savez(path + ".npz", i=rng.randint(0, items, 64).astype(np.int32),
+             y=rng.randint(0, 2, 64).astype(np.float32),
+             hist_i=rng.randint(0, items, (64, width)).astype(np.int32),
+             sl=rng.randint(1, width + 1, 64).astype(np.int32))
+    return path
+
+
+def test_statistics_of_the_batch_after_a_tiled_history_are_refused(run_cli, tmp_path):
+    model = export_din(tmp_path, dice=True)
+    code, out, err = run_cli("apply", model, "--strategy", "allreduce", "--replicas", 2,
+                             "-o", tmp_path / "out.meta")
+    assert code != 0 and "mixes the examples of its batch: 'sub_1' (Sub) combines each " \
+        "example with a sum or mean over the batch" in err, out + err
+
+
+def test_a_history_tiled_per_example_trains_like_one_device(run_cli, tmp_path):
+    model = export_din(tmp_path, dice=False)
+    code, out, err = run_cli("verify", model, "--strategy", "allreduce", "--replicas", 2,
+                             "--feeds", model + ".npz", "--batch-size", 16, "--steps", 3)
+    assert code == 0 and "PASS" in out, out + err
