@@ -241,3 +241,60 @@ def test_a_history_tiled_per_example_trains_like_one_device(run_cli, tmp_path):
     code, out, err = run_cli("verify", model, "--strategy", "allreduce", "--replicas", 2,
                              "--feeds", model + ".npz", "--batch-size", 16, "--steps", 3)
     assert code == 0 and "PASS" in out, out + err
+
+
+def export_two_tower(tmp_path, scaling: str) -> str:
+    """A two-tower retrieval model trained with in-batch negatives (logits u @ i^T, labels
+    tf.range(batch)), its user vectors divided by a fed temperature or dropped out with a fed
+    keep_prob: both placeholders built without a shape, as TF1 code writes them
+    (``tf.compat.v1.placeholder(tf.float32, name="keep_prob")``). batch_mixing lost the
+    batch's axis at the broadcast with an operand of unknown rank, so the in-batch product
+    after it was never seen: apply exited 0, verify FAILed by 0.34; ``scaling`` "none": the
+    same towers trained per example (a dot product per pair), which splits exactly."""
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+    graph = tf.Graph()
+    with graph.as_default():
+        tf1.set_random_seed(1)
+        user = tf1.placeholder(tf.int32, [None], name="user")
+        item = tf1.placeholder(tf.int32, [None], name="item")
+        scalar = tf1.placeholder(tf.float32, name="temperature")
+        users = tf.nn.embedding_lookup(tf1.get_variable("user_emb", [USERS, 8]), user)
+        items = tf.nn.embedding_lookup(tf1.get_variable("item_emb", [ITEMS, 8]), item)
+        if scaling == "temperature":
+            users = users / scalar
+        elif scaling == "dropout":
+            users = tf1.nn.dropout(users, scalar)
+        if scaling == "none":
+            logits = tf.reduce_sum(users * items / scalar, 1)
+            loss = tf.reduce_mean(tf.nn.sigmoid_cross_entropy_with_logits(
+                labels=tf.ones_like(logits), logits=logits))
+        else:
+            logits = tf.matmul(users, items, transpose_b=True)
+            loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+                labels=tf.range(tf.shape(logits)[0]), logits=logits))
+        tf1.add_to_collection("train_op", tf1.train.AdagradOptimizer(0.1).minimize(loss))
+        path = str(tmp_path / "two_tower.meta")
+        tf1.train.export_meta_graph(path, graph=graph)
+    rng = np.random.RandomState(0)
+    np.savez(path + ".npz", user=rng.randint(0, USERS, 64).astype(np.int32),
+             item=rng.randint(0, ITEMS, 64).astype(np.int32), temperature=np.float32(0.5))
+    return path
+
+
+@pytest.mark.parametrize("scaling", ["temperature", "dropout"])
+def test_in_batch_negatives_behind_a_shapeless_placeholder_are_refused(run_cli, tmp_path,
+                                                                        scaling):
+    model = export_two_tower(tmp_path, scaling)
+    code, out, err = run_cli("apply", model, "--strategy", "allreduce", "--replicas", 2,
+                             "-o", tmp_path / "out.meta")
+    assert code != 0 and "mixes the examples of its batch: 'MatMul'" in err \
+        and "pairs every example with every other" in err, out + err
+
+
+def test_per_example_scores_behind_a_shapeless_placeholder_train_like_one_device(run_cli,
+                                                                                 tmp_path):
+    model = export_two_tower(tmp_path, "none")
+    code, out, err = run_cli("verify", model, "--strategy", "allreduce", "--replicas", 2,
+                             "--feeds", model + ".npz", "--batch-size", 16, "--steps", 3)
+    assert code == 0 and "PASS" in out, out + err
