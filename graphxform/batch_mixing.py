@@ -210,6 +210,8 @@ class _Flow:
         self.lengths = {}  # (node, port) -> the count its length is, where the batch's values
         # decide it (_value_sized), carried through ops that keep the length (_carry_length)
         self.inputs_of = {}  # node -> ir.inputs(node), which working out its state reads thrice
+        self.worked_ranks = {}  # (node, port) -> its rank where no shape is recorded
+        # (_rank_beside_shapeless)
 
     def inputs(self, name: str) -> list:
         """``ir.inputs(name)``, read once per node (the list is shared: never change it)."""
@@ -365,7 +367,7 @@ class _Flow:
 
     def rank(self, src: str, port: int):
         dims = self.dims(src, port)
-        return None if dims is None else len(dims)
+        return self.worked_ranks.get((src, port)) if dims is None else len(dims)
 
     def ints(self, src: str, port: int = 0):
         found = self.port_ints.get((src, port))
@@ -541,9 +543,29 @@ def _pass(n: _Node):
     return n.states[0]
 
 
+def _rank_beside_shapeless(n: _Node):
+    """The rank of a broadcast whose only operands of unknown rank hold nothing of the batch:
+    a keep_prob or temperature placeholder built without a shape
+    (``tf.compat.v1.placeholder(tf.float32, name="dropout_keep_prob")``, fed a scalar), read
+    as adding no axes, so the batch stays where its operands hold it. Left unknown, the
+    flow lost the batch at every dropout of such a keep_prob, and the in-batch negatives or
+    batch statistics after it were never seen (apply exited 0); fed a tensor of higher rank,
+    which no such recipe does, the batch would move, and a refusal could be false."""
+    ranks = [n.rank(k) for k in range(len(n.states))]
+    if any(rank is None and state is not None for rank, state in zip(ranks, n.states)):
+        return None
+    known = [rank for rank in ranks if rank is not None]
+    if not known:
+        return None
+    n.flow.worked_ranks[(n.name, 0)] = max(known)
+    return max(known)
+
+
 def _elementwise(n: _Node):
     """Broadcasting ops: rows meet rows only on one axis, and never a batch statistic."""
     out = n.out_rank()
+    if out is None:
+        out = _rank_beside_shapeless(n)
     axes = set()
     for k, state in enumerate(n.states):
         if type(state) is int:
@@ -706,6 +728,8 @@ def _batch_matmul(n: _Node):
     on the matrix axes it behaves as in MatMul."""
     a, b = n.states[0], n.states[1]
     ra, rb, out = n.rank(0), n.rank(1), n.out_rank()
+    if out is None and None not in (ra, rb) and min(ra, rb) >= 2:  # no shape recorded
+        out = n.flow.worked_ranks[(n.name, 0)] = max(ra, rb)  # (tf.matmul of a rank worked out)
     if UNKNOWN in (a, b) or None in (ra, rb, out) or _statistic([a, b]) == AGGREGATE:
         return UNKNOWN
     aligned = [s + out - r for s, r in ((a, ra), (b, rb)) if type(s) is int]
@@ -821,6 +845,8 @@ def _tile(n: _Node):
                        "tf.shape(x)[0], the rows of a pairwise matrix): it meets every example "
                        "with every other")
     multiples = n.ints(1)
+    if multiples is None and n.states[1] is None:  # tf.tile(q[:, None], [1, tf.shape(h)[1], 1])
+        return state if _entry(n, 1, state) == 1 else UNKNOWN
     return state if multiples and state < len(multiples) and multiples[state] == 1 else UNKNOWN
 
 

@@ -51,6 +51,7 @@ def _check_input(ir: GraphIR, tg: TrainingGraph) -> None:
     _check_batch_axis(tg)
     _check_sparse_lookalikes(ir, tg)
     _check_batch_state_feeds_losses(ir, tg)
+    _check_learned_samplers(ir, tg)
     _check_gradients_kept_between_runs(ir, tg)
     _check_distributed_already(ir, tg)
     _check_selected_means(ir, tg)
@@ -242,6 +243,33 @@ def _check_batch_state_feeds_losses(ir: GraphIR, tg: TrainingGraph) -> None:
                 "each replica would keep its own copy, moved by its own slice, so later steps' "
                 "losses read state one device never has; train on one device (or use "
                 "--strategy model-average, which trains replicas apart by design)")
+
+
+# candidate samplers whose kernel learns its distribution from the true classes it is given
+# (tf.random.learned_unigram_candidate_sampler): state inside the op, in no variable
+LEARNED_SAMPLERS = ("LearnedUnigramCandidateSampler", "ThreadUnsafeUnigramCandidateSampler")
+
+
+def _check_learned_samplers(ir: GraphIR, tg: TrainingGraph) -> None:
+    """A learned unigram sampler counts the true classes of every batch it is run on, inside
+    its kernel, and draws the next step's candidates from those counts. Each replica's copy
+    would count its own slice's classes only, so from the second step on it draws candidates
+    one device never draws (word2vec's sampled softmax trained apart: apply exited 0, verify
+    FAILed by 1.0). Refuse where the true classes come from the batch."""
+    found = sorted(n for step in tg.steps for n in step.closure
+                   if ir.op(n) in LEARNED_SAMPLERS)
+    if not found:
+        return
+    from graphxform.equivalence import fed_from_inputs
+    fed = fed_from_inputs(ir, tg)
+    for name in found:
+        if ir.inputs(name) and ir.inputs(name)[0][0] in fed:
+            raise ContractError(
+                f"'{name}' ({ir.op(name)}) learns its sampling distribution from the true "
+                "classes of each batch it sees, inside the op: each replica's copy would learn "
+                "from its own slice and draw candidates one device never draws; sample from "
+                "a fixed distribution (tf.random.fixed_unigram_candidate_sampler with the "
+                "classes' counts, log_uniform_candidate_sampler), or train on one device")
 
 
 def _check_gradients_kept_between_runs(ir: GraphIR, tg: TrainingGraph) -> None:

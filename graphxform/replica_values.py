@@ -1344,6 +1344,22 @@ def _random(n: _Node):
     return (kind,), (n.shape_length(0),)
 
 
+def _candidate_sampler(n: _Node):
+    """A seeded candidate sampler of a fixed distribution (nce_loss's and sampled_softmax_loss's
+    log-uniform one, word2vec's fixed unigram one) draws its candidates without reading the
+    true classes' values, as many whatever the batch: every copy draws what the single device
+    draws (its sampled candidates and their expected counts are identical), and the true
+    classes' expected counts hold a row per example of them. A learned sampler (its kernel
+    counts the true classes it is given) has no rule here: the contract refuses it."""
+    seeded = n.op == "AllCandidateSampler" or any(
+        n.attr(key) is not None and n.attr(key).i for key in ("seed", "seed2"))
+    if not seeded:
+        return (UNKNOWN,), (1, 2, 1)
+    true = n.cls[0] if n.cls else UNKNOWN
+    rows = IDENTICAL if true == IDENTICAL else BATCH if true in BATCHED else UNKNOWN
+    return (IDENTICAL, rows, IDENTICAL), (1, 2, 1)
+
+
 def _cross_replica(n: _Node):
     """A collective gives every replica the same result; it is the single-device value when it
     averages means (the all-reduce of born gradients), sums sums, or gathers batch slices."""
@@ -1464,6 +1480,8 @@ RULES = _table({
                           and op not in ("RandomShuffle", "RandomShuffleQueueV2",
                                          "Multinomial", "RandomGamma", "RandomPoisson",
                                          "RandomPoissonV2"))),
+    _candidate_sampler: ("LogUniformCandidateSampler", "UniformCandidateSampler",
+                         "FixedUnigramCandidateSampler", "AllCandidateSampler"),
     _cross_replica: tuple(sorted(_CROSS_REPLICA)),
     _update: ("Assign", "AssignAdd", "AssignSub"),
     _switch: ("Switch", "RefSwitch"),

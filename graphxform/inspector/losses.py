@@ -18,7 +18,8 @@ MEAN, SUM, UNKNOWN = "mean", "sum", "unknown"
 _PASS_THROUGH = {"Identity", "StopGradient", "Snapshot", "CheckNumerics"}
 _MEAN_OPS = {"Mean", "RealDiv", "Div", "DivNoNan"}
 _SUM_OPS = {"Sum", "L2Loss"}
-_ADD_OPS = {"AddN", "AddV2", "Add"}
+_ADD_OPS = {"AddN", "AddV2", "Add", "Sub"}
+_SIGN_OPS = {"Neg"}  # -tf.reduce_mean(log_sigmoid(x)), BPR's loss: a mean still
 _FLOAT_TYPES = {1, 2, 14, 19}
 
 
@@ -28,7 +29,7 @@ def kind(ir: GraphIR, node: str, depth: int = 0) -> str:
         return UNKNOWN
     op = ir.op(node)
     inputs = ir.inputs(node)
-    if op in _PASS_THROUGH and inputs:
+    if op in (_PASS_THROUGH | _SIGN_OPS) and inputs:
         return kind(ir, inputs[0][0], depth + 1)
     if op in _MEAN_OPS:  # a sum divided by a constant (a fixed batch size) is still a sum
         if op != "Mean" and len(inputs) == 2 and _constant(ir, inputs[1][0]):
