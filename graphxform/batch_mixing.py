@@ -21,7 +21,8 @@ features, which sync-batch-norm knows; moments of data or of per-example losses 
 normalisation) are statistics of the batch like any other.
 
 This follows the single-device graph forward from its batch (the batched placeholders and
-input-pipeline reads) to each step's loss, along data edges, giving every tensor a state:
+input-pipeline reads) to each step's loss, along data edges, through while loops over time
+steps (graphxform/loop_mixing.py), giving every tensor a state (graphxform/batch_states.py):
 
 - ``None``: holds nothing from the batch (constants, variables, what is computed from them);
 - ``SIZE``: depends on the batch's size only (``tf.shape(x)[0]``, ``tf.size(x)``); a
@@ -45,7 +46,8 @@ input-pipeline reads) to each step's loss, along data edges, giving every tensor
   ``mask / tf.reduce_mean(mask)`` weighting each example's loss): per-example, of the
   dividend's degree, since global-denominators divides them by the whole batch's total in
   every replica, each example's value one device's (the contract refuses what it cannot);
-- ``UNKNOWN``: no rule here says (loops, function calls, ops without a rule): not followed;
+- ``UNKNOWN``: no rule here says (ops without a rule, a loop graphxform/loop_mixing.py cannot
+  settle, a function it cannot build): not followed;
 - a ``Mixed``: examples met here, first at ``node``, for ``reason``; whatever reads it is
   mixed too.
 
@@ -59,66 +61,19 @@ mixed. Ranks come from the ``_output_shapes`` that `export_meta_graph` records."
 
 from __future__ import annotations
 
-import dataclasses
 
-from graphxform import functions, opdefs, replica_values
+from graphxform import functions, loop_mixing, opdefs, replica_values
+from graphxform.batch_states import (AGGREGATE, NORM, SIZE, UNKNOWN, Curved, Mixed, Ratio, Shape,
+                                     port_state as _port)
 from graphxform.functions import WHILE_OPS
 from graphxform.replica_values import (BATCH_NORM_OPS, CROSS_ENTROPY_OPS, ELEMENTWISE_UNARY_OPS,
                                        LIKE_OPS, LINEAR_UNARY_OPS)
 from graphxform.selections import UNSUMMED_COUNTS, VALUE_SIZED_OPS, value_sized_family
 from graphxform.training import RANDOM_OPS
 
-SIZE, AGGREGATE, NORM, UNKNOWN = "size", "aggregate", "norm", "unknown"
 _MOMENTS = ("moments/mean", "moments/variance")  # tf.nn.moments: sync-batch-norm's
 _INTEGER_DTYPES = (3, 9)  # int32, int64: lengths, counts
 _FLOAT_DTYPES = (1, 2, 14, 19)  # float, double, bfloat16, half: what a collective reduces
-
-
-@dataclasses.dataclass(frozen=True)
-class Shape:
-    """A shape vector whose entry ``batch_at`` counts the rows: the batch's size (SIZE), or,
-    for rows a mask of the batch selects (tf.boolean_mask, tf.where), how many it selects, a
-    sum over the batch (``count`` AGGREGATE); for a length the batch's values decide otherwise
-    (tf.unique's distinct values), a Curved (or the Mixed its values are)."""
-    batch_at: int
-    count: object = "size"
-
-
-@dataclasses.dataclass(frozen=True)
-class Ratio:
-    """A count of the batch's elements over a total of its values, divided at ``node`` (Keras
-    rescales a masked loss's weights by size(mask) / sum(mask)): the whole batch's ratio in
-    every replica where global-denominators makes the total global, that is where ``node`` is
-    a division on the loss's way from its terms (the contract refuses it there where no pass
-    does); each replica's own slice's anywhere else (see _through_ratio)."""
-    node: str
-
-
-@dataclasses.dataclass(frozen=True)
-class Mixed:
-    node: str
-    op: str
-    reason: str
-    # what it means for the replicas, and what to do instead
-    advice: str = ("each replica would compute it on its own slice alone, which is not the "
-                   "loss one device computes (batch norm is the one exception this tool makes, "
-                   "see --sync-batch-norm): make the loss a mean of per-example terms, or train "
-                   "on one device")
-
-
-@dataclasses.dataclass(frozen=True)
-class Curved:
-    """A non-linear function of a sum or mean over the batch, first applied at ``node``: the
-    average of the replicas' values is not the whole batch's, and neither is its gradient. A
-    loss made of one mixes its examples; a denominator made of one is global-denominators'."""
-    node: str
-    op: str
-    reason: str = "applies a non-linear function to a sum or mean over the batch"
-
-    def mixed(self) -> Mixed:
-        return Mixed(self.node, self.op,
-                     f"{self.reason}: the average of the replicas' values of it is not its "
-                     "value on the whole batch, and neither is the average of their gradients")
 
 
 PASS_OPS = frozenset({*LINEAR_UNARY_OPS, "Cast", *ELEMENTWISE_UNARY_OPS, *LIKE_OPS, "Print",
@@ -142,11 +97,15 @@ def mixing_in(ir, loss: str, sources, shapes=(), indices=()) -> Mixed | None:
     indices, whose column 0 numbers the example each entry belongs to."""
     from graphxform.ir import parse_tensor
     node, port = parse_tensor(loss)
-    flow = _Flow(ir, set(sources) - set(shapes), {name: (Shape(0), 1) for name in shapes})
-    flow.sparse_indices = set(indices)
-    flow.loss_divisions = set(replica_values.loss_divisions(ir, (node, port)))
-    states = flow.run(node)
-    found = _port(states[node], port)
+    divisions = set(replica_values.loss_divisions(ir, (node, port)))
+
+    def flow():
+        made = _Flow(ir, set(sources) - set(shapes), {name: (Shape(0), 1) for name in shapes})
+        made.sparse_indices = set(indices)
+        made.loss_divisions = divisions
+        return made
+    flow = _settled(flow, node)
+    found = _port(flow.states[node], port)
     if isinstance(found, Curved):
         return found.mixed()
     if found == NORM:
@@ -165,8 +124,8 @@ def tower_flow(ir, loss: str, sources, splits) -> tuple | None:
     mix them too."""
     from graphxform.ir import parse_tensor
     node, port = parse_tensor(loss)
-    flow = _Flow(ir, set(sources), towers=set(splits))
-    states = flow.run(node)
+    flow = _settled(lambda: _Flow(ir, set(sources), towers=set(splits)), node)
+    states = flow.states
     found = _port(states[node], port)
     if isinstance(found, Curved):
         found = found.mixed()
@@ -189,8 +148,24 @@ def tower_flow(ir, loss: str, sources, splits) -> tuple | None:
     return None
 
 
-def _port(state, port: int):
-    return state[port] if isinstance(state, list) else state
+def _settled(make_flow, node: str) -> "_Flow":
+    """A flow ``make_flow()`` makes, run to ``node`` with its legacy loops settled: rerun with
+    each loop Merge forced to the join of what enters it and what its back edge brought, until
+    none brings another (graphxform/loop_mixing.py); a Merge that will not settle is unknown."""
+    forced = {}
+    for _ in range(loop_mixing.MAX_ROUNDS):
+        flow = make_flow()
+        flow.forced = dict(forced)
+        flow.run(node)
+        if not flow.unsettled:
+            return flow
+        forced.update(flow.forced)
+        forced.update(flow.unsettled)
+    unsettled = flow.unsettled
+    flow = make_flow()
+    flow.forced = {**forced, **dict.fromkeys(unsettled, (UNKNOWN, None))}
+    flow.run(node)
+    return flow
 
 
 class _Flow:
@@ -212,6 +187,10 @@ class _Flow:
         self.inputs_of = {}  # node -> ir.inputs(node), which working out its state reads thrice
         self.worked_ranks = {}  # (node, port) -> its rank where no shape is recorded
         # (_rank_beside_shapeless)
+        # legacy while loops (graphxform/loop_mixing.py): each loop Merge's (state, degree),
+        # assumed from what enters the loop or ``forced`` by an earlier round of settle();
+        # ``unsettled``: the Merges whose back edge brought another, with the joined one
+        self.merges, self.forced, self.unsettled = {}, {}, {}
 
     def inputs(self, name: str) -> list:
         """``ir.inputs(name)``, read once per node (the list is shared: never change it)."""
@@ -221,9 +200,27 @@ class _Flow:
         return found
 
     def run(self, target: str) -> dict:
-        """States of ``target`` and its data ancestors, each worked out after its inputs."""
+        """States of ``target`` and its data ancestors, each worked out after its inputs; a
+        legacy loop's body, reached round its back edges, after the loop (see settle)."""
+        checked = set()
+        self._walk([target])
+        while len(checked) < len(self.merges):
+            merge = next(m for m in self.merges if m not in checked)
+            checked.add(merge)
+            back = loop_mixing.back_inputs(self.ir, self.inputs(merge))
+            self._walk([src for src, _ in back])
+            state, degree = self.merges[merge]
+            for src, port in back:
+                came = _port(self.states[src], port)
+                joined = (loop_mixing.join(state, came),
+                          loop_mixing.join_degree(state, degree, came, self.degree(src, port)))
+                if joined != (state, degree):
+                    self.unsettled[merge] = joined
+        return self.states
+
+    def _walk(self, stack: list) -> None:
         states = self.states
-        stack, expanded = [target], set()
+        expanded = set()
         while stack:
             name = stack[-1]
             if name in states:
@@ -238,9 +235,10 @@ class _Flow:
                     _carry_length(self, name)
             else:
                 expanded.add(name)
-                stack.extend(src for src, _ in self.inputs(name)
-                             if src not in states and src not in expanded)
-        return states
+                inputs = self.inputs(name)
+                if name in self.merges or loop_mixing.is_loop_merge(self.ir, name):
+                    inputs = loop_mixing.entry_inputs(self.ir, inputs)  # the body comes after
+                stack.extend(src for src, _ in inputs if src not in states and src not in expanded)
 
     def _state(self, name: str):
         if name in self.sources:
@@ -250,6 +248,8 @@ class _Flow:
         ir = self.ir
         op = ir.op(name)
         inputs = self.inputs(name)
+        if op in loop_mixing.MERGE_OPS and loop_mixing.is_loop_merge(ir, name):
+            return self._loop_merge(name, inputs)
         found = [_port(self.states.get(src, UNKNOWN), port) for src, port in inputs]
         if op in _SHAPE_RULES:
             return _SHAPE_RULES[op](self, name, found)
@@ -269,6 +269,8 @@ class _Flow:
             return [found[0], None]  # both branches of a legacy cond agree
         if op == "IdentityN":
             return found
+        if op in loop_mixing.LOOP_PASS_OPS:
+            return found[0]
         if op in _CALLS and any(s is not None for s in found):
             return _call(self, name, op, inputs, found)
         if op in ("NextIteration", "Enter", "Exit", "Merge", "Switch", *_CALLS):
@@ -304,6 +306,19 @@ class _Flow:
             return UNKNOWN
         return rule(_Node(self, name, op, inputs, found))
 
+    def _loop_merge(self, name: str, inputs: list):
+        """A loop variable: the state it was forced to, or that of what enters the loop."""
+        if name not in self.forced:
+            entries = loop_mixing.entry_inputs(self.ir, inputs)
+            state = _port(self.states.get(entries[0][0], UNKNOWN), entries[0][1])
+            degree = self.degree(*entries[0])
+            for src, port in entries[1:]:
+                state = loop_mixing.join(state, _port(self.states.get(src, UNKNOWN), port))
+                degree = degree if self.degree(src, port) == degree else None
+            self.forced[name] = (state, degree)
+        self.merges[name] = self.forced[name]
+        return self.forced[name][0]
+
     def over_whole_batch(self, name: str, states: list) -> bool:
         """Whether ``name`` divides per-example values by a float total of the batch (or a
         function of its totals) with no rows of the batch, on the loss's way from its terms:
@@ -324,9 +339,10 @@ class _Flow:
         if state is None or name in self.sources:
             self.degrees[name] = 0
             return state
-        if name in self.seeds or name in self.called:
-            self.degrees[name] = (self.seeds[name][1] if name in self.seeds
-                                  else self.called[name])
+        if name in self.seeds or name in self.called or name in self.merges:
+            self.degrees[name] = (self.seeds[name][1] if name in self.seeds else
+                                  self.called[name] if name in self.called else
+                                  self.merges[name][1])
             return state
         if state == UNKNOWN or isinstance(state, (Mixed, Curved)):
             return state
@@ -1054,14 +1070,16 @@ def _strided_slice(n: _Node):
     begin, end, strides = n.ints(1), n.ints(2), n.ints(3)
     if any(s is not None for s in n.states[1:]) and strides is not None and _plain(n):
         return _computed_bounds(n, state)  # no masks: spec entry k is axis k
-    if begin is None or end is None or strides is None or \
-            any(s is not None for s in n.states[1:]):
+    if any(s is not None for s in n.states[1:]):
+        return UNKNOWN
+    length = _spec_length(n, begin, end, strides)
+    if length is None:
         return UNKNOWN
     masks = {key: (n.attr(key).i if n.attr(key) is not None else 0) for key in (
         "begin_mask", "end_mask", "ellipsis_mask", "new_axis_mask", "shrink_axis_mask")}
     rank = n.rank(0)
     in_axis = out_axis = 0
-    for k in range(len(begin)):
+    for k in range(length):
         bit = 1 << k
         if masks["ellipsis_mask"] & bit:
             if rank is None:
@@ -1076,16 +1094,31 @@ def _strided_slice(n: _Node):
             out_axis += 1
         else:
             if in_axis == state:
-                whole = ((masks["begin_mask"] & bit or begin[k] == 0)
-                         and masks["end_mask"] & bit and strides[k] == 1
+                whole = ((masks["begin_mask"] & bit or _entry(n, 1, k) == 0)
+                         and masks["end_mask"] & bit and _entry(n, 3, k) == 1
                          and not masks["shrink_axis_mask"] & bit)
                 if whole:
                     return out_axis
+                if begin is None or end is None or strides is None:
+                    return UNKNOWN  # a bound the graph computes: which examples is not known
                 return n.mixed("picks examples of the batch by their position (x[0], x[:n] "
                                "or a stride along the batch axis)")
             in_axis += 1
             out_axis += 0 if masks["shrink_axis_mask"] & bit else 1
     return out_axis + state - in_axis  # past the spec: kept whole
+
+
+def _spec_length(n: _Node, begin, end, strides) -> int | None:
+    """How many entries a strided slice's spec has: known from its constant begin, end and
+    strides, or where the graph computes some of them (``x[:, t]`` in a loop over time
+    steps), from the recorded length of those vectors. The walk over the spec then reads the
+    batch axis's entries alone, which may still be constant (begin 0, stride 1, or masked)."""
+    known = [len(v) for v in (begin, end, strides) if v is not None]
+    for k in (1, 2, 3):
+        dims = n.flow.dims(*n.inputs[k])
+        if dims and len(dims) == 1 and dims[0] >= 0:
+            known.append(dims[0])
+    return known[0] if known and len(set(known)) == 1 else None
 
 
 def _plain(n: _Node) -> bool:
@@ -1266,6 +1299,75 @@ def _one_hot(n: _Node):
     return state if axis == -1 or axis > state else state + 1
 
 
+def _candidate_sampler(n: _Node):
+    """A sampler of a fixed distribution (nce_loss's and sampled_softmax_loss's log-uniform
+    one) draws its candidates without reading the true classes' values: its candidates and
+    their expected counts are free of the batch, the true classes' expected counts hold a row
+    per example of them. (A learned sampler counts the classes it is given: the contract
+    refuses it; whether the copies draw what one device draws is a matter of seeds,
+    graphxform.replica_values.)"""
+    true = n.states[0]
+    return [None, true if type(true) is int else UNKNOWN, None]
+
+
+def _where(n: _Node):
+    """tf.where(mask) of a mask with the batch on axis 0 (feature columns' to_sparse_input):
+    the coordinates of its true entries, whose column 0 numbers the example each belongs to,
+    as a sparse_placeholder's indices do (the rules for sparse inputs follow them so; each
+    replica numbers its own slice's rows from 0, as split-inputs does a sparse input's)."""
+    if len(n.states) != 1 or n.states[0] != 0:
+        return UNKNOWN
+    n.flow.sparse_indices.add(n.name)
+    n.flow.selected.add(n.name)  # as many rows as the mask is true: a mean over them is not
+    return 0  # a mean of per-example terms (graphxform/selections.py)
+
+
+def _sparse_reshape(n: _Node):
+    """SparseReshape(indices, shape, new_shape) of entries whose column 0 numbers their
+    examples, to a shape that keeps the batch's size first ([batch, -1]): row-major order
+    keeps each entry in its example's row."""
+    if not _entry_rows(n.flow, *n.inputs[0]) or n.states[0] != 0 or \
+            not _entry_is_batch_size(n, 2):
+        return UNKNOWN
+    n.flow.sparse_indices.add(n.name)
+    return [0, Shape(0)]
+
+
+def _entry_is_batch_size(n: _Node, k: int) -> bool:
+    """Whether entry 0 of the shape vector input ``k`` is the batch's size: its state, before
+    any casts (which keep only that it is made of sizes), is Shape(0)."""
+    ir = n.flow.ir
+    src, port = n.inputs[k]
+    while ir.op(src) in ("Cast", "Identity") and port == 0:
+        src, port = ir.input(src, 0)
+    return _port(n.flow.states.get(src), port) == Shape(0)
+
+
+def _entry_rows(flow: _Flow, src: str, port: int) -> bool:
+    """Whether ``src:port`` holds a SparseTensor's indices whose column 0 numbers the example
+    of each entry (``flow.sparse_indices``), or some of their rows (safe_embedding_lookup_sparse
+    gathers the rows whose ids are valid)."""
+    ir = flow.ir
+    while port == 0 and ir.op(src) in ("Identity", "GatherV2", "Gather"):
+        if ir.op(src) == "GatherV2" and flow.ints(*ir.input(src, 2)) != [0]:
+            return False
+        src, port = ir.input(src, 0)
+    return port == 0 and src in flow.sparse_indices
+
+
+def _sparse_fill_empty_rows(n: _Node):
+    """SparseFillEmptyRows(indices, values, dense_shape, default): adds an entry with the
+    default to each example that has none; column 0 still numbers the examples, and each
+    example's indicator is its own. (The reverse map, positions among the input's entries,
+    serves the gradient only.)"""
+    indices, values, shape, default = n.states
+    if not _entry_rows(n.flow, *n.inputs[0]) or indices != 0 or \
+            not _entry_is_batch_size(n, 2) or values not in (0, None) or default is not None:
+        return UNKNOWN
+    n.flow.sparse_indices.add(n.name)
+    return [0, 0, 0, UNKNOWN]
+
+
 def _l2_loss(n: _Node):
     return AGGREGATE if type(n.states[0]) is int else n.states[0]
 
@@ -1392,8 +1494,9 @@ def _gather_nd(n: _Node):
         return n.mixed("picks the examples of the batch at fixed positions")
     if type(indices) is not int:
         return UNKNOWN
-    if _first_entry_numbers_examples(n.flow, *n.inputs[1]):
-        return indices
+    if _first_entry_numbers_examples(n.flow, *n.inputs[1]) or (
+            indices == 0 and _through(n.flow.ir, *n.inputs[1])[0] in n.flow.sparse_indices):
+        return indices  # (tf.where's coordinates start with their example's number)
     return n.mixed("picks examples of the batch by computed index (tf.gather_nd whose indices "
                    "do not start with each example's own number, tf.range(tf.shape(x)[0]))")
 
@@ -1505,8 +1608,8 @@ def _unstack_into_loop(n: _Node):
     carries a value from one iteration to the next that the examples computed; one that only
     writes each example's result (tf.map_fn) keeps them apart. Unknown otherwise."""
     value_at = _UNSTACK_INTO_LOOP[n.op]
-    if n.states[value_at] != 0:
-        return UNKNOWN
+    if n.states[value_at] != 0:  # time steps, or what else the batch is not the axis of
+        return loop_mixing.array_state(n.op, n.states)
     return _carried(n, _carried_from_reads(n.flow.ir, n.inputs[0][0]))
 
 
@@ -1533,7 +1636,7 @@ def _while_loop(n: _Node):
     for k in sorted(lists):
         carried.update(functions.carried_from_list(ir, n.name, k))
     if not carried:
-        return UNKNOWN
+        return UNKNOWN if lists else loop_mixing.while_states(n)
     if not _sums_each_example(n, lists, carried):
         return _carried(n, carried[min(carried)])
     return [AGGREGATE if k in carried else UNKNOWN for k in range(len(n.inputs))]
@@ -1684,7 +1787,12 @@ _RULES = {
     "GatherNd": _gather_nd, "ResourceGatherNd": _by_position("picks", 0, 1),
     **dict.fromkeys(("TensorScatterUpdate", "TensorScatterAdd", "TensorScatterSub",
                      "TensorScatterMax", "TensorScatterMin"), _by_position("overwrites", 0, 1)),
+    **dict.fromkeys(("LogUniformCandidateSampler", "UniformCandidateSampler",
+                     "FixedUnigramCandidateSampler", "AllCandidateSampler"), _candidate_sampler),
+    "Where": _where, "SparseReshape": _sparse_reshape,
+    "SparseFillEmptyRows": _sparse_fill_empty_rows,
     "Pad": _pad, "PadV2": _pad, "MirrorPad": _pad, "CTCLoss": _ctc_loss, "CTCLossV2": _ctc_loss,
+    **dict.fromkeys(loop_mixing.ARRAY_OPS, lambda n: loop_mixing.array_state(n.op, n.states)),
     **dict.fromkeys(_UNSTACK_INTO_LOOP, _unstack_into_loop),
     **dict.fromkeys(WHILE_OPS, _while_loop),
 }
@@ -2014,6 +2122,10 @@ def _degree(n: _Node, state, degrees: list):
         return 1
     if op == "IdentityN":
         return degrees
+    if op in loop_mixing.LOOP_PASS_OPS:
+        return degrees[0]
+    if op in loop_mixing.ARRAY_OPS:
+        return loop_mixing.array_degree(op, n.states, degrees)
     if op == "Range":
         return None  # positions in the batch, not values of its examples
     if isinstance(state, Shape):  # [size, d], or a shape's entries from the batch's on
