@@ -188,9 +188,9 @@ class _Flow:
         self.worked_ranks = {}  # (node, port) -> its rank where no shape is recorded
         # (_rank_beside_shapeless)
         # legacy while loops (graphxform/loop_mixing.py): each loop Merge's (state, degree),
-        # assumed from what enters the loop or ``forced`` by an earlier round of settle();
+        # given by an earlier round of _settled or else assumed from what enters the loop;
         # ``unsettled``: the Merges whose back edge brought another, with the joined one
-        self.merges, self.forced, self.unsettled = {}, {}, {}
+        self.forced, self.unsettled = {}, {}
 
     def inputs(self, name: str) -> list:
         """``ir.inputs(name)``, read once per node (the list is shared: never change it)."""
@@ -201,22 +201,23 @@ class _Flow:
 
     def run(self, target: str) -> dict:
         """States of ``target`` and its data ancestors, each worked out after its inputs; a
-        legacy loop's body, reached round its back edges, after the loop (see settle)."""
+        legacy loop's body, reached round its back edges, after the loop (see _settled)."""
         checked = set()
         self._walk([target])
-        while len(checked) < len(self.merges):
-            merge = next(m for m in self.merges if m not in checked)
+        while True:
+            merge = next((m for m in self.forced if m in self.states and m not in checked), None)
+            if merge is None:
+                return self.states
             checked.add(merge)
             back = loop_mixing.back_inputs(self.ir, self.inputs(merge))
             self._walk([src for src, _ in back])
-            state, degree = self.merges[merge]
+            state, degree = self.forced[merge]
             for src, port in back:
                 came = _port(self.states[src], port)
                 joined = (loop_mixing.join(state, came),
                           loop_mixing.join_degree(state, degree, came, self.degree(src, port)))
                 if joined != (state, degree):
                     self.unsettled[merge] = joined
-        return self.states
 
     def _walk(self, stack: list) -> None:
         states = self.states
@@ -236,7 +237,7 @@ class _Flow:
             else:
                 expanded.add(name)
                 inputs = self.inputs(name)
-                if name in self.merges or loop_mixing.is_loop_merge(self.ir, name):
+                if loop_mixing.is_loop_merge(self.ir, name):
                     inputs = loop_mixing.entry_inputs(self.ir, inputs)  # the body comes after
                 stack.extend(src for src, _ in inputs if src not in states and src not in expanded)
 
@@ -248,7 +249,7 @@ class _Flow:
         ir = self.ir
         op = ir.op(name)
         inputs = self.inputs(name)
-        if op in loop_mixing.MERGE_OPS and loop_mixing.is_loop_merge(ir, name):
+        if loop_mixing.is_loop_merge(ir, name):
             return self._loop_merge(name, inputs)
         found = [_port(self.states.get(src, UNKNOWN), port) for src, port in inputs]
         if op in _SHAPE_RULES:
@@ -316,7 +317,6 @@ class _Flow:
                 state = loop_mixing.join(state, _port(self.states.get(src, UNKNOWN), port))
                 degree = degree if self.degree(src, port) == degree else None
             self.forced[name] = (state, degree)
-        self.merges[name] = self.forced[name]
         return self.forced[name][0]
 
     def over_whole_batch(self, name: str, states: list) -> bool:
@@ -339,10 +339,10 @@ class _Flow:
         if state is None or name in self.sources:
             self.degrees[name] = 0
             return state
-        if name in self.seeds or name in self.called or name in self.merges:
+        if name in self.seeds or name in self.called or name in self.forced:
             self.degrees[name] = (self.seeds[name][1] if name in self.seeds else
                                   self.called[name] if name in self.called else
-                                  self.merges[name][1])
+                                  self.forced[name][1])
             return state
         if state == UNKNOWN or isinstance(state, (Mixed, Curved)):
             return state

@@ -79,44 +79,38 @@ def back_inputs(ir, inputs: list) -> list:
 
 
 # ------------------------------------------------------------- arrays and lists
-# op -> (position of the value written or None, position of the flow or list, what it does)
+# op -> (position of the value written, of the flow or list, of the positions that pick
+# elements (a position read from the batch picks examples: unknown), what it does)
 _ARRAY_OPS = {
     **dict.fromkeys(("TensorArrayScatterV3", "TensorArrayScatterV2", "TensorArrayScatter"),
-                    (2, 3, "unstack")),
-    "TensorArrayUnpack": (1, 2, "unstack"),
+                    (2, 3, 1, "unstack")),
+    "TensorArrayUnpack": (1, 2, None, "unstack"),
     **dict.fromkeys(("TensorArraySplitV3", "TensorArraySplitV2", "TensorArraySplit"),
-                    (1, 3, "split")),
+                    (1, 3, 2, "split")),
     **dict.fromkeys(("TensorArrayWriteV3", "TensorArrayWriteV2", "TensorArrayWrite"),
-                    (2, 3, "write")),
+                    (2, 3, 1, "write")),
     **dict.fromkeys(("TensorArrayReadV3", "TensorArrayReadV2", "TensorArrayRead"),
-                    (None, 2, "read")),
+                    (None, 2, 1, "read")),
     **dict.fromkeys(("TensorArrayGatherV3", "TensorArrayGatherV2", "TensorArrayGather"),
-                    (None, 2, "stack")),
-    "TensorArrayPack": (None, 1, "stack"),
+                    (None, 2, 1, "stack")),
+    "TensorArrayPack": (None, 1, None, "stack"),
     **dict.fromkeys(("TensorArrayConcatV3", "TensorArrayConcatV2", "TensorArrayConcat"),
-                    (None, 1, "concat")),
+                    (None, 1, None, "concat")),
     **dict.fromkeys(("TensorArraySizeV3", "TensorArraySizeV2", "TensorArraySize"),
-                    (None, 1, "size")),
-    "TensorListFromTensor": (0, None, "unstack"),
-    "TensorListSetItem": (2, 0, "write"),
-    "TensorListPushBack": (1, 0, "write"),
-    "TensorListGetItem": (None, 0, "read"),
-    "TensorListStack": (None, 0, "stack"),
-    "TensorListGather": (None, 0, "stack"),
-    "TensorListLength": (None, 0, "size"),
-    "TensorListElementShape": (None, 0, "shape"),
+                    (None, 1, None, "size")),
+    "TensorListFromTensor": (0, None, None, "unstack"),
+    "TensorListSetItem": (2, 0, 1, "write"),
+    "TensorListPushBack": (1, 0, None, "write"),
+    "TensorListGetItem": (None, 0, 1, "read"),
+    "TensorListStack": (None, 0, None, "stack"),
+    "TensorListGather": (None, 0, 1, "stack"),
+    "TensorListLength": (None, 0, None, "size"),
+    "TensorListElementShape": (None, 0, None, "shape"),
 }
 # arrays and lists made empty: free of the batch whatever their element shape says, as long
 # as their length is (one element per example is batch_mixing's case)
 _EMPTY_ARRAY_OPS = {"TensorArrayV3": 0, "TensorArrayV2": 0, "TensorArray": 0,
                     "TensorListReserve": 1, "EmptyTensorList": 1}
-# inputs that pick elements by position: a position read from the batch picks examples
-_POSITIONS = {"TensorArrayScatterV3": 1, "TensorArrayScatterV2": 1, "TensorArrayScatter": 1,
-              "TensorArrayWriteV3": 1, "TensorArrayWriteV2": 1, "TensorArrayWrite": 1,
-              "TensorArrayReadV3": 1, "TensorArrayReadV2": 1, "TensorArrayRead": 1,
-              "TensorArrayGatherV3": 1, "TensorArrayGatherV2": 1, "TensorArrayGather": 1,
-              "TensorListSetItem": 1, "TensorListGetItem": 1, "TensorListGather": 1,
-              "TensorArraySplitV3": 2, "TensorArraySplitV2": 2, "TensorArraySplit": 2}
 ARRAY_OPS = frozenset({*_ARRAY_OPS, *_EMPTY_ARRAY_OPS})
 
 
@@ -126,10 +120,9 @@ def array_state(op: str, states: list):
         length = states[_EMPTY_ARRAY_OPS[op]] if len(states) > _EMPTY_ARRAY_OPS[op] else None
         return [None, None] if op.startswith("TensorArray") and length is None else \
             None if length is None else UNKNOWN
-    at = _POSITIONS.get(op)
+    value_at, flow_at, at, does = _ARRAY_OPS[op]
     if at is not None and at < len(states) and states[at] is not None:
         return UNKNOWN  # elements picked by the batch's values
-    value_at, flow_at, does = _ARRAY_OPS[op]
     flow = states[flow_at] if flow_at is not None else None
     value = states[value_at] if value_at is not None else None
     if does == "unstack":
@@ -157,7 +150,7 @@ def array_degree(op: str, states: list, degrees: list):
     value written and the array's elements so far agree on it (None: unknown)."""
     if op in _EMPTY_ARRAY_OPS:
         return 0
-    value_at, flow_at, does = _ARRAY_OPS[op]
+    value_at, flow_at, _, does = _ARRAY_OPS[op]
     if does in ("size", "shape"):
         return 0 if does == "size" or states[flow_at] is None else 1
     kept = {degrees[k] for k in (value_at, flow_at)

@@ -28,6 +28,16 @@ def mlp_single_device(steps: int, directory, batch: int):
         return start, losses, run.variable_values()
 
 
+def dense(x, units, name):
+    """A dense layer as tf.compat.v1 code writes it: ``name/kernel`` and ``name/bias``."""
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+    with tf1.variable_scope(name):
+        w = tf1.get_variable("kernel", [x.shape[-1], units])
+        b = tf1.get_variable("bias", [units], initializer=tf1.zeros_initializer())
+        return tf.matmul(x, w) + b
+
+
 def export_classifier(path, build) -> str:
     """Write ``path`` (.meta) and ``path``.npz for a step ``build(x, y)`` returns, where x is a
     [None, 8] float placeholder and y an int64 label placeholder; the pool's labels follow a

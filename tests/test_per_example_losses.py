@@ -8,16 +8,7 @@ batch is refused."""
 
 import numpy as np
 import pytest
-from conftest import export_classifier
-
-
-def dense(x, units, name):
-    import tensorflow as tf
-    tf1 = tf.compat.v1
-    with tf1.variable_scope(name):
-        w = tf1.get_variable("kernel", [x.shape[-1], units])
-        b = tf1.get_variable("bias", [units], initializer=tf1.zeros_initializer())
-        return tf.matmul(x, w) + b
+from conftest import dense, export_classifier
 
 
 def ddpg_actor(normalised=False):

@@ -7,6 +7,7 @@ although the passes had transformed it exactly."""
 
 import numpy as np
 import pytest
+from conftest import dense
 
 USERS, ITEMS = 20, 30
 
@@ -171,15 +172,6 @@ def test_a_seeded_sampler_is_identical_in_every_replica(tmp_path):
     assert values.of(prefix + "truediv", 0) == replica_values.SUM
 
 
-def _dense(x, units, name):
-    import tensorflow as tf
-    tf1 = tf.compat.v1
-    with tf1.variable_scope(name):
-        kernel = tf1.get_variable("kernel", [x.shape[-1], units])
-        bias = tf1.get_variable("bias", [units], initializer=tf1.zeros_initializer())
-    return tf.matmul(x, kernel) + bias
-
-
 def export_din(tmp_path, dice: bool) -> str:
     """Deep Interest Network (zhougr1993/DeepInterestNetwork): the candidate item's embedding
     tiled over the user's history (``tf.tile(q, [1, tf.shape(h)[1], 1])``, the history padded
@@ -205,7 +197,7 @@ def export_din(tmp_path, dice: bool) -> str:
         mask = tf.sequence_mask(lengths, tf.shape(keys)[1])
         scores = tf.where(mask, scores, tf.ones_like(scores) * (-2 ** 32 + 1))
         pooled = tf.reduce_sum(tf.nn.softmax(scores)[:, :, None] * keys, 1)
-        x = _dense(tf.concat([pooled, query], -1), 16, "f1")
+        x = dense(tf.concat([pooled, query], -1), 16, "f1")
         alphas = tf1.get_variable("alpha", [16], initializer=tf1.constant_initializer(0.0))
         if dice:
             mean = tf.reduce_mean(x, axis=[0])
@@ -214,7 +206,7 @@ def export_din(tmp_path, dice: bool) -> str:
             x = alphas * (1.0 - p) * x + p * x
         else:
             x = tf.maximum(0.0, x) + alphas * tf.minimum(0.0, x)
-        logits = tf.squeeze(_dense(x, 1, "f3"), -1)
+        logits = tf.squeeze(dense(x, 1, "f3"), -1)
         loss = tf.reduce_mean(tf.nn.sigmoid_cross_entropy_with_logits(logits=logits,
                                                                       labels=label))
         tf1.add_to_collection("train_op", tf1.train.GradientDescentOptimizer(1.0).minimize(loss))
