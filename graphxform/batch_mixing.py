@@ -61,11 +61,13 @@ mixed. Ranks come from the ``_output_shapes`` that `export_meta_graph` records."
 
 from __future__ import annotations
 
+import functools
 
-from graphxform import functions, loop_mixing, opdefs, replica_values
+from graphxform import functions, loop_mixing, opdefs, replica_values, stacked_rows
 from graphxform.batch_states import (AGGREGATE, NORM, SIZE, UNKNOWN, Curved, Mixed, Ratio, Shape,
                                      port_state as _port)
 from graphxform.functions import WHILE_OPS
+from graphxform.ir import parse_tensor
 from graphxform.replica_values import (BATCH_NORM_OPS, CROSS_ENTROPY_OPS, ELEMENTWISE_UNARY_OPS,
                                        LIKE_OPS, LINEAR_UNARY_OPS)
 from graphxform.selections import UNSUMMED_COUNTS, VALUE_SIZED_OPS, value_sized_family
@@ -75,6 +77,13 @@ _MOMENTS = ("moments/mean", "moments/variance")  # tf.nn.moments: sync-batch-nor
 _INTEGER_DTYPES = (3, 9)  # int32, int64: lengths, counts
 _FLOAT_DTYPES = (1, 2, 14, 19)  # float, double, bfloat16, half: what a collective reduces
 
+
+_FAKE_QUANT_OPS = frozenset({"FakeQuantWithMinMaxVars", "FakeQuantWithMinMaxVarsPerChannel",
+                             "FakeQuantWithMinMaxArgs"})
+# tf.random.Generator's draws: (resource, algorithm, shape, parameters...)
+_STATEFUL_DRAWS = frozenset({"StatefulStandardNormalV2", "StatefulUniform", "StatefulUniformInt",
+                             "StatefulUniformFullInt", "StatefulTruncatedNormal",
+                             "StatefulRandomBinomial"})
 
 PASS_OPS = frozenset({*LINEAR_UNARY_OPS, "Cast", *ELEMENTWISE_UNARY_OPS, *LIKE_OPS, "Print",
                       "PrintV2", "DebugIdentity"})
@@ -95,7 +104,26 @@ def mixing_in(ir, loss: str, sources, shapes=(), indices=()) -> Mixed | None:
     placeholders that hold a shape whose entry 0 is the batch's size (a sparse_placeholder's
     dense shape, which tf.shape of the SparseTensor reads); ``indices``: a sparse_placeholder's
     indices, whose column 0 numbers the example each entry belongs to."""
-    from graphxform.ir import parse_tensor
+    flow, found = _loss_flow(ir, loss, sources, shapes, indices)
+    if isinstance(found, Curved):
+        return found.mixed()
+    if found == NORM:
+        source = _norm_source(flow, parse_tensor(loss)[0])
+        return Curved(source, ir.op(source), "takes statistics of the batch (tf.nn.moments) "
+                      "that the loss is made of, other than by normalising its examples with "
+                      "them as batch norm does").mixed()
+    return found if isinstance(found, Mixed) else None
+
+
+def loss_state(ir, loss: str, sources, shapes=(), indices=()):
+    """The state (graphxform/batch_states.py) the flow gives ``loss`` (arguments as
+    ``mixing_in``'s): AGGREGATE where it is shown a sum or mean of per-example terms, UNKNOWN
+    where no rule here says."""
+    return _loss_flow(ir, loss, sources, shapes, indices)[1]
+
+
+def _loss_flow(ir, loss: str, sources, shapes, indices) -> tuple:
+    """The settled flow from the batch to ``loss``, and the loss's state."""
     node, port = parse_tensor(loss)
     divisions = set(replica_values.loss_divisions(ir, (node, port)))
 
@@ -105,15 +133,7 @@ def mixing_in(ir, loss: str, sources, shapes=(), indices=()) -> Mixed | None:
         made.loss_divisions = divisions
         return made
     flow = _settled(flow, node)
-    found = _port(flow.states[node], port)
-    if isinstance(found, Curved):
-        return found.mixed()
-    if found == NORM:
-        source = _norm_source(flow, node)
-        return Curved(source, ir.op(source), "takes statistics of the batch (tf.nn.moments) "
-                      "that the loss is made of, other than by normalising its examples with "
-                      "them as batch norm does").mixed()
-    return found if isinstance(found, Mixed) else None
+    return flow, _port(flow.states[node], port)
 
 
 def tower_flow(ir, loss: str, sources, splits) -> tuple | None:
@@ -122,7 +142,6 @@ def tower_flow(ir, loss: str, sources, splits) -> tuple | None:
     besides what ``mixing_in`` reports, batch norm's statistics and the part's integer extremes
     (which sync-batch-norm and global-extremes would make the whole batch's, not the part's)
     mix them too."""
-    from graphxform.ir import parse_tensor
     node, port = parse_tensor(loss)
     flow = _settled(lambda: _Flow(ir, set(sources), towers=set(splits)), node)
     states = flow.states
@@ -252,6 +271,8 @@ class _Flow:
         if loop_mixing.is_loop_merge(ir, name):
             return self._loop_merge(name, inputs)
         found = [_port(self.states.get(src, UNKNOWN), port) for src, port in inputs]
+        if any(isinstance(s, stacked_rows.Stacked) for s in found):
+            return stacked_rows.state_of(self, name, op, inputs, found)
         if op in _SHAPE_RULES:
             return _SHAPE_RULES[op](self, name, found)
         if op in VALUE_SIZED_OPS and any(s is not None for s in found):
@@ -266,8 +287,10 @@ class _Flow:
             return mixed
         if op in ("Switch", "RefSwitch") and len(found) == 2 and found[1] is None:
             return found[0]  # a legacy cond's branch, on an unchanging predicate
-        if op in ("Merge", "RefMerge") and len(set(found)) == 1 and found[0] != UNKNOWN:
-            return [found[0], None]  # both branches of a legacy cond agree
+        if op in ("Merge", "RefMerge") and not loop_mixing.is_loop_merge(ir, name):
+            joined = functools.reduce(loop_mixing.join, found)  # a legacy cond (see _joined)
+            if joined != UNKNOWN:
+                return [joined, None]
         if op == "IdentityN":
             return found
         if op in loop_mixing.LOOP_PASS_OPS:
@@ -469,7 +492,7 @@ _NONLINEAR_OPS = frozenset({
     "Xlogy", "Xdivy", "Xlog1py", "Atan2", "FloorDiv", "FloorMod", "Mod", "TruncateDiv",
     "TruncateMod", "Equal", "NotEqual", "Less", "LessEqual", "Greater", "GreaterEqual",
     "Max", "Min", "Prod", "EuclideanNorm", "All", "Any", "L2Loss", "Softmax", "LogSoftmax",
-    "Sigmoid", "Softplus", "TopKV2", "TopK", "ArgMax", "ArgMin", "Cumprod"})
+    "Sigmoid", "Softplus", "TopKV2", "TopK", "ArgMax", "ArgMin", "Cumprod", *_FAKE_QUANT_OPS})
 # linear in each operand alone: a product of two statistics is not
 _BILINEAR_OPS = frozenset({"Mul", "MulNoNan", "MatMul", "BatchMatMul", "BatchMatMulV2",
                            "BatchMatMulV3", "Einsum"})
@@ -945,6 +968,9 @@ def _concat(n: _Node):
         axis = n.ints(len(n.states) - 1)
         if axis and n.axis(axis[0], n.rank(0)) not in (None, batch[0]):
             return n.fixed_rows([(k, batch[0]) for k in range(len(n.states) - 1)]) or UNKNOWN
+        if axis:  # the examples' rows ahead of batch-free ones (nce_loss's lookup)
+            return stacked_rows.concat_state(n.inputs[:-1], n.states[:-1],
+                                             n.axis(axis[0], n.rank(0))) or UNKNOWN
     return UNKNOWN
 
 
@@ -1128,11 +1154,22 @@ def _plain(n: _Node) -> bool:
     return all(m is None or m.i == 0 for m in masks) and set(n.ints(3)) == {1}
 
 
+def _gather_within_examples(n: _Node, batch_dims: int):
+    """tf.gather(params, indices, batch_dims=k): each example picks among its own rows by
+    its own indices (the last output of each sequence, ``gather(outputs, lengths - 1,
+    batch_dims=1)``), where both hold the batch on axis 0 and the gather's axis is past it."""
+    values = n.ints(2) if n.op == "GatherV2" else [batch_dims]
+    axis = n.axis(values[0], n.rank(0)) if values else None
+    if n.states[0] == 0 and n.states[1] == 0 and axis is not None and axis >= batch_dims >= 1:
+        return 0
+    return UNKNOWN
+
+
 def _gather(n: _Node):
     params, indices = n.states[0], n.states[1]
     batch_dims = n.attr("batch_dims")
     if batch_dims is not None and batch_dims.i:
-        return UNKNOWN
+        return _gather_within_examples(n, batch_dims.i)
     unique = _rows_of_unique(n.flow, *n.inputs[0])
     if unique is not None and n.inputs[1] == (unique, 1) and (
             n.op != "GatherV2" or n.ints(2) == [0]):
@@ -1704,21 +1741,33 @@ def _call(flow: _Flow, name: str, op: str, inputs: list, found: list):
             states.append(_port(inner.states[node], int(port)))
             outs.append(inner.degree(node, int(port)))
         branches.append((states, outs))
-    states = [_joined([b[0][k] for b in branches], name, op) for k in range(len(branches[0][0]))]
-    flow.called[name] = [d[0] if len(set(d)) == 1 else None
-                         for d in zip(*(b[1] for b in branches))]
-    return states
+    # per output, its (state, degree) in each branch
+    outputs = [list(output) for output in zip(*(zip(*branch) for branch in branches))]
+    flow.called[name] = [_joined_degree(output) for output in outputs]
+    return [_joined([state for state, _ in output], name, op) for output in outputs]
 
 
 def _joined(states: list, call: str, op: str):
     """One output of a call from its branches' (one for a function): the first mixing found,
-    renamed to the call, else their common state, else unknown."""
+    renamed to the call, else the join of theirs (graphxform/loop_mixing.py): a cond on a
+    predicate free of the batch takes one branch on every replica as on one device, and
+    whichever it takes holds at most what the join says (tf_keras' batch norm in a cond on
+    the learning phase: the batch's statistics, or the moving ones)."""
     for state in states:
         if isinstance(state, Mixed):
             return Mixed(call, op, f"runs '{state.node}' ({state.op}), which {state.reason}")
         if isinstance(state, Curved):
             return Curved(call, op, f"runs '{state.node}' ({state.op}), which {state.reason}")
-    return states[0] if len(set(states)) == 1 else UNKNOWN
+    return functools.reduce(loop_mixing.join, states)
+
+
+def _joined_degree(branches: list):
+    """The degree of a cond's output from its branches' (state, degree) pairs."""
+    (state, degree), *others = branches
+    for other, other_degree in others:
+        degree = loop_mixing.join_degree(state, degree, other, other_degree)
+        state = loop_mixing.join(state, other)
+    return degree
 
 
 def _carried(n: _Node, carried: str | None):
@@ -1755,6 +1804,36 @@ def _carried_from_reads(ir, array: str) -> str | None:
             seen.add(dst)
             stack.append(dst)
     return None
+
+
+def _fake_quant(n: _Node):
+    """Fake quantisation (quantization-aware training) between bounds that hold nothing of the
+    batch (variables a moving average of the batch's range updates apart, read before it):
+    elementwise, the same for every example. Bounds taken from the batch itself are a
+    statistic of it, not shown linear: unknown."""
+    return n.states[0] if all(s is None for s in n.states[1:]) else UNKNOWN
+
+
+def _rng_read(n: _Node):
+    """A tf.random.Generator's state, read before it skips past this step's draws: the
+    skip may be the batch's size, what is read holds nothing of this step's batch (that
+    every replica's draws are one device's is graphxform/passes/consistent_random.py's)."""
+    return None
+
+
+def _draw_per_row(n: _Node):
+    """tf.random.categorical: one draw per row of logits that are the examples' own."""
+    return 0 if n.states[0] == 0 and all(s is None for s in n.states[1:]) else UNKNOWN
+
+
+def _stateful_draw(n: _Node):
+    """A tf.random.Generator draw (resource, algorithm, shape, parameters) in a shape that
+    holds the batch's size, of parameters that hold nothing of the batch: a row per
+    example."""
+    shape = n.states[2] if len(n.states) > 2 else None
+    if isinstance(shape, Shape) and all(s is None for k, s in enumerate(n.states) if k != 2):
+        return _rows_in(n, shape)
+    return UNKNOWN
 
 
 _RULES = {
@@ -1795,6 +1874,9 @@ _RULES = {
     **dict.fromkeys(loop_mixing.ARRAY_OPS, lambda n: loop_mixing.array_state(n.op, n.states)),
     **dict.fromkeys(_UNSTACK_INTO_LOOP, _unstack_into_loop),
     **dict.fromkeys(WHILE_OPS, _while_loop),
+    **dict.fromkeys(_FAKE_QUANT_OPS, _fake_quant),
+    "RngReadAndSkip": _rng_read, "Multinomial": _draw_per_row,
+    "StatelessMultinomial": _draw_per_row,
 }
 
 
@@ -2065,6 +2147,7 @@ _SIZE_RULES = {
     "Pack": _size_pack, "ConcatV2": _size_concat, "Fill": _size_filled,
     "Range": _size_filled, "BroadcastTo": _size_broadcast, "Tile": _size_tile,
     **dict.fromkeys(RANDOM_OPS - {"RandomShuffle"}, _size_filled),
+    **dict.fromkeys(_STATEFUL_DRAWS, _stateful_draw),
     **dict.fromkeys(PASS_OPS | ELEMENTWISE_OPS | REDUCE_OPS | {"Maximum", "Minimum"},
                     _size_value),
 }
@@ -2120,6 +2203,10 @@ def _degree(n: _Node, state, degrees: list):
     op = n.op
     if op in ("Shape", "ShapeN", "Size"):
         return 1
+    if op in _STATEFUL_DRAWS:
+        return 0  # drawn, not computed from the size its shape holds
+    if op in ("Merge", "RefMerge") and isinstance(state, list):  # a legacy cond's
+        return [_joined_degree(list(zip(n.states, degrees))), 0]
     if op == "IdentityN":
         return degrees
     if op in loop_mixing.LOOP_PASS_OPS:

@@ -26,7 +26,7 @@ higher. An array over the batch's own axis (one example per element) is batch_mi
 
 from __future__ import annotations
 
-from graphxform.batch_states import (AGGREGATE, SIZE, UNKNOWN, Curved, Mixed, Shape,
+from graphxform.batch_states import (AGGREGATE, NORM, SIZE, UNKNOWN, Curved, Mixed, Shape,
                                      port_state)
 
 # legacy loop plumbing that hands its data input on unchanged
@@ -35,20 +35,22 @@ LOOP_PASS_OPS = frozenset({"Enter", "RefEnter", "Exit", "RefExit", "NextIteratio
 BACK_EDGE_OPS = frozenset({"NextIteration", "RefNextIteration"})
 MERGE_OPS = frozenset({"Merge", "RefMerge"})
 MAX_ROUNDS = 4  # a variable's state only rises (free, rows, unknown): a few rounds settle
+_OVER_NONE = (SIZE, AGGREGATE, NORM)  # what a value free of the batch joins up to
 
 
 def join(a, b):
     """The state of a loop variable that is ``a`` on one iteration and ``b`` on another: the
-    same state, or per-example rows (or a size, a statistic) where the other is free of the
-    batch; unknown otherwise."""
+    same state, or per-example rows (or a size, a statistic, batch norm's statistics) where
+    the other is free of the batch; unknown otherwise. Also the state of a cond's output, one
+    branch ``a``, the other ``b`` (graphxform/batch_mixing.py's _joined)."""
     if a == b:
         return a
     for state in (a, b):  # what the body mixes, the loop mixes
         if isinstance(state, (Mixed, Curved)):
             return state
-    if a is None and (type(b) is int or b in (SIZE, AGGREGATE) or isinstance(b, Shape)):
+    if a is None and (type(b) is int or b in _OVER_NONE or isinstance(b, Shape)):
         return b
-    if b is None and (type(a) is int or a in (SIZE, AGGREGATE) or isinstance(a, Shape)):
+    if b is None and (type(a) is int or a in _OVER_NONE or isinstance(a, Shape)):
         return a
     return UNKNOWN
 
