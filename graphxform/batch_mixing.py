@@ -46,6 +46,8 @@ steps (graphxform/loop_mixing.py), giving every tensor a state (graphxform/batch
   ``mask / tf.reduce_mean(mask)`` weighting each example's loss): per-example, of the
   dividend's degree, since global-denominators divides them by the whole batch's total in
   every replica, each example's value one device's (the contract refuses what it cannot);
+- a ``Stacked`` (graphxform/sampled_logits.py): the examples' rows ahead of batch-free rows,
+  as nce_loss and sampled_softmax_loss look up the true and the sampled classes together;
 - ``UNKNOWN``: no rule here says (ops without a rule, a loop graphxform/loop_mixing.py cannot
   settle, a function it cannot build): not followed;
 - a ``Mixed``: examples met here, first at ``node``, for ``reason``; whatever reads it is
@@ -63,7 +65,7 @@ from __future__ import annotations
 
 import functools
 
-from graphxform import functions, loop_mixing, opdefs, replica_values, stacked_rows
+from graphxform import functions, loop_mixing, opdefs, replica_values, sampled_logits
 from graphxform.batch_states import (AGGREGATE, NORM, SIZE, UNKNOWN, Curved, Mixed, Ratio, Shape,
                                      port_state as _port)
 from graphxform.functions import WHILE_OPS
@@ -271,8 +273,8 @@ class _Flow:
         if loop_mixing.is_loop_merge(ir, name):
             return self._loop_merge(name, inputs)
         found = [_port(self.states.get(src, UNKNOWN), port) for src, port in inputs]
-        if any(isinstance(s, stacked_rows.Stacked) for s in found):
-            return stacked_rows.state_of(self, name, op, inputs, found)
+        if any(isinstance(s, sampled_logits.Stacked) for s in found):
+            return sampled_logits.state_of(self, name, op, inputs, found)
         if op in _SHAPE_RULES:
             return _SHAPE_RULES[op](self, name, found)
         if op in VALUE_SIZED_OPS and any(s is not None for s in found):
@@ -967,11 +969,38 @@ def _concat(n: _Node):
     if len(batch) == 1 and rows == {batch[0], None}:  # batch-free parts beside the examples
         axis = n.ints(len(n.states) - 1)
         if axis and n.axis(axis[0], n.rank(0)) not in (None, batch[0]):
-            return n.fixed_rows([(k, batch[0]) for k in range(len(n.states) - 1)]) or UNKNOWN
+            parts = range(len(n.states) - 1)
+            if _same_row_for_each(n, parts, batch[0]):
+                return batch[0]
+            return n.fixed_rows([(k, batch[0]) for k in parts]) or UNKNOWN
         if axis:  # the examples' rows ahead of batch-free ones (nce_loss's lookup)
-            return stacked_rows.concat_state(n.inputs[:-1], n.states[:-1],
+            return sampled_logits.concat_state(n.inputs[:-1], n.states[:-1],
                                              n.axis(axis[0], n.rank(0))) or UNKNOWN
     return UNKNOWN
+
+
+def _same_row_for_each(n: _Node, parts, axis: int) -> bool:
+    """Whether, in a graph whose batch is fixed, every batch-free part of ``parts`` has as
+    many rows (along ``axis``) as the examples and the same value in each: a zero state of
+    the fixed batch's shape beside each example (the PTB tutorial's LSTM, unrolled, its first
+    state ``tf.zeros([batch_size, hidden])``). Each example meets the same row, and
+    split-inputs gives each replica as many such rows as its slice has examples."""
+    from graphxform.nodes import const_value
+    flow, sizes = n.flow, set()
+    for k in parts:
+        dims = flow.dims(*n.inputs[k])
+        if dims is None or axis >= len(dims) or dims[axis] < 0:
+            return False
+        sizes.add(dims[axis])
+        if n.states[k] is not None:
+            continue
+        src = n.inputs[k][0]
+        if flow.ir.op(src) == "Fill":
+            continue  # of one scalar value
+        value = const_value(flow.ir, src)
+        if value is None or value.size == 0 or not (value == value.flat[0]).all():
+            return False
+    return len(sizes) == 1
 
 
 def _pack(n: _Node):
@@ -1875,6 +1904,8 @@ _RULES = {
     **dict.fromkeys(_UNSTACK_INTO_LOOP, _unstack_into_loop),
     **dict.fromkeys(WHILE_OPS, _while_loop),
     **dict.fromkeys(_FAKE_QUANT_OPS, _fake_quant),
+    "SparseToDense": lambda n: sampled_logits.accidental_hits(n.flow, n.name, n.inputs,
+                                                              n.states),
     "RngReadAndSkip": _rng_read, "Multinomial": _draw_per_row,
     "StatelessMultinomial": _draw_per_row,
 }
@@ -2203,8 +2234,8 @@ def _degree(n: _Node, state, degrees: list):
     op = n.op
     if op in ("Shape", "ShapeN", "Size"):
         return 1
-    if op in _STATEFUL_DRAWS:
-        return 0  # drawn, not computed from the size its shape holds
+    if op in _STATEFUL_DRAWS or op == "SparseToDense" and state == 0:
+        return 0  # drawn, or a mask of weights: not computed from the size its shape holds
     if op in ("Merge", "RefMerge") and isinstance(state, list):  # a legacy cond's
         return [_joined_degree(list(zip(n.states, degrees))), 0]
     if op == "IdentityN":

@@ -1,5 +1,5 @@
 """Losses public code writes that batch_mixing used to leave unknown and now proves a mean of
-per-example terms (graphxform/batch_mixing.py, graphxform/stacked_rows.py): tf.nn.nce_loss and
+per-example terms (graphxform/batch_mixing.py, graphxform/sampled_logits.py): tf.nn.nce_loss and
 sampled_softmax_loss's one lookup of the true and sampled classes, tf_keras' batch norm in a
 cond on the learning phase, fake quantisation, tf.random.Generator draws and categorical
 draws, tf.gather with batch_dims. Each has a twin the flow must not prove: the same structure
@@ -40,7 +40,7 @@ def export(tmp_path, build, batch=None, name="m") -> str:
     return path
 
 
-def nce(x, y, num_true=1, sampled=True):
+def nce(x, y, num_true=1, sampled=True, remove_accidental_hits=False):
     import tensorflow as tf
     tf1 = tf.compat.v1
     weights = tf1.get_variable("nce_w", [10, 4])
@@ -50,7 +50,8 @@ def nce(x, y, num_true=1, sampled=True):
         labels = tf.concat([labels, (labels + 1) % 10], 1)
     loss = (tf.nn.sampled_softmax_loss if sampled else tf.nn.nce_loss)(
         weights=weights, biases=biases, labels=labels, inputs=dense(x, 4, "embed"),
-        num_sampled=3, num_classes=10, num_true=num_true, remove_accidental_hits=False)
+        num_sampled=3, num_classes=10, num_true=num_true,
+        remove_accidental_hits=remove_accidental_hits)
     return tf.reduce_mean(loss)
 
 
@@ -60,6 +61,33 @@ def test_one_lookup_of_true_and_sampled_classes_is_proven(tmp_path, num_true, sa
     from graphxform.batch_states import AGGREGATE
     path = export(tmp_path, lambda x, y: nce(x, y, num_true, sampled))
     assert loss_state(path, "loss:0") == AGGREGATE
+
+
+def test_sampled_softmax_as_its_docs_call_it_is_proven(tmp_path):
+    """With its default remove_accidental_hits=True: a mask of each example's own hits."""
+    from graphxform.batch_states import AGGREGATE
+    path = export(tmp_path, lambda x, y: nce(x, y, 2, True, remove_accidental_hits=True))
+    assert loss_state(path, "loss:0") == AGGREGATE
+
+
+def hits_of_the_next_example(x, y):
+    """The accidental-hits mask with each hit moved to the next example's row."""
+    import tensorflow as tf
+    labels = tf.reshape(y, [-1, 1])
+    sampled = tf.constant([1, 2, 3], tf.int64)
+    rows, ids, weights = tf.nn.compute_accidental_hits(labels, sampled, 1)
+    rows = (rows + 1) % tf.shape(labels)[0]
+    mask = tf.sparse.to_dense(tf.sparse.reorder(tf.SparseTensor(
+        tf.cast(tf.stack([rows, tf.cast(ids, tf.int32)], 1), tf.int64), weights,
+        tf.cast(tf.stack([tf.shape(labels)[0], 3]), tf.int64))))
+    logits = dense(x, 3, "out") + tf.maximum(mask, -1e3)
+    return tf.reduce_mean(tf.nn.softmax_cross_entropy_with_logits(labels=tf.ones([1, 3]) / 3,
+                                                                  logits=logits))
+
+
+def test_hits_moved_to_another_example_are_not_proven(tmp_path):
+    from graphxform.batch_states import AGGREGATE
+    assert loss_state(export(tmp_path, hits_of_the_next_example), "loss:0") != AGGREGATE
 
 
 def test_the_word2vec_tutorial_s_fixed_batch_is_proven():
@@ -228,3 +256,37 @@ def test_a_gather_by_another_example_s_positions_is_refused(tmp_path):
     path = export(tmp_path, last_output("another_example"))
     with pytest.raises(GraphxformError, match="ReverseV2"):
         strategies.transform(metagraph.load(path), "allreduce", devices=REPLICAS)
+
+
+def unrolled_rnn(first_state: str):
+    """The PTB tutorial's shape of model: a fixed batch, an RNN unrolled with plain ops from a
+    first state of zeros (each example meets the same row), or from a constant whose rows
+    differ (example i would meet row i, which no replica's slice has)."""
+    def build(x, y):
+        import tensorflow as tf
+        tf1 = tf.compat.v1
+        batch = x.shape[0]
+        h = (tf.zeros([batch, 6]) if first_state == "zeros" else
+             tf.constant(np.arange(batch * 6, dtype=np.float32).reshape(batch, 6) / 50))
+        kernel = tf1.get_variable("cell", [4 + 6, 6])
+        for t in range(2):
+            h = tf.tanh(tf.matmul(tf.concat([x[:, 4 * t:4 * t + 4], h], 1), kernel))
+        logits = dense(h, 10, "out")
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y,
+                                                                            logits=logits))
+    return build
+
+
+def test_a_zero_first_state_of_a_fixed_batch_is_proven(run_cli, tmp_path):
+    from graphxform.batch_states import AGGREGATE
+    path = export(tmp_path, unrolled_rnn("zeros"), batch=8)
+    assert loss_state(path, "loss:0") == AGGREGATE
+    code, out, err = run_cli("verify", path, "--replicas", 2, "--feeds", path + ".npz",
+                             "--batch-size", 8, "--steps", 2)
+    assert code == 0 and "PASS" in out, out + err
+
+
+def test_a_first_state_whose_rows_differ_is_not_proven(tmp_path):
+    from graphxform.batch_states import AGGREGATE
+    path = export(tmp_path, unrolled_rnn("rows_differ"), batch=8)
+    assert loss_state(path, "loss:0") != AGGREGATE

@@ -1,12 +1,14 @@
-"""The examples' rows stacked ahead of batch-free rows, looked up together and sliced apart.
+"""How tf.nn.nce_loss and tf.nn.sampled_softmax_loss carry the batch to their logits.
 
-tf.nn.nce_loss and tf.nn.sampled_softmax_loss (``_compute_sampled_logits``) look up the
-weights of the true classes and of the sampled classes in one embedding_lookup of
-``concat([labels_flat, sampled], 0)``, then slice the result at ``tf.shape(labels_flat)[0]``:
-the rows before that row are the examples' (one per true label, in example order), the rows
-from it on are the sampled classes', which hold nothing of the batch. On a replica's slice the
-same holds with its own labels: the first part is its examples' rows, the second the same
-sampled rows (the sampler's draw does not depend on the batch). So:
+Both build their logits in ``_compute_sampled_logits``, which does two things no general rule
+of graphxform/batch_mixing.py follows.
+
+One lookup for the true and the sampled classes. It looks up the weights of both in one
+embedding_lookup of ``concat([labels_flat, sampled], 0)``, then slices the result at
+``tf.shape(labels_flat)[0]``: the rows before that row are the examples' (one per true label, in
+example order), the rows from it on the sampled classes', which hold nothing of the batch. On a
+replica's slice the same holds with its own labels: the first part is its examples' rows, the
+second the same sampled rows (the sampler's draw does not depend on the batch). So:
 
 - a concat along axis 0 of a per-example tensor (the batch on axis 0) followed by batch-free
   tensors is ``Stacked(head)``, ``head`` the per-example tensor;
@@ -16,6 +18,13 @@ sampled rows (the sampler's draw does not depend on the batch). So:
   rows (None);
 - anything else made of a Stacked is unknown: nothing here shows that it keeps the two parts
   apart, and a cut anywhere else would put examples' rows beside sampled ones.
+
+Accidental hits (sampled_softmax_loss's default ``remove_accidental_hits=True``). It masks each
+sampled class that is one of an example's own true classes: ``compute_accidental_hits(labels,
+sampled)`` lists the hits as (row of labels, column of sampled, weight), and a SparseToDense of
+those into ``[tf.shape(labels)[0], num_sampled]`` adds the weights to the sampled logits. Entry
+(i, j) depends on example i's labels and the batch-free sample alone, and a replica numbers its
+own slice's rows from 0, so the mask is per-example: ``accidental_hits``.
 """
 
 from __future__ import annotations
@@ -113,3 +122,46 @@ def _is_shape_of(flow, src: str, head: tuple) -> bool:
         return False
     dims = flow.dims(*head)
     return dims is not None and -1 not in dims and flow.ints(src, 0) == dims
+
+
+def accidental_hits(flow, name: str, inputs: list, states: list):
+    """The state of ``name``, a SparseToDense: per-example (0) where it is the mask
+    sampled_softmax_loss makes of ``compute_accidental_hits(labels, sampled)`` (see the module
+    docstring), labels holding the batch on axis 0 and the sample none of it, in a shape whose
+    entry 0 is the batch's size; unknown otherwise."""
+    from graphxform.batch_states import Shape, port_state
+    ir = flow.ir
+    if len(inputs) != 4 or states[1] != Shape(0) or states[3] is not None:
+        return UNKNOWN
+    indices = inputs[0][0]
+    if ir.op(indices) != "ConcatV2" or len(ir.inputs(indices)) != 3:
+        return UNKNOWN
+    rows, columns, axis = ir.inputs(indices)
+    if flow.ints(*axis) not in ([1], [-1]):
+        return UNKNOWN
+    hits = _column(flow, *rows)
+    if hits is None or ir.op(hits[0]) != "ComputeAccidentalHits" or hits[1] != 0:
+        return UNKNOWN
+    hits = hits[0]
+    if _column(flow, *columns) != (hits, 1) or _uncast(ir, *inputs[2]) != (hits, 2):
+        return UNKNOWN
+    (labels, labels_port), (sampled, sampled_port) = ir.inputs(hits)[:2]
+    if port_state(flow.states.get(labels, UNKNOWN), labels_port) != 0 or \
+            port_state(flow.states.get(sampled, UNKNOWN), sampled_port) is not None:
+        return UNKNOWN
+    return 0
+
+
+def _column(flow, src: str, port: int):
+    """The vector ``src:port`` reshapes into one column (``reshape(cast(v), [-1, 1])``), as
+    (node, port), or None."""
+    ir = flow.ir
+    if ir.op(src) != "Reshape" or port != 0 or flow.ints(*ir.input(src, 1)) != [-1, 1]:
+        return None
+    return _uncast(ir, *ir.input(src, 0))
+
+
+def _uncast(ir, src: str, port: int) -> tuple:
+    while ir.op(src) == "Cast" and port == 0:
+        src, port = ir.input(src, 0)
+    return src, port
