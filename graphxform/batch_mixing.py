@@ -1323,13 +1323,12 @@ def _is_count(flow: _Flow, examples: tuple, rows: list, src: str, port: int) -> 
         for dim in rows:
             product *= dim
         return len(values) == 1 and -1 not in rows and values[0] == product
-    if len(rows) != 1 or ir.op(src) != "StridedSlice" or port != 0:
+    from graphxform.nodes import shape_entry
+    entry = shape_entry(ir, src, port, flow.ints) if len(rows) == 1 else None
+    if entry is None or entry[1] != 1:
         return False
-    shape = _through(ir, *ir.input(src, 0))
-    shrink = ir.attrs(src).get("shrink_axis_mask")
-    return ir.op(shape[0]) == "Shape" and ir.input(shape[0], 0) == examples and \
-        shrink is not None and shrink.i == 1 and \
-        [flow.ints(*ir.input(src, k)) for k in (1, 2, 3)] == [[1], [2], [1]]
+    shape = _through(ir, entry[0], 0)
+    return ir.op(shape[0]) == "Shape" and ir.input(shape[0], 0) == examples
 
 
 def _numbers_examples(flow: _Flow, src: str, port: int) -> bool:
@@ -1722,15 +1721,12 @@ def _sums_each_example(n: _Node, lists: set, carried: dict) -> bool:
 
 def _is_batch_size(flow: _Flow, src: str, port: int) -> bool:
     """Whether ``src:port`` is tf.shape(x)[0] of a tensor x with the batch on axis 0."""
+    from graphxform.nodes import shape_entry
     ir = flow.ir
-    if ir.op(src) != "StridedSlice" or port != 0:
+    entry = shape_entry(ir, src, port, flow.ints)
+    if entry is None or entry[1] != 0 or ir.op(entry[0]) != "Shape":
         return False
-    shape, _ = ir.input(src, 0)
-    shrink = ir.attrs(src).get("shrink_axis_mask")
-    return (ir.op(shape) == "Shape" and _port(flow.states.get(ir.input(shape, 0)[0]),
-                                               ir.input(shape, 0)[1]) == 0
-            and shrink is not None and shrink.i == 1
-            and [flow.ints(s) for s, _ in ir.inputs(src)[1:]] == [[0], [1], [1]])
+    return _port(flow.states.get(ir.input(entry[0], 0)[0]), ir.input(entry[0], 0)[1]) == 0
 
 
 _CALLS = ("If", "StatelessIf", "PartitionedCall", "StatefulPartitionedCall")

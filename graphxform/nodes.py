@@ -79,6 +79,22 @@ def const_value(ir: GraphIR, name: str):
     return tensor_util.MakeNdarray(ir.attrs(name)["value"].tensor)
 
 
+def shape_entry(ir: GraphIR, src: str, port: int, ints) -> tuple[str, int] | None:
+    """``src:port`` as entry k of a vector x (``tf.shape(t)[k]``: a StridedSlice from k to
+    k + 1 with stride 1 that shrinks the axis away): (x's node, k), else None. ``ints(node,
+    port)`` gives a constant's integer values (None for what is not constant)."""
+    if ir.op(src) != "StridedSlice" or port != 0:
+        return None
+    shrink = ir.attrs(src).get("shrink_axis_mask")
+    if shrink is None or shrink.i != 1:
+        return None
+    (vector, _), begin, end, strides = ir.inputs(src)
+    begin, end, strides = (ints(*entry) for entry in (begin, end, strides))
+    if begin is None or len(begin) != 1 or end != [begin[0] + 1] or strides != [1]:
+        return None
+    return vector, begin[0]
+
+
 def tensor_proto(array: np.ndarray):
     """What tensor_util.make_tensor_proto makes of a numeric array (one value: the typed field;
     otherwise the raw bytes), without its generic checks, which cost most of a Const."""

@@ -94,21 +94,13 @@ def _first_entry(flow, src: str, port: int, head: tuple):
         entries = ir.inputs(src)
         if any(flow.states.get(entry) is not None for entry, _ in entries[1:]):
             return None
+        from graphxform.nodes import shape_entry  # it imports TensorFlow's protos
         src, port = entries[0]
-        if _picks_entry_0(flow, src, port) and _is_shape_of(flow, ir.input(src, 0)[0], head):
+        entry = shape_entry(ir, src, port, flow.ints)
+        if entry is not None and entry[1] == 0 and _is_shape_of(flow, entry[0], head):
             return _ROWS
     values = flow.ints(src, port)
     return values[0] if values else None
-
-
-def _picks_entry_0(flow, src: str, port: int) -> bool:
-    """Whether ``src:port`` is x[0] of a vector x (a StridedSlice that shrinks to entry 0)."""
-    ir = flow.ir
-    if ir.op(src) != "StridedSlice" or port != 0:
-        return False
-    shrink = ir.attrs(src).get("shrink_axis_mask")
-    return shrink is not None and shrink.i == 1 and \
-        [flow.ints(*entry) for entry in ir.inputs(src)[1:]] == [[0], [1], [1]]
 
 
 def _is_shape_of(flow, src: str, head: tuple) -> bool:

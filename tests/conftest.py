@@ -38,18 +38,18 @@ def dense(x, units, name):
         return tf.matmul(x, w) + b
 
 
-def export_classifier(path, build) -> str:
+def export_classifier(path, build, batch=None) -> str:
     """Write ``path`` (.meta) and ``path``.npz for a step ``build(x, y)`` returns, where x is a
-    [None, 8] float placeholder and y an int64 label placeholder; the pool's labels follow a
-    fixed rule of x (learnable). Returns the .meta path."""
+    [batch, 8] float placeholder and y an int64 [batch] label placeholder; the pool's labels
+    follow a fixed rule of x (learnable). Returns the .meta path."""
     import numpy as np
     import tensorflow as tf
     tf1 = tf.compat.v1
     graph = tf.Graph()
     with graph.as_default():
         tf1.set_random_seed(1)
-        x = tf1.placeholder(tf.float32, [None, 8], name="x")
-        y = tf1.placeholder(tf.int64, [None], name="y")
+        x = tf1.placeholder(tf.float32, [batch, 8], name="x")
+        y = tf1.placeholder(tf.int64, [batch], name="y")
         tf1.add_to_collection("train_op", build(x, y))
         tf1.train.export_meta_graph(str(path), graph=graph)
     rng = np.random.RandomState(0)

@@ -7,7 +7,7 @@ used so that examples meet, or that no rule shows keeps them apart."""
 
 import numpy as np
 import pytest
-from conftest import dense
+from conftest import dense, export_classifier
 
 REPLICAS = ["/device:CPU:0", "/device:CPU:1"]
 
@@ -20,24 +20,21 @@ def loss_state(path: str, loss: str):
 
 
 def export(tmp_path, build, batch=None, name="m") -> str:
-    """A [batch, 8] float placeholder x and an int64 [batch] label y; ``build(x, y)`` returns
-    the loss, minimised by plain SGD."""
-    import tensorflow as tf
-    tf1 = tf.compat.v1
-    graph = tf.Graph()
-    with graph.as_default():
-        tf1.set_random_seed(1)
-        x = tf1.placeholder(tf.float32, [batch, 8], name="x")
-        y = tf1.placeholder(tf.int64, [batch], name="y")
+    """conftest's classifier (x [batch, 8], y [batch]) minimising ``build(x, y)``, named
+    ``loss``, by plain SGD."""
+    def step(x, y):
+        import tensorflow as tf
+        tf1 = tf.compat.v1
         loss = tf.identity(build(x, y), name="loss")
-        tf1.add_to_collection("train_op", tf1.train.GradientDescentOptimizer(0.1).minimize(loss))
         tf1.add_to_collection("losses", loss)
-        path = str(tmp_path / f"{name}.meta")
-        tf1.train.export_meta_graph(path, graph=graph)
-    rng = np.random.RandomState(0)
-    xs = rng.randn(64, 8).astype(np.float32)
-    np.savez(path + ".npz", x=xs, y=(np.abs(xs[:, 0]) * 7).astype(np.int64) % 10)
-    return path
+        return tf1.train.GradientDescentOptimizer(0.1).minimize(loss)
+    return export_classifier(tmp_path / f"{name}.meta", step, batch)
+
+
+def mean_cross_entropy(labels, logits):
+    import tensorflow as tf
+    return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels,
+                                                                        logits=logits))
 
 
 def nce(x, y, num_true=1, sampled=True, remove_accidental_hits=False):
@@ -134,8 +131,7 @@ def keras_batch_norm_in_a_cond(x, y):
     import tf_keras
     h = tf_keras.layers.BatchNormalization()(dense(x, 16, "hidden"))
     logits = dense(tf.nn.relu(h), 10, "out")
-    return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y,
-                                                                        logits=logits))
+    return mean_cross_entropy(y, logits)
 
 
 @pytest.mark.parametrize("legacy", [False, True], ids=["cond_v2", "legacy_cond"])
@@ -162,8 +158,7 @@ def a_cond_on_the_learning_phase_of(branch: str):
         h = dense(x, 10, "out")
         centred = h - tf.reduce_mean(h, 0) if branch == "batch_mean" else h * 2.0
         logits = tf.cond(flag, lambda: centred, lambda: h)
-        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y,
-                                                                            logits=logits))
+        return mean_cross_entropy(y, logits)
     return build
 
 
@@ -192,8 +187,7 @@ def fake_quant(bounds: str):
             low, high = tf.reduce_min(h), tf.reduce_max(h)
         h = tf.quantization.fake_quant_with_min_max_vars(h, low, high)
         logits = dense(h, 10, "out")
-        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y,
-                                                                            logits=logits))
+        return mean_cross_entropy(y, logits)
     return build
 
 
@@ -211,7 +205,7 @@ def generator_noise(x, y):
     import tensorflow as tf
     noise = tf.random.Generator.from_seed(3).normal(tf.shape(x))
     logits = dense(x + 0.01 * noise, 10, "out")
-    return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
+    return mean_cross_entropy(y, logits)
 
 
 def categorical_actions(x, y):
@@ -219,8 +213,7 @@ def categorical_actions(x, y):
     import tensorflow as tf
     logits = dense(x, 10, "policy")
     actions = tf.stop_gradient(tf.random.categorical(logits, 1)[:, 0])
-    return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=actions,
-                                                                        logits=logits))
+    return mean_cross_entropy(actions, logits)
 
 
 @pytest.mark.parametrize("build", [generator_noise, categorical_actions])
@@ -240,8 +233,7 @@ def last_output(source: str):
             lengths = tf.reverse(lengths, [0])
         last = tf.gather(outputs, lengths - 1, batch_dims=1, axis=1)
         logits = dense(last, 10, "out")
-        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y,
-                                                                            logits=logits))
+        return mean_cross_entropy(y, logits)
     return build
 
 
@@ -272,8 +264,7 @@ def unrolled_rnn(first_state: str):
         for t in range(2):
             h = tf.tanh(tf.matmul(tf.concat([x[:, 4 * t:4 * t + 4], h], 1), kernel))
         logits = dense(h, 10, "out")
-        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y,
-                                                                            logits=logits))
+        return mean_cross_entropy(y, logits)
     return build
 
 
